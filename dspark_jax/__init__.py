@@ -1,0 +1,8 @@
+"""DeepSeek-V4 with DSpark speculative decoding in JAX / Flax NNX / Pallas."""
+
+from dspark_jax import config
+from dspark_jax.api import InputError, Model, init, load
+from dspark_jax.config import DSparkConfig, ModelConfig, from_hf_config
+
+__all__ = ["config", "DSparkConfig", "ModelConfig", "from_hf_config", "InputError", "Model", "init", "load"]
+__version__ = "0.1.0"

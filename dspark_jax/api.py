@@ -1,0 +1,127 @@
+"""User-facing model handle: ``init`` (random weights), ``load`` (official checkpoint directory),
+and ``Model.logits`` (one-shot scoring of token sequences)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.cache import commit, init_cache
+from dspark_jax.checkpoint import hf
+from dspark_jax.config import ModelConfig, from_hf_config
+from dspark_jax.model.common import Numerics
+from dspark_jax.model.deepseek_v4 import DeepSeekV4
+
+
+class InputError(ValueError):
+    """Bad user input (token ids, lengths, sampling parameters, ...)."""
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capture", "logits"), donate_argnames=("cache",))
+def forward_step(graphdef, state, ids, n_valid, cache, *, capture=(), logits="all"):
+    """Jitted ``DeepSeekV4.forward`` on split (graphdef, state)."""
+    return nnx.merge(graphdef, state).forward(ids, n_valid, cache, capture=capture, logits=logits)
+
+
+class Model:
+    """A DeepSeek-V4 (+ DSpark) model ready for inference.
+
+    module: the Flax NNX module (parameter paths = official tensor names); tokenizer: an optional
+    ``tokenizers.Tokenizer``; sts_temperatures: optional per-position confidence temperatures.
+    """
+
+    def __init__(self, module: DeepSeekV4, *, tokenizer=None, sts_temperatures: Sequence[float] | None = None,
+                 path: str | None = None):
+        self.module = module
+        self.config: ModelConfig = module.cfg
+        self.numerics: Numerics = module.num
+        self.tokenizer = tokenizer
+        self.sts_temperatures = None if sts_temperatures is None else tuple(float(t) for t in sts_temperatures)
+        self.path = path
+        self.graphdef, self.state = nnx.split(module)
+
+    def __repr__(self):
+        c = self.config
+        return (f"Model(layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
+                f"dspark={c.dspark is not None}, dtype={self.numerics.dtype.name}, quant_sim={self.numerics.quant_sim})")
+
+    def check_ids(self, ids: np.ndarray, what: str = "token ids") -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.size == 0:
+            raise InputError(f"{what} are empty")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{what} must be integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            raise InputError(f"{what} contain ids outside [0, {self.config.vocab_size}): {np.unique(ids[bad])[:10]}")
+        return ids.astype(np.int32)
+
+    def logits(self, token_ids: Any, *, chunk_size: int | None = None) -> jax.Array:
+        """fp32 logits [batch, seq, vocab] of every position by prefill from an empty cache.
+
+        token_ids: [seq] or [batch, seq] integers. chunk_size: prefill in chunks of this many
+        tokens (default: the whole sequence at once).
+        """
+        ids = self.check_ids(token_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise InputError(f"token_ids must be [seq] or [batch, seq], got shape {ids.shape}")
+        b, t = ids.shape
+        if t > self.config.max_position_embeddings:
+            raise InputError(f"sequence of {t} tokens exceeds the model context "
+                             f"(max_position_embeddings={self.config.max_position_embeddings})")
+        step = t if chunk_size is None else int(chunk_size)
+        if step < 1:
+            raise InputError(f"chunk_size must be positive, got {chunk_size}")
+        cache = init_cache(self.config, b, t, self.numerics.dtype)
+        out = []
+        for s in range(0, t, step):
+            part = jnp.asarray(ids[:, s:s + step])
+            n = jnp.full((b,), part.shape[1], jnp.int32)
+            lg, _, cache = forward_step(self.graphdef, self.state, part, n, cache)
+            cache = commit(cache, n)
+            out.append(lg)
+        return jnp.concatenate(out, axis=1)
+
+
+def _numerics(dtype, param_dtype, quant_sim, moe_impl) -> Numerics:
+    dtype = jnp.dtype(dtype)
+    return Numerics(dtype=dtype, param_dtype=jnp.dtype(param_dtype or dtype), quant_sim=quant_sim, moe_impl=moe_impl)
+
+
+def init(config: ModelConfig, seed: int = 0, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool = False,
+         moe_impl: str = "auto", tokenizer=None) -> Model:
+    """A randomly initialised model (normal(0, 0.02) matrices, unit norms, zero sinks / ape / bias)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    module = DeepSeekV4(config, _numerics(dtype, param_dtype, quant_sim, moe_impl), rngs=nnx.Rngs(seed))
+    return Model(module, tokenizer=tokenizer)
+
+
+def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
+         moe_impl: str = "auto", mesh=None) -> Model:
+    """Load an official-layout checkpoint directory (config.json + safetensors [+ tokenizer.json])."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    if mesh is not None:
+        raise NotImplementedError("sharded loading is not available yet; pass mesh=None")
+    names = hf.tensor_names(path)
+    n_mtp = hf.count_mtp_stages(names)
+    config = from_hf_config(path, num_dspark_stages=n_mtp or None)
+    num = _numerics(dtype, param_dtype, bool(quant_sim), moe_impl)
+    module = DeepSeekV4(config, num, rngs=nnx.Rngs(0))
+    hf.load_into(module, path, ignore_prefixes=() if config.dspark is not None else ("mtp.",))
+    tokenizer = None
+    tok_path = os.path.join(path, "tokenizer.json")
+    if os.path.exists(tok_path):
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(tok_path)
+    return Model(module, tokenizer=tokenizer, path=path)

@@ -1,0 +1,134 @@
+"""MQA latent attention of DeepSeek-V4 (one 512-d latent per token is both key and value).
+
+Queries: q = wq_b(q_norm(wq_a(x))), a weightless per-head RMS norm, RoPE at the token position.
+Keys = values: kv = kv_norm(wkv(x)) with RoPE (and fp8 nope dims under ``quant_sim``).
+Key set of a query at position i: the ``sliding_window`` latest tokens up to and including i,
+plus compressed entries (C4: the indexer's top-k, Cm: all visible entries). A learned per-head
+sink logit enters only the softmax denominator. The output is rotated back (inverse RoPE at i)
+and projected by the grouped low-rank wo_a / wo_b.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float
+
+from dspark_jax.cache import LayerCache, ring_positions, ring_write_slots, scatter_rows
+from dspark_jax.config import ModelConfig
+from dspark_jax.model.common import Chunk, Linear, Numerics
+from dspark_jax.model.compressor import Compressor
+from dspark_jax.model.indexer import Indexer, visible_entries
+from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
+from dspark_jax.model.quant import kv_sim
+
+# A key part: (kv [b, k, d] shared by all queries of a request, or [b, t, k, d] per query; mask [b, t, k]).
+KeyPart = tuple[Float[Array, "b k d"] | Float[Array, "b t k d"], Bool[Array, "b t k"]]
+
+
+def sink_attention(q: Float[Array, "b t h d"], parts: Sequence[KeyPart], sink: Float[Array, " h"],
+                   scale: float) -> Float[Array, "b t h d"]:
+    """Softmax attention over the union of key parts with a sink logit in the denominator only.
+
+    Pure-XLA reference of the ragged attention kernel. Logits and sums in fp32; probabilities are
+    cast to the kv dtype before the P.V product (bf16 in the reference), accumulation in fp32.
+    """
+    logits = []
+    for kv, mask in parts:
+        eq = "bthd,bkd->bthk" if kv.ndim == 3 else "bthd,btkd->bthk"
+        s = jnp.einsum(eq, q, kv.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+        logits.append(jnp.where(mask[:, :, None, :], s, -jnp.inf))
+    s = jnp.concatenate(logits, axis=-1)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
+    out, k0 = 0.0, 0
+    for kv, _ in parts:
+        k1 = k0 + kv.shape[-2]
+        eq = "bthk,bkd->bthd" if kv.ndim == 3 else "bthk,btkd->bthd"
+        out = out + jnp.einsum(eq, p[..., k0:k1].astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+        k0 = k1
+    return (out / denom).astype(q.dtype)
+
+
+def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
+    """Causal sliding window of ``window`` tokens including the query itself."""
+    kp, qp = key_pos[:, None, :], q_pos[:, :, None]
+    return key_ok[:, None, :] & (kp <= qp) & (kp > qp - window)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, num: Numerics, *, rngs: nnx.Rngs):
+        h, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, num, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, h * d, num, rngs=rngs)
+        self.wkv = Linear(cfg.hidden_size, d, num, rngs=rngs)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # fp8 in the checkpoint but applied dequantised in bf16 without activation quantisation.
+        self.wo_a = Linear(h * d // g, g * cfg.o_lora_rank, num, rngs=rngs, fp8_act=False)
+        self.wo_b = Linear(g * cfg.o_lora_rank, cfg.hidden_size, num, rngs=rngs)
+        self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
+        if ratio:
+            self.compressor = Compressor(cfg, ratio, d, num, rotate=False, rngs=rngs)
+        if ratio == 4:
+            self.indexer = Indexer(cfg, num, rngs=rngs)
+        self.cfg, self.num, self.ratio = cfg, num, ratio
+
+    @property
+    def inv_freq(self):
+        return layer_inv_freq(self.cfg, self.ratio)
+
+    def project_q(self, x: Float[Array, "b t D"], pos: Array) -> tuple[Float[Array, "b t h d"], Array]:
+        cfg = self.cfg
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(*x.shape[:2], cfg.num_attention_heads, cfg.head_dim)
+        qf = q.astype(jnp.float32)
+        q = q * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + cfg.rms_norm_eps).astype(q.dtype)
+        return apply_rope(q, pos, self.inv_freq), qr
+
+    def project_kv(self, x: Float[Array, "b t D"], pos: Array) -> Float[Array, "b t d"]:
+        kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq, heads=False)
+        return kv_sim(kv, self.cfg.qk_rope_head_dim) if self.num.quant_sim else kv
+
+    def project_out(self, o: Float[Array, "b t h d"], pos: Array) -> Float[Array, "b t D"]:
+        cfg = self.cfg
+        b, t = o.shape[:2]
+        o = apply_rope(o, pos, self.inv_freq, inverse=True).reshape(b, t, cfg.o_groups, -1)
+        wo_a = self.wo_a.weight[...].reshape(cfg.o_groups, cfg.o_lora_rank, -1).astype(o.dtype)
+        z = jnp.einsum("btgi,gri->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        return self.wo_b(z.reshape(b, t, -1))
+
+    def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache
+                 ) -> tuple[Float[Array, "b t D"], LayerCache]:
+        cfg = self.cfg
+        pos = chunk.positions
+        q, qr = self.project_q(x, pos)
+        kv = self.project_kv(x, pos)
+
+        ring = cache.window.shape[1]
+        rpos = ring_positions(chunk.start, ring)
+        keys = jnp.concatenate([cache.window, kv.astype(cache.window.dtype)], axis=1)
+        key_pos = jnp.concatenate([rpos, pos], axis=1)
+        key_ok = jnp.concatenate([rpos >= 0, chunk.row_valid], axis=1)
+        parts = [(keys, window_mask(key_pos, key_ok, pos, cfg.sliding_window))]
+
+        new = dict(window=scatter_rows(cache.window, ring_write_slots(chunk.start, chunk.n_valid, x.shape[1], ring), kv))
+        if self.ratio:
+            entries, new["compressor"] = self.compressor(x, chunk, cache.compressor)
+            if self.ratio == 4:
+                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k]
+                b = x.shape[0]
+                picked = entries[jnp.arange(b)[:, None, None], jnp.maximum(top, 0)]  # [b, t, k, d]
+                parts.append((picked, top >= 0))
+            else:
+                n = entries.shape[1]
+                parts.append((entries, jnp.arange(n)[None, None] < visible_entries(pos, self.ratio)[..., None]))
+
+        o = sink_attention(q, parts, self.attn_sink[...], cfg.head_dim**-0.5)
+        return self.project_out(o, pos), dataclasses.replace(cache, **new)

@@ -1,0 +1,49 @@
+"""One DeepSeek-V4 block: mHC around attention and around the MoE.
+
+X -> hc_pre(attn) -> attn_norm -> attention -> hc_post -> hc_pre(ffn) -> ffn_norm -> MoE -> hc_post
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from dspark_jax.cache import LayerCache
+from dspark_jax.config import ModelConfig
+from dspark_jax.model.attention import Attention
+from dspark_jax.model.common import Chunk, Numerics
+from dspark_jax.model.hyper import hc_post, hc_pre, hc_unit_params
+from dspark_jax.model.moe import MoE
+from dspark_jax.model.norms_rope import RMSNorm
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, num: Numerics, *, ratio: int, hash_routing: bool, rngs: nnx.Rngs):
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, ratio, num, rngs=rngs)
+        self.ffn = MoE(cfg, hash_routing, num, rngs=rngs)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_unit_params(rngs, n, d, (2 + n) * n)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_unit_params(rngs, n, d, (2 + n) * n)
+        self.cfg = cfg
+
+    def _pre(self, x, fn, base, scale):
+        c = self.cfg
+        return hc_pre(x, fn[...], base[...], scale[...], iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
+                      norm_eps=c.rms_norm_eps)
+
+    def attn_in(self, x: Float[Array, "b t n d"]):
+        """Collapsed, normalised attention input and the mHC weights to expand its output."""
+        y, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        return self.attn_norm(y), post, comb
+
+    def ffn_residual(self, x: Float[Array, "b t n d"], ids: Int[Array, "b t"]) -> Float[Array, "b t n d"]:
+        y, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        return hc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
+
+    def __call__(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache
+                 ) -> tuple[Float[Array, "b t n d"], LayerCache]:
+        y, post, comb = self.attn_in(x)
+        f, cache = self.attn(y, chunk, cache)
+        return self.ffn_residual(hc_post(f, x, post, comb), chunk.ids), cache

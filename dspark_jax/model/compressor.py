@@ -1,0 +1,78 @@
+"""Gated-pool compressors: C4 (overlapping, with ape) and Cm for any other ratio m (non-overlapping).
+
+Entry w of a Cm layer summarises tokens [w*m, (w+1)*m): per channel, a softmax over the window's
+token slots of (gate score + ape[pos % m]) weights the projected kv. C4 overlaps windows: the
+first half of the channels ("Ca") of window w-1 and the second half ("Cb") of window w form an
+8-slot softmax. Entry w is (re)computed whenever the chunk contains the token closing it,
+position (w+1)*m - 1, from per-token projections of the chunk and of recent tokens kept in a
+ring (``CompressorState``); a query at position i may use entry w iff w < (i+1) // m.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from dspark_jax.cache import CompressorState, ring_write_slots, scatter_rows
+from dspark_jax.config import ModelConfig
+from dspark_jax.model.common import Chunk, Linear, Numerics
+from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
+from dspark_jax.model.quant import fp4_sim, hadamard, kv_sim
+
+
+class Compressor(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, width: int, num: Numerics, *, rotate: bool, rngs: nnx.Rngs):
+        self.ratio, self.width, self.rotate = ratio, width, rotate
+        self.overlap = ratio == 4
+        coff = 2 if self.overlap else 1
+        d = cfg.hidden_size
+        # bf16 in the checkpoint, applied in fp32 without activation quantisation.
+        self.wkv = Linear(d, coff * width, num, rngs=rngs, fp8_act=False, compute_dtype=jnp.float32)
+        self.wgate = Linear(d, coff * width, num, rngs=rngs, fp8_act=False, compute_dtype=jnp.float32)
+        self.ape = nnx.Param(jnp.zeros((ratio, coff * width), jnp.float32))
+        self.norm = RMSNorm(width, cfg.rms_norm_eps)
+        self.cfg, self.num = cfg, num
+
+    def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
+                 ) -> tuple[Float[Array, "b n w"], CompressorState]:
+        """Compress every window closed inside the chunk; returns all entries and the new state."""
+        m, w = self.ratio, self.width
+        kv_new, score_new = self.wkv(x), self.wgate(x)  # [b, t, coff*w] fp32
+        b, t = chunk.ids.shape
+        ring = state.kv.shape[1]
+        start = chunk.start
+
+        # Candidate windows: those whose closing token may lie in this chunk.
+        k_max = -(-t // m)
+        win = start[:, None] // m + jnp.arange(k_max, dtype=jnp.int32)[None]  # [b, k]
+        win_ok = win < (start + chunk.n_valid)[:, None] // m
+        span = 2 * m if self.overlap else m
+        first = (win - 1) * m if self.overlap else win * m
+        pos = first[..., None] + jnp.arange(span, dtype=jnp.int32)  # [b, k, span]
+
+        # Each token comes from the chunk (pos >= start) or from the ring of recent tokens.
+        src = jnp.where(pos >= start[:, None, None], ring + pos - start[:, None, None], jnp.mod(pos, ring))
+        src = jnp.clip(src, 0, ring + t - 1).reshape(b, k_max * span, 1)
+        kv = jnp.take_along_axis(jnp.concatenate([state.kv, kv_new], 1), src, 1).reshape(b, k_max, span, -1)
+        sc = jnp.take_along_axis(jnp.concatenate([state.score, score_new], 1), src, 1).reshape(b, k_max, span, -1)
+        sc = sc + self.ape[...][jnp.mod(pos, m)]
+        sc = jnp.where((pos >= 0)[..., None], sc, -jnp.inf)
+        if self.overlap:  # slots 0..m-1: Ca of window w-1; slots m..2m-1: Cb of window w
+            kv = jnp.concatenate([kv[:, :, :m, :w], kv[:, :, m:, w:]], axis=2)
+            sc = jnp.concatenate([sc[:, :, :m, :w], sc[:, :, m:, w:]], axis=2)
+        c = jnp.sum(kv * jax.nn.softmax(sc, axis=2), axis=2)  # [b, k, w] fp32
+
+        c = self.norm(c.astype(self.num.dtype))
+        c = apply_rope(c, win * m, layer_inv_freq(self.cfg, m), heads=False)
+        if self.num.quant_sim:  # without quantisation the indexer's Hadamard rotation cancels in q.k
+            c = fp4_sim(hadamard(c), 32) if self.rotate else kv_sim(c, self.cfg.qk_rope_head_dim)
+        n = state.entries.shape[1]
+        entries = scatter_rows(state.entries, jnp.where(win_ok, win, n), c)
+
+        slots = ring_write_slots(start, chunk.n_valid, t, ring)
+        return entries, dataclasses.replace(state, kv=scatter_rows(state.kv, slots, kv_new),
+                                            score=scatter_rows(state.score, slots, score_new), entries=entries)

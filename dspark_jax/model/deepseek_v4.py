@@ -1,0 +1,77 @@
+"""The DeepSeek-V4 target model: a forward over a chunk of new tokens against explicit caches.
+
+The same function serves one-shot prefill, chunked prefill, single-token decode and multi-token
+speculative verify: rows of the chunk sit at positions ``cache.lengths[b] + t``. It returns fp32
+logits and, for DSpark, the hc-mean of the residual streams after any requested layers.
+Parameter paths mirror the official checkpoint names (``layers.3.attn.wq_a.weight``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from dspark_jax.cache import TargetCache
+from dspark_jax.config import ModelConfig
+from dspark_jax.model.block import Block
+from dspark_jax.model.common import Chunk, Embedding, Linear, Numerics
+from dspark_jax.model.dspark import DSparkStage
+from dspark_jax.model.hyper import hc_head, hc_unit_params
+from dspark_jax.model.norms_rope import RMSNorm
+
+
+class DeepSeekV4(nnx.Module):
+    def __init__(self, cfg: ModelConfig, num: Numerics = Numerics(), *, rngs: nnx.Rngs):
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = Embedding(cfg.vocab_size, d, num, rngs=rngs)
+        self.layers = nnx.List([
+            Block(cfg, num, ratio=cfg.compress_ratios[i], hash_routing=cfg.is_hash_layer(i), rngs=rngs)
+            for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size, num, rngs=rngs, fp8_act=False, compute_dtype=jnp.float32)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = hc_unit_params(rngs, n, d, n)
+        if cfg.dspark is not None:
+            self.mtp = nnx.List([DSparkStage(cfg, s, num, rngs=rngs) for s in range(cfg.dspark.num_stages)])
+        self.cfg, self.num = cfg, num
+
+    def embed_streams(self, ids: Array) -> Float[Array, "b t n d"]:
+        e = self.embed(ids, self.num.dtype)
+        return jnp.repeat(e[:, :, None, :], self.cfg.hc_mult, axis=2)
+
+    def logits_from_streams(self, x: Float[Array, "b t n d"]) -> Float[Array, "b t v"]:
+        """hc_head -> norm -> lm_head, fp32 logits."""
+        y = hc_head(x, self.hc_head_fn[...], self.hc_head_base[...], self.hc_head_scale[...],
+                    hc_eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
+        return self.head(self.norm(y), jnp.float32)
+
+    def forward(self, ids: Int[Array, "b t"], n_valid: Int[Array, " b"], cache: TargetCache, *,
+                capture: tuple[int, ...] = (), logits: Literal["all", "last", "none"] = "all"
+                ) -> tuple[Array | None, Array | None, TargetCache]:
+        """Run a chunk of new tokens through all layers, writing its rows into the caches tentatively.
+
+        Row t of request b sits at position ``cache.lengths[b] + t`` and is real iff t < n_valid[b].
+
+        Returns (logits [b, t, v] or [b, v] for "last" (row n_valid-1), captured hidden
+        [b, t, len(capture), d] or None, updated cache with the SAME committed lengths).
+        """
+        chunk = Chunk(ids=ids, start=cache.lengths, n_valid=n_valid)
+        x = self.embed_streams(ids)
+        hidden, layers = {}, []
+        for i, layer in enumerate(self.layers):
+            x, lc = layer(x, chunk, cache.layers[i])
+            layers.append(lc)
+            if i in capture:
+                hidden[i] = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
+        out = None
+        if logits == "last":
+            b = x.shape[0]
+            out = self.logits_from_streams(x[jnp.arange(b), jnp.maximum(chunk.n_valid - 1, 0)][:, None])[:, 0]
+        elif logits == "all":
+            out = self.logits_from_streams(x)
+        hid = jnp.stack([hidden[i] for i in capture], axis=2) if capture else None
+        return out, hid, dataclasses.replace(cache, layers=tuple(layers))

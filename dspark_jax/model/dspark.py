@@ -1,0 +1,149 @@
+"""The DSpark drafter (``mtp.{0..S-1}`` of the DSpark checkpoints).
+
+One round drafts a block of γ tokens in parallel from ids [anchor, noise × (γ-1)] at positions
+L .. L+γ-1 (L = committed length; the anchor is the last emitted token, not yet in any cache):
+
+- the target's hidden states are injected only through attention keys: stage 0 owns
+  ``main_x = main_norm(main_proj(concat of target-layer hc-means))``; every stage keeps a ring of
+  context keys kv_norm(wkv(main_x)) (RoPE, fp8 nope dims) for committed positions;
+- each stage is a V4 block whose window-only attention (theta 10000, no YaRN) sees the last
+  ``sliding_window`` committed context rows plus all γ block rows (non-causal inside the block);
+- the last stage owns hc_head / norm (the lm_head is the target's), the Markov head
+  (logits_k = U_k + W2 W1[prev_k], sampled left to right) and the confidence head
+  c_k = proj([Z_k ; W1[prev_k]]) on the pre-norm hidden Z.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from dspark_jax.cache import ring_positions, ring_write_slots, scatter_rows
+from dspark_jax.config import ModelConfig
+from dspark_jax.model.attention import sink_attention
+from dspark_jax.model.block import Block
+from dspark_jax.model.common import Linear, Numerics, normal_init
+from dspark_jax.model.hyper import hc_head, hc_post, hc_unit_params
+from dspark_jax.model.norms_rope import RMSNorm
+
+
+class MarkovHead(nnx.Module):
+    """Rank-r bigram bias B(prev, .) = markov_w2 @ markov_w1[prev]."""
+
+    def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
+        r = cfg.dspark.markov_rank
+        self.markov_w1 = nnx.Module()
+        self.markov_w1.weight = nnx.Param(normal_init(rngs, (cfg.vocab_size, r), num.param_dtype))
+        self.markov_w2 = nnx.Module()
+        self.markov_w2.weight = nnx.Param(normal_init(rngs, (cfg.vocab_size, r), num.param_dtype))
+
+    def feature(self, prev: Int[Array, "..."]) -> Float[Array, "... r"]:
+        return jnp.take(self.markov_w1.weight[...], prev, axis=0).astype(jnp.float32)
+
+    def bias(self, feature: Float[Array, "... r"]) -> Float[Array, "... v"]:
+        return jnp.einsum("...r,vr->...v", feature, self.markov_w2.weight[...].astype(jnp.float32))
+
+
+class DSparkStage(Block):
+    def __init__(self, cfg: ModelConfig, stage: int, num: Numerics, *, rngs: nnx.Rngs):
+        super().__init__(cfg, num, ratio=0, hash_routing=False, rngs=rngs)
+        ds, d = cfg.dspark, cfg.hidden_size
+        if stage == 0:
+            self.main_proj = Linear(len(ds.target_layer_ids) * d, d, num, rngs=rngs)
+            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if stage == ds.num_stages - 1:
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.hc_head_fn, self.hc_head_base, self.hc_head_scale = hc_unit_params(rngs, cfg.hc_mult, d, cfg.hc_mult)
+            self.markov_head = MarkovHead(cfg, num, rngs=rngs)
+            self.confidence_head = nnx.Module()
+            self.confidence_head.proj = Linear(d + ds.markov_rank, 1, num, rngs=rngs, fp8_act=False,
+                                               compute_dtype=jnp.float32)
+
+    def draft_layer(self, x: Float[Array, "b g n d"], ids: Int[Array, "b g"], pos: Int[Array, "b g"],
+                    ring: Float[Array, "b r d"], ring_visible: Array) -> Float[Array, "b g n d"]:
+        """The block rows through this stage: keys = visible context ring rows + all block rows."""
+        y, post, comb = self.attn_in(x)
+        q, _ = self.attn.project_q(y, pos)
+        kv = self.attn.project_kv(y, pos)
+        g = ids.shape[1]
+        parts = [(ring, jnp.broadcast_to(ring_visible[:, None, :], (*ids.shape, ring.shape[1]))),
+                 (kv.astype(ring.dtype), jnp.ones((*ids.shape, g), bool))]
+        o = sink_attention(q, parts, self.attn.attn_sink[...], self.cfg.head_dim**-0.5)
+        x = hc_post(self.attn.project_out(o, pos), x, post, comb)
+        return self.ffn_residual(x, ids)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftCache:
+    """Per-stage rings of context keys for committed positions (slot = pos % R)."""
+
+    rings: tuple[Float[Array, "b r d"], ...]
+
+
+def init_draft_cache(cfg: ModelConfig, batch: int, dtype=jnp.bfloat16, *, fill: float = 0.0) -> DraftCache:
+    shape = (batch, cfg.window_ring_size, cfg.head_dim)
+    return DraftCache(rings=tuple(jnp.full(shape, fill, dtype) for _ in range(cfg.dspark.num_stages)))
+
+
+def context_input(stages, hidden: Float[Array, "b t k d"]) -> Float[Array, "b t d"]:
+    """main_x = main_norm(main_proj(concat_k hidden[..., k, :])), shared by all stages."""
+    s0 = stages[0]
+    return s0.main_norm(s0.main_proj(hidden.reshape(*hidden.shape[:2], -1)))
+
+
+def write_context(stages, cache: DraftCache, hidden: Float[Array, "b t k d"], start: Int[Array, " b"],
+                  n_commit: Int[Array, " b"]) -> DraftCache:
+    """Insert context keys of the first ``n_commit[b]`` rows (positions start[b] + t) into every ring."""
+    main_x = context_input(stages, hidden)
+    t = hidden.shape[1]
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    rings = []
+    for stage, ring in zip(stages, cache.rings):
+        kv = stage.attn.project_kv(main_x, pos)
+        rings.append(scatter_rows(ring, ring_write_slots(start, n_commit, t, ring.shape[1]), kv))
+    return DraftCache(rings=tuple(rings))
+
+
+@dataclasses.dataclass
+class DraftOutput:
+    tokens: Int[Array, "b g"]  # d_1 .. d_γ
+    logits: Float[Array, "b g v"]  # Markov-corrected logits the tokens were drawn from (fp32)
+    confidence: Float[Array, "b g"]  # raw confidence logits (apply sigmoid(c / T_k))
+
+
+def draft_block(model, cache: DraftCache, anchor: Int[Array, " b"], lengths: Int[Array, " b"],
+                pick: Callable[[Float[Array, "b v"], int], Int[Array, " b"]]) -> DraftOutput:
+    """One parallel draft pass plus the sequential Markov loop; ``pick(logits, k)`` chooses d_{k+1}."""
+    cfg = model.cfg
+    ds = cfg.dspark
+    stages = model.mtp
+    b, g = anchor.shape[0], ds.block_size
+    ids = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), ds.noise_token_id, jnp.int32)], axis=1)
+    pos = lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
+    rpos = ring_positions(lengths, cache.rings[0].shape[1])
+    visible = (rpos >= 0) & (rpos >= lengths[:, None] - cfg.sliding_window)
+
+    x = model.embed_streams(ids)
+    for stage, ring in zip(stages, cache.rings):
+        x = stage.draft_layer(x, ids, pos, ring, visible)
+    last = stages[-1]
+    z = hc_head(x, last.hc_head_fn[...], last.hc_head_base[...], last.hc_head_scale[...], hc_eps=cfg.hc_eps,
+                norm_eps=cfg.rms_norm_eps)  # pre-norm hidden Z [b, g, d]
+    base = model.head(last.norm(z), jnp.float32)  # U [b, g, v]
+
+    markov = last.markov_head
+    prev, tokens, logits, feats = anchor, [], [], []
+    for k in range(g):  # γ is small and static: unrolled, all inside the caller's jit
+        f = markov.feature(prev)
+        lk = base[:, k] + markov.bias(f)
+        prev = pick(lk, k).astype(jnp.int32)
+        tokens.append(prev), logits.append(lk), feats.append(f)
+    feats = jnp.stack(feats, axis=1)
+    conf = last.confidence_head.proj(jnp.concatenate([z.astype(jnp.float32), feats], axis=-1), jnp.float32)[..., 0]
+    return DraftOutput(tokens=jnp.stack(tokens, axis=1), logits=jnp.stack(logits, axis=1), confidence=conf)

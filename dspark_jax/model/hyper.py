@@ -1,0 +1,68 @@
+"""Manifold-constrained hyper-connections (mHC): hc_pre with Sinkhorn, hc_post, hc_head.
+
+The residual is ``n = hc_mult`` parallel streams X [b, t, n, d]. Each sub-block reads one
+mixture of the streams and writes back through a doubly-stochastic mixing matrix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from dspark_jax.model.common import normal_init
+
+
+def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[Array, "... n n"]:
+    """Reference Sinkhorn: softmax over j plus eps, column-normalise, then (iters - 1) x
+    (row-normalise, column-normalise). Columns (sums over i) end at exactly 1."""
+    c = jax.nn.softmax(logits, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return c
+
+
+def _mixes(x: Float[Array, "b t n d"], fn: Array, eps: float) -> Float[Array, "b t m"]:
+    """(x_flat @ fn^T) * rsqrt(mean(x_flat^2) + eps), one RMS statistic over all n*d values."""
+    xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32)) * r
+
+
+def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[Float[Array, "b t d"], Float[Array, "b t n"], Float[Array, "b t n n"]]:
+    """Collapse the streams for a sub-block; returns (block input, post weights, mixing matrix C)."""
+    n = x.shape[-2]
+    mix = _mixes(x, fn, norm_eps)
+    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mix.shape[:-1], n, n)
+    comb = sinkhorn(comb, iters, hc_eps)
+    y = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2)
+    return y.astype(x.dtype), post, comb
+
+
+def hc_post(f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
+            comb: Float[Array, "b t n n"]) -> Float[Array, "b t n d"]:
+    """X'_j = post_j * f + sum_i C[i, j] X_i (note the sum over the FIRST index of C)."""
+    mixed = jnp.einsum("btij,btid->btjd", comb, x.astype(jnp.float32))
+    y = post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed
+    return y.astype(x.dtype)
+
+
+def hc_head(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, hc_eps: float,
+            norm_eps: float) -> Float[Array, "b t d"]:
+    """Final collapse: sigmoid-gated sum of the streams (no Sinkhorn, no post)."""
+    pre = jax.nn.sigmoid(_mixes(x, fn, norm_eps) * scale[0] + base) + hc_eps
+    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def hc_unit_params(rngs: nnx.Rngs, n: int, dim: int, rows: int) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
+    """(fn [rows, n*dim], base [rows], scale) initialised like the reference: N(0, 0.02), 0, 1."""
+    n_scale = 3 if rows == (2 + n) * n else 1
+    return (nnx.Param(normal_init(rngs, (rows, n * dim), jnp.float32)),
+            nnx.Param(jnp.zeros((rows,), jnp.float32)),
+            nnx.Param(jnp.ones((n_scale,), jnp.float32)))

@@ -1,0 +1,52 @@
+"""Lightning indexer of C4 layers: picks the top-k compressed entries for every query.
+
+score[t, s] = sum_h w[t, h] * relu(q_I[t, h] . K_I[s]), with w = weights_proj(x) / sqrt(d_I * n_I),
+entries s >= (t+1) // 4 masked, k = min(index_topk, #entries), non-causal picks returned as -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from dspark_jax.cache import CompressorState
+from dspark_jax.config import ModelConfig
+from dspark_jax.model.common import Chunk, Linear, Numerics
+from dspark_jax.model.compressor import Compressor
+from dspark_jax.model.norms_rope import apply_rope, layer_inv_freq
+from dspark_jax.model.quant import fp4_sim, hadamard
+
+
+def visible_entries(positions: Int[Array, "b t"], ratio: int) -> Int[Array, "b t"]:
+    """Number of compressed entries a query may use: entry w is visible iff w < (pos + 1) // ratio."""
+    return (positions + 1) // ratio
+
+
+class Indexer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, num, rngs=rngs)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, num, rngs=rngs, fp8_act=False)
+        self.compressor = Compressor(cfg, 4, self.head_dim, num, rotate=True, rngs=rngs)
+        self.cfg, self.num = cfg, num
+
+    def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState
+                 ) -> tuple[Int[Array, "b t k"], CompressorState]:
+        b, t, _ = x.shape
+        pos = chunk.positions
+        q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim)
+        q = apply_rope(q, pos, layer_inv_freq(self.cfg, 4))
+        if self.num.quant_sim:
+            q = fp4_sim(hadamard(q), 32)
+        keys, state = self.compressor(x, chunk, state)  # [b, n, d_I]
+
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
+        score = jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w.astype(jnp.float32))
+        n = keys.shape[1]
+        limit = visible_entries(pos, 4)[..., None]
+        score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)
+        _, top = jax.lax.top_k(score, min(self.topk, n))
+        return jnp.where(top < limit, top, -1).astype(jnp.int32), state
