@@ -19,10 +19,12 @@ def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[A
     (row-normalise, column-normalise). Columns (sums over i) end at exactly 1."""
     c = jax.nn.softmax(logits, axis=-1) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def row_col(_, c):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    return c
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_col, c)
 
 
 def _mixes(x: Float[Array, "b t n d"], fn: Array, eps: float) -> Float[Array, "b t m"]:

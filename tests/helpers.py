@@ -1,0 +1,48 @@
+"""Test helpers shared by several test modules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dspark_jax
+from dspark_jax import config
+from dspark_jax.api import forward_step
+from dspark_jax.cache import commit
+
+
+def perturb(model: dspark_jax.Model, seed: int = 0, scale: float = 0.3) -> dspark_jax.Model:
+    """Add noise to every float parameter (init leaves sinks, ape, hc bases and biases at 0 / 1,
+    which would hide mistakes in how they are applied)."""
+    key = jax.random.key(seed)
+    state = nnx.state(model.module)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for i, x in enumerate(leaves):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            std = jnp.maximum(jnp.std(x.astype(jnp.float32)), 0.05) * scale
+            noise = std * jax.random.normal(jax.random.fold_in(key, i), x.shape)
+            x = (x.astype(jnp.float32) + noise).astype(x.dtype)
+        out.append(x)
+    nnx.update(model.module, jax.tree_util.tree_unflatten(treedef, out))
+    return dspark_jax.Model(model.module, tokenizer=model.tokenizer)
+
+
+def perturbed_tiny(dtype=jnp.float32, *, quant_sim: bool = False, seed: int = 0, dspark: bool = True):
+    m = dspark_jax.init(config.tiny(dspark=dspark), seed, dtype=dtype, quant_sim=quant_sim)
+    return perturb(m, seed)
+
+
+def run_chunks(model: dspark_jax.Model, ids: np.ndarray, sizes, cache, *, commit_all: bool = True):
+    """Feed ``ids`` [b, t] in chunks of the given sizes; returns concatenated logits and the cache."""
+    out, pos = [], 0
+    b = ids.shape[0]
+    for sz in sizes:
+        n = jnp.full((b,), sz, jnp.int32)
+        lg, _, cache = forward_step(model.graphdef, model.state, jnp.asarray(ids[:, pos:pos + sz]), n, cache)
+        cache = commit(cache, n)
+        out.append(np.asarray(lg))
+        pos += sz
+    return np.concatenate(out, axis=1), cache

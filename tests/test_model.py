@@ -1,0 +1,139 @@
+"""The target model: chunked / incremental inference, rewind, parity with transformers."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import dspark_jax
+from dspark_jax.api import forward_step
+from dspark_jax.cache import commit, init_cache
+from tests.helpers import perturbed_tiny, run_chunks
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_parity")
+SEQ = 300  # > window (8), 75 C4 windows, 2 C128 windows
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def test_chunked_prefill_and_decode_match_one_shot(tiny_f32):
+    m = tiny_f32
+    ids = np.random.default_rng(0).integers(0, m.config.vocab_size, (2, SEQ)).astype(np.int32)
+    full = np.asarray(m.logits(ids))
+    cache = init_cache(m.config, 2, SEQ + 16, jnp.float32, fill=1e4)  # poisoned: unwritten rows must never leak
+    sizes = [37, 1, 1, 6, 91, 1, 6, 6, 128, 23]
+    assert sum(sizes) == SEQ
+    chunked, _ = run_chunks(m, ids, sizes, cache)
+    assert rel_err(chunked, full) < 1e-5
+
+
+def test_rewind_after_partial_commit(tiny_f32):
+    """Write verify blocks of 6 garbage-tailed tokens, commit only a prefix, continue; the logits
+    must equal a fresh prefill of the committed tokens (crossing C4 and C128 window boundaries)."""
+    m = tiny_f32
+    rng = np.random.default_rng(1)
+    total = 280
+    real = rng.integers(0, m.config.vocab_size, (2, total)).astype(np.int32)
+    cache = init_cache(m.config, 2, total + 16, jnp.float32, fill=1e4)
+    _, cache = run_chunks(m, real, [120], cache)
+    pos, outs = 120, []
+    while pos + 6 <= total:
+        accept = rng.integers(0, 6, 2)  # a in 0..5 -> commit a + 1 of 6
+        block = real[:, pos:pos + 6].copy()
+        for b in range(2):  # tokens after the committed prefix are garbage (rejected drafts)
+            block[b, accept[b] + 1:] = rng.integers(0, m.config.vocab_size, 5 - accept[b])
+        n = jnp.full((2,), 6, jnp.int32)
+        lg, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(block), n, cache)
+        lg = np.asarray(lg)
+        outs.append([(lg[b, :accept[b] + 1], pos + np.arange(accept[b] + 1)) for b in range(2)])
+        # both requests must advance equally here to keep the check simple: commit the min prefix
+        a = int(accept.min())
+        cache = commit(cache, jnp.full((2,), a + 1, jnp.int32))
+        pos += a + 1
+    full = np.asarray(m.logits(real[:, :pos]))
+    worst = 0.0
+    for round_out in outs:
+        for b, (lg, p) in enumerate(round_out):
+            keep = p < pos
+            worst = max(worst, np.max(np.abs(lg[keep] - full[b, p[keep]])))
+    assert worst / np.max(np.abs(full)) < 1e-5
+    assert pos > 256  # crossed the second C128 window
+
+
+def test_rewind_with_unequal_commits(tiny_f32):
+    """Requests of one batch commit different lengths; each continues exactly like alone."""
+    m = tiny_f32
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, m.config.vocab_size, (2, 40)).astype(np.int32)
+    cache = init_cache(m.config, 2, 64, jnp.float32, fill=1e4)
+    _, cache = run_chunks(m, ids[:, :20], [20], cache)
+    lg, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(ids[:, 20:26]), jnp.full((2,), 6, jnp.int32), cache)
+    cache = commit(cache, jnp.array([1, 4], jnp.int32))  # request 0 keeps 21 tokens, request 1 keeps 24
+    nxt = np.stack([ids[0, 21:27], ids[1, 24:30]])
+    lg2, _, _ = forward_step(m.graphdef, m.state, jnp.asarray(nxt), jnp.full((2,), 6, jnp.int32), cache)
+    full0 = np.asarray(m.logits(ids[0, :27]))[0]
+    full1 = np.asarray(m.logits(ids[1, :30]))[0]
+    np.testing.assert_allclose(np.asarray(lg2)[0], full0[21:27], rtol=0, atol=1e-5 * np.abs(full0).max())
+    np.testing.assert_allclose(np.asarray(lg2)[1], full1[24:30], rtol=0, atol=1e-5 * np.abs(full1).max())
+
+
+def test_padded_rows_are_not_written(tiny_f32):
+    """A batch prefill with different prompt lengths (padding rows) equals per-request prefill."""
+    m = tiny_f32
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, m.config.vocab_size, (2, 30)).astype(np.int32)
+    cache = init_cache(m.config, 2, 48, jnp.float32, fill=1e4)
+    n = jnp.array([30, 17], jnp.int32)
+    _, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(ids), n, cache)
+    cache = commit(cache, n)
+    nxt = rng.integers(0, m.config.vocab_size, (2, 4)).astype(np.int32)
+    lg, _, _ = forward_step(m.graphdef, m.state, jnp.asarray(nxt), jnp.full((2,), 4, jnp.int32), cache)
+    for b, length in enumerate([30, 17]):
+        alone = np.asarray(m.logits(np.concatenate([ids[b, :length], nxt[b]])))[0, length:]
+        np.testing.assert_allclose(np.asarray(lg)[b], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def test_quant_sim_chunked_matches_one_shot():
+    """Fake-quantised numerics (fp8 activations / KV, fp4 indexer) through chunks and one shot.
+
+    Row results of a matmul depend in the last bits on the chunk shape; rounding to fp8 / fp4
+    turns a few of those into one-ulp flips that propagate, so equality is statistical here
+    (bugs in positions or caches give errors on every later row instead).
+    """
+    m = perturbed_tiny(jnp.float32, quant_sim=True, seed=4)
+    ids = np.random.default_rng(4).integers(0, m.config.vocab_size, (1, 64)).astype(np.int32)
+    full = np.asarray(m.logits(ids))
+    chunked, _ = run_chunks(m, ids, [40, 1, 1, 6, 16], init_cache(m.config, 1, 80, jnp.float32))
+    row_err = np.abs(chunked - full).max(-1)[0] / np.abs(full).max()
+    assert np.mean(row_err < 1e-5) > 0.5, row_err
+    assert (chunked.argmax(-1) == full.argmax(-1)).mean() > 0.9
+    plain = perturbed_tiny(jnp.float32, quant_sim=False, seed=4)
+    diff = rel_err(np.asarray(plain.logits(ids)), full)
+    assert diff > 1e-4, diff  # quantisation does change the numbers
+
+
+def test_parity_with_transformers():
+    """Logits of transformers' DeepseekV4ForCausalLM on the committed fixture (quant_sim off, fp32)."""
+    m = dspark_jax.load(FIXTURE, dtype=jnp.float32, quant_sim=False)
+    ref = load_file(os.path.join(FIXTURE, "reference.safetensors"))
+    ours = np.asarray(m.logits(ref["input_ids"]))
+    err = rel_err(ours, ref["logits"])
+    print(f"max relative error vs transformers: {err:.2e}")
+    assert err < 1e-4
+    assert (ours.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.999
+
+
+def test_bad_inputs(tiny_f32):
+    m = tiny_f32
+    with pytest.raises(dspark_jax.InputError, match="outside"):
+        m.logits([1, 2, 512])
+    with pytest.raises(dspark_jax.InputError, match="empty"):
+        m.logits([])
+    with pytest.raises(dspark_jax.InputError, match="exceeds the model context"):
+        m.logits(np.zeros(m.config.max_position_embeddings + 1, np.int32))
+    with pytest.raises(ValueError, match="max_len"):
+        init_cache(m.config, 1, m.config.max_position_embeddings + 1)
