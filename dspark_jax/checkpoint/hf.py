@@ -110,3 +110,29 @@ def load_into(model: nnx.Module, path: str, *, ignore_prefixes: tuple[str, ...] 
     for ppath, parts in stacks.items():
         flat[ppath].set_value(jnp.stack(parts))
     nnx.update(model, state)
+
+
+def official_tensors(model: nnx.Module):
+    """Yield (official name, numpy array) for every parameter, experts unstacked, in name order."""
+    flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(model))}
+    for name, (ppath, expert, _) in sorted(official_names(model).items()):
+        value = flat[ppath][...]
+        if expert is not None:
+            value = value[expert]
+        yield name, np.asarray(value)
+
+
+def save_official(model: nnx.Module, path: str, *, config: dict | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the official layout (unquantised: matrices
+    in their parameter dtype, fp32 norms / mHC / sinks / ape / router bias, int64 ``tid2eid``)."""
+    from safetensors.flax import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, value in official_tensors(model):
+        if name.endswith(".tid2eid"):
+            value = value.astype(np.int64)
+        tensors[name] = jnp.asarray(value)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config if config is not None else model.cfg.to_hf_dict(), f, indent=2)
