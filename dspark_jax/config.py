@@ -373,4 +373,20 @@ def tiny(*, dspark: bool = True) -> ModelConfig:
         num_hash_layers=2, dspark=ds if dspark else None)
 
 
-PRESETS = {"tiny": tiny, "flash": flash, "pro": pro}
+def shipped(*, dspark: bool = True) -> ModelConfig:
+    """The small trained DeepSeek-V4 + DSpark pair shipped in ``dspark_jax/assets`` (built by
+    ``python -m dspark_jax.train``): the Flash layer pattern (2 window-only layers, then C4 + indexer
+    and C128 alternating, ending on C4), 3 hash-routed MoE layers then learned routing, mHC,
+    window 128, 1024-token context, and a 3-stage DSpark drafter over the last 3 layers.
+    Token ids 0 / 1 / 2 are the tokenizer's ``<|bos|>`` / ``<|eos|>`` / ``<|noise|>``."""
+    ds = DSparkConfig(block_size=5, noise_token_id=2, target_layer_ids=(4, 5, 6), markov_rank=64)
+    return ModelConfig(
+        vocab_size=6144, hidden_size=256, num_hidden_layers=7, num_attention_heads=4, head_dim=128,
+        qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128, max_position_embeddings=1024,
+        rope_scaling=YarnConfig(factor=16.0, original_max_position_embeddings=1024),
+        sliding_window=128, compress_ratios=(0, 0, 4, 128, 4, 128, 4), index_n_heads=4, index_head_dim=128,
+        index_topk=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+        num_hash_layers=3, bos_token_id=0, eos_token_id=1, dspark=ds if dspark else None)
+
+
+PRESETS = {"tiny": tiny, "flash": flash, "pro": pro, "shipped": shipped}

@@ -1,0 +1,278 @@
+"""The whole pipeline under one wall-clock budget:
+
+corpus -> tokenizer -> token windows -> target pretraining -> drafter training -> held-out
+evaluation -> STS -> official-layout export (+ load check) -> plots and a JSON log.
+
+Output directory layout::
+
+    <out>/model/        config.json, model*.safetensors[, index], tokenizer.json, sts.json
+    <out>/train_log.json, <out>/loss_curves.png, <out>/acceptance_by_position.png
+    <out>/work/         tokenizer and token cache, orbax checkpoints of both phases (resume)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from dspark_jax.model.common import Numerics
+from dspark_jax.model.deepseek_v4 import DeepSeekV4
+from dspark_jax.train import drafter as drafter_lib
+from dspark_jax.train import sts as sts_lib
+from dspark_jax.train.checkpointing import PhaseCheckpointer
+from dspark_jax.train.config import RunConfig
+from dspark_jax.train.corpus import WindowSampler, build_corpus, windows
+from dspark_jax.train.export import export_model
+from dspark_jax.train.loop import PhaseLog, run_phase
+from dspark_jax.train.optim import cast_like, init_state, make_optimizer
+from dspark_jax.train.target import make_target_eval, make_target_step
+from dspark_jax.train.tokenizer import encode_documents, train_tokenizer
+
+
+def _say(msg: str) -> None:
+    tqdm.write(msg)
+
+
+def prepare_data(cfg: RunConfig, work: str, *, resume: bool) -> tuple[Tokenizer, np.ndarray, np.ndarray, dict]:
+    """Tokenizer and token windows (cached under ``work`` for resumed runs)."""
+    tok_path, tokens_path = os.path.join(work, "tokenizer.json"), os.path.join(work, "tokens.npz")
+    corpus = build_corpus(cfg.corpus)
+    stats = corpus.stats()
+    if resume and os.path.exists(tok_path) and os.path.exists(tokens_path):
+        tok = Tokenizer.from_file(tok_path)
+        with np.load(tokens_path) as z:
+            train_stream, held_stream = z["train"], z["heldout"]
+            if str(z["fingerprint"]) != stats["file_list_sha256"]:
+                raise RuntimeError(f"{work} was prepared from a different corpus; use a new output directory")
+    else:
+        t0 = time.time()
+        tok = train_tokenizer((text for _, text in corpus.train), cfg.model.vocab_size)
+        stats["tokenizer_s"] = time.time() - t0
+        t0 = time.time()
+        train_stream = encode_documents(tok, [t for _, t in corpus.train])
+        held_stream = encode_documents(tok, [t for _, t in corpus.heldout])
+        stats["encode_s"] = time.time() - t0
+        tok.save(tok_path)
+        np.savez(tokens_path, train=train_stream, heldout=held_stream, fingerprint=stats["file_list_sha256"])
+    if tok.get_vocab_size() > cfg.model.vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens > model vocab {cfg.model.vocab_size}")
+    stats.update(train_tokens=int(len(train_stream)), heldout_tokens=int(len(held_stream)),
+                 bytes_per_token=stats["train_bytes"] / max(len(train_stream), 1),
+                 tokenizer_vocab=tok.get_vocab_size())
+    return tok, windows(train_stream, cfg.seq_len), windows(held_stream, cfg.seq_len), stats
+
+
+def _eval_batches(held: np.ndarray, cfg: RunConfig) -> list[np.ndarray]:
+    n = min(len(held) // cfg.eval_windows, cfg.max_eval_batches)
+    if n < 1:
+        raise ValueError(f"held-out split has {len(held)} windows, fewer than eval_windows={cfg.eval_windows}")
+    return [held[i * cfg.eval_windows:(i + 1) * cfg.eval_windows].astype(np.int32) for i in range(n)]
+
+
+def _mean_metrics(items: list[dict]) -> dict:
+    out = {}
+    for k in items[0]:
+        out[k] = np.mean([np.asarray(jax.device_get(m[k]), np.float64) for m in items], axis=0)
+        out[k] = float(out[k]) if np.ndim(out[k]) == 0 else out[k].tolist()
+    return out
+
+
+def _restore(ckpt: PhaseCheckpointer, state, log: PhaseLog, sampler: WindowSampler, resume: bool):
+    if not resume:
+        return state, log
+    got = ckpt.restore(state)
+    if got is None:
+        return state, log
+    state, meta = got
+    sampler.seek(int(meta["sampler"]["epoch"]), int(meta["sampler"]["cursor"]))
+    _say(f"[{log.name}] resumed from step {meta['log']['steps']} (done={meta['log']['done']})")
+    return state, PhaseLog.from_json(meta["log"])
+
+
+# ---------------------------------------------------------------------------- phases
+def train_target(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadline, resume) -> dict:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    dtypes = jax.tree.map(lambda x: x.dtype, params)
+    tx = make_optimizer(cfg.target.optim, params)
+    state = init_state(params, tx)
+    sampler = WindowSampler(train_w, cfg.target.batch_size, seed=cfg.seed)
+    ckpt = PhaseCheckpointer(os.path.join(work, "ckpt_target"))
+    state, log = _restore(ckpt, state, PhaseLog("target"), sampler, resume)
+    step = make_target_step(graphdef, dtypes, tx)
+    evaluate = make_target_eval(graphdef)
+    eval_ids = jnp.asarray(evals[0])
+    if not log.done:
+        state = run_phase(
+            log, state, lambda s, b, lr, i: step(s, rest, jnp.asarray(b), lr), sampler, cfg.target.optim,
+            deadline=deadline, max_steps=cfg.target.max_steps,
+            eval_fn=lambda s: evaluate(cast_like(s.master, dtypes), rest, eval_ids),
+            eval_every_s=cfg.target.eval_every_s, checkpointer=ckpt, ckpt_every_s=cfg.target.ckpt_every_s,
+            save_meta=lambda: dict(sampler=dict(epoch=sampler.epoch, cursor=sampler.cursor)))
+    ckpt.close()
+    trained = cast_like(state.master, dtypes)
+    nnx.update(model, trained)
+    t0 = time.time()
+    held = _mean_metrics([evaluate(trained, rest, jnp.asarray(b)) for b in evals])
+    held.update(windows=len(evals) * cfg.eval_windows, eval_s=time.time() - t0)
+    _say(f"[target] held-out loss {held['loss']:.4f} nats/token, accuracy {held['accuracy']:.4f}, "
+         f"{log.tokens_per_s:,.0f} tokens/s")
+    return dict(phase=log.to_json(), heldout=held)
+
+
+def train_drafter(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadline, resume):
+    graphdef, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
+    dtypes = jax.tree.map(lambda x: x.dtype, draft)
+    tx = make_optimizer(cfg.drafter.optim, draft)
+    state = init_state(draft, tx)
+    sampler = WindowSampler(train_w, cfg.drafter.batch_size, seed=cfg.seed + 1)
+    ckpt = PhaseCheckpointer(os.path.join(work, "ckpt_drafter"))
+    state, log = _restore(ckpt, state, PhaseLog("drafter"), sampler, resume)
+    step = drafter_lib.make_drafter_step(graphdef, dtypes, tx, cfg.draft_loss)
+    evaluate = drafter_lib.make_drafter_eval(graphdef, cfg.draft_loss)
+    a = min(cfg.draft_loss.num_anchors, cfg.seq_len - 1)
+    anchors = np.asarray(drafter_lib.sample_anchors(jax.random.key(cfg.seed + 2), len(evals) * cfg.eval_windows,
+                                                    cfg.seq_len, a)).reshape(len(evals), cfg.eval_windows, a)
+    key = jax.random.key(cfg.seed + 3)
+    if not log.done:
+        state = run_phase(
+            log, state,
+            lambda s, b, lr, i: step(s, frozen, rest, jnp.asarray(b), jax.random.fold_in(key, i), lr),
+            sampler, cfg.drafter.optim, deadline=deadline, max_steps=cfg.drafter.max_steps,
+            eval_fn=lambda s: evaluate(cast_like(s.master, dtypes), frozen, rest, jnp.asarray(evals[0]),
+                                       jnp.asarray(anchors[0]))[0],
+            eval_every_s=cfg.drafter.eval_every_s, checkpointer=ckpt, ckpt_every_s=cfg.drafter.ckpt_every_s,
+            save_meta=lambda: dict(sampler=dict(epoch=sampler.epoch, cursor=sampler.cursor)))
+    ckpt.close()
+    trained = cast_like(state.master, dtypes)
+    nnx.update(model, trained)
+
+    t0 = time.time()
+    metrics, blocks = [], []
+    for ids, anc in zip(evals, anchors):
+        m, arrays = evaluate(trained, frozen, rest, jnp.asarray(ids), jnp.asarray(anc))
+        metrics.append(m)
+        blocks.append(jax.device_get(arrays))
+    held = _mean_metrics(metrics)
+    surv = np.asarray(held["survival_greedy"])
+    held["conditional_accept_greedy"] = (surv / np.concatenate([[1.0], surv[:-1]]).clip(1e-9)).tolist()
+    held.update(blocks=int(sum(b["valid"].shape[0] for b in blocks)), eval_s=time.time() - t0)
+    _say(f"[drafter] held-out teacher-forced tau_greedy {held['tau_greedy']:.3f}, tau_prob {held['tau_prob']:.3f}, "
+         f"{log.tokens_per_s:,.0f} tokens/s")
+    return dict(phase=log.to_json(), heldout=held), blocks
+
+
+def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
+    """STS on held-out blocks whose γ labels are all inside their window: temperatures fitted on
+    the even-numbered evaluation batches, ECE / AUC reported on the odd-numbered ones too."""
+    def gather(part):
+        conf = np.concatenate([b["confidence"] for b in part])
+        match = np.concatenate([b["match"] for b in part])
+        full = np.concatenate([b["valid"] for b in part]).all(-1)
+        return conf[full].astype(np.float64), np.cumprod(match[full], axis=-1).astype(np.float64)
+
+    fit_part, test_part = blocks[0::2], blocks[1::2] or blocks[0::2]
+    conf, labels = gather(fit_part)
+    res = sts_lib.fit_sts(conf, labels)
+    tconf, tlabels = gather(test_part)
+    g = conf.shape[1]
+    test = {}
+    for name, temps in (("before", np.ones(g)), ("after", res.temperatures)):
+        surv = sts_lib.survival(tconf, temps)
+        test[f"ece_{name}_per_position"] = [sts_lib.ece(surv[:, k], tlabels[:, k]) for k in range(g)]
+        test[f"auc_{name}_per_position"] = [sts_lib.auc(surv[:, k], tlabels[:, k]) for k in range(g)]
+        test[f"ece_{name}"] = float(np.mean(test[f"ece_{name}_per_position"]))
+    sts_json = res.to_json(
+        labels="greedy prefix acceptance, teacher-forced on held-out stdlib files: label_k = 1 iff the "
+               "draft argmax equals the target argmax at positions 1..k given the true prefix",
+        fit_blocks=int(conf.shape[0]), test=dict(test, blocks=int(tconf.shape[0])))
+    return sts_json, test
+
+
+# ---------------------------------------------------------------------------- pipeline
+def train_all(out_dir: str, cfg: RunConfig, *, resume: bool = True) -> dict:
+    """Run everything within ``cfg.minutes``; returns the log written to ``<out>/train_log.json``."""
+    t_start = time.time()
+    deadline = t_start + 60.0 * cfg.minutes
+    work, model_dir = os.path.join(out_dir, "work"), os.path.join(out_dir, "model")
+    os.makedirs(work, exist_ok=True)
+    dev = jax.devices()[0]
+    log: dict = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, minutes=cfg.minutes,
+                     seq_len=cfg.seq_len, dtype=cfg.dtype, model_config=cfg.model.to_hf_dict(), timings={})
+    _say(f"[run] device {log['device']}, budget {cfg.minutes:.2f} min, output {out_dir}")
+
+    tok, train_w, held_w, log["corpus"] = prepare_data(cfg, work, resume=resume)
+    evals = _eval_batches(held_w, cfg)
+    log["timings"]["data_s"] = time.time() - t_start
+    c = log["corpus"]
+    _say(f"[data] {c['train_files']} train / {c['heldout_files']} held-out files, {c['train_tokens']:,} train "
+         f"tokens ({c['bytes_per_token']:.2f} bytes/token), {len(train_w)} windows of {cfg.seq_len}")
+
+    dtype = jnp.dtype(cfg.dtype)
+    model = DeepSeekV4(cfg.model, Numerics(dtype=dtype, param_dtype=dtype, quant_sim=False, moe_impl="dense"),
+                       rngs=nnx.Rngs(cfg.seed))
+    log["parameters"] = count_parameters(model)
+
+    train_time = deadline - cfg.reserve_s - time.time()
+    if train_time <= 0:
+        raise RuntimeError(f"no time left for training after data preparation ({cfg.minutes} min budget)")
+    t0 = time.time()
+    log["target"] = train_target(model, cfg, train_w, evals, work, t0 + cfg.target_share * train_time, resume)
+    log["timings"]["target_s"] = time.time() - t0
+    t0 = time.time()
+    log["drafter"], blocks = train_drafter(model, cfg, train_w, evals, work, deadline - cfg.reserve_s, resume)
+    log["timings"]["drafter_s"] = time.time() - t0
+
+    t0 = time.time()
+    sts_json, log["sts"] = calibrate(blocks)
+    _say(f"[sts] temperatures {np.round(sts_json['temperatures'], 3).tolist()}, held-out ECE "
+         f"{log['sts']['ece_before']:.4f} -> {log['sts']['ece_after']:.4f}")
+    log["files"] = export_model(model, model_dir, tokenizer=tok, sts=sts_json, max_file_mib=cfg.max_file_mib,
+                                max_total_mib=cfg.max_total_mib)
+    log["total_mib"] = sum(log["files"].values()) / 2**20
+    log["export_check"] = check_export(model, model_dir)
+    log["timings"]["finish_s"] = time.time() - t0
+    log["timings"]["total_s"] = time.time() - t_start
+    with open(os.path.join(out_dir, "train_log.json"), "w") as f:
+        json.dump(log, f, indent=1)
+    try:
+        from dspark_jax.train.plots import plot_all
+        log["plots"] = plot_all(log, out_dir)
+    except ImportError as e:  # plots can be redrawn later from train_log.json
+        _say(f"[run] no plots ({e}); run python -m dspark_jax.train.plots {out_dir}/train_log.json {out_dir}")
+    _say(f"[run] wrote {model_dir} ({log['total_mib']:.2f} MiB in {len(log['files'])} files) in "
+         f"{time.time() - t_start:.0f} s")
+    return log
+
+
+def count_parameters(model: DeepSeekV4) -> dict:
+    n = {"target": 0, "drafter": 0}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        n["drafter" if path[0] == "mtp" else "target"] += int(np.prod(var.shape))
+    n["total"] = n["target"] + n["drafter"]
+    return n
+
+
+def check_export(model: DeepSeekV4, path: str) -> dict:
+    """Reload the directory through the official-layout loader and compare every tensor."""
+    import dspark_jax
+    from dspark_jax.checkpoint.hf import official_tensors
+
+    loaded = dspark_jax.load(path, dtype=model.num.dtype)
+    if loaded.config != model.cfg:
+        raise RuntimeError("the exported config.json does not reload to the trained config")
+    if loaded.tokenizer is None:
+        raise RuntimeError("the exported directory has no tokenizer.json")
+    ours = dict(official_tensors(model))
+    theirs = dict(official_tensors(loaded.module))
+    bad = [k for k in ours if not np.array_equal(np.asarray(ours[k]), np.asarray(theirs[k]))]
+    if bad or set(ours) != set(theirs):
+        raise RuntimeError(f"exported tensors differ after reloading: {bad[:10]}")
+    return dict(tensors=len(ours), identical=True)
