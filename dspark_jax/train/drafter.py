@@ -106,6 +106,7 @@ def context_rings(model: DeepSeekV4, main_x: Float[Array, "b t d"], anchors: Int
     return rings, (kpos >= 0).reshape(-1, w)
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class DraftOutputs:
     logits: Float[Array, "n g v"]  # Markov-corrected draft logits (fp32)

@@ -71,6 +71,7 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
               eval_every_s: float = 60.0, checkpointer: PhaseCheckpointer | None = None,
               ckpt_every_s: float = 120.0, save_meta: Callable[[], dict] = dict, retry_oom: bool = True):
     """Train until ``deadline`` (time.time()) or ``max_steps`` total steps; returns the final state.
+    ``eval_fn(state)`` runs before the first step, every ``eval_every_s`` and after the last step.
 
     step_fn(state, batch, lr, step) -> (state, metrics) must donate ``state``. The schedule's
     progress continues from ``log.progress`` (resumed runs) and reaches 1 at the deadline. At
@@ -97,11 +98,17 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
         log.history.append(entry)
         return entry
 
+    def evaluate():
+        log.evals.append(dict(step=log.steps, time_s=time.time() - t_start, **_to_host(eval_fn(state))))
+        tqdm.write(f"[{log.name}] held-out eval at step {log.steps}: " + _fmt(log.evals[-1]))
+
     def checkpoint(done: bool):
         if checkpointer is not None:
             log.done = done
             checkpointer.save(log.steps, state, dict(log=log.to_json(), **save_meta()))
 
+    if eval_fn is not None and log.steps == 0:
+        evaluate()
     while log.steps < (max_steps or sys.maxsize) and (log.steps == step0 or progress() < 1.0):
         batch = sampler.next()
         lr = opt.lr(progress())
@@ -137,8 +144,7 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
         bar.update(round(100 * log.progress) - bar.n)
         now = time.time()
         if eval_fn is not None and now - last_eval >= eval_every_s:
-            log.evals.append(dict(step=log.steps, time_s=now - t_start, **_to_host(eval_fn(state))))
-            tqdm.write(f"[{log.name}] eval at step {log.steps}: " + _fmt(log.evals[-1]))
+            evaluate()
             last_eval = time.time()
         if checkpointer is not None and now - last_ckpt >= ckpt_every_s:
             checkpoint(done=False)
@@ -147,6 +153,8 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
         record(pending)
     jax.block_until_ready(state)
     log.train_s += time.time() - (t_ready or time.time())
+    if eval_fn is not None and (not log.evals or log.evals[-1]["step"] != log.steps):
+        evaluate()
     log.progress = 1.0
     bar.update(100 - bar.n)
     bar.close()

@@ -90,4 +90,5 @@ def apply_gradients(state: TrainState, grads, tx: optax.GradientTransformation, 
     updates, opt_state = tx.update(grads, state.opt_state, state.master)
     updates = jax.tree.map(lambda u: -lr * u, updates)
     master = optax.apply_updates(state.master, updates)
-    return TrainState(master=master, opt_state=opt_state, step=state.step + 1), optax.global_norm(grads)
+    gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+    return TrainState(master=master, opt_state=opt_state, step=state.step + 1), gnorm

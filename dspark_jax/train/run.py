@@ -187,7 +187,8 @@ def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
     for name, temps in (("before", np.ones(g)), ("after", res.temperatures)):
         surv = sts_lib.survival(tconf, temps)
         test[f"ece_{name}_per_position"] = [sts_lib.ece(surv[:, k], tlabels[:, k]) for k in range(g)]
-        test[f"auc_{name}_per_position"] = [sts_lib.auc(surv[:, k], tlabels[:, k]) for k in range(g)]
+        test[f"auc_{name}_per_position"] = sts_lib.json_floats([sts_lib.auc(surv[:, k], tlabels[:, k])
+                                                                for k in range(g)])
         test[f"ece_{name}"] = float(np.mean(test[f"ece_{name}_per_position"]))
     sts_json = res.to_json(
         labels="greedy prefix acceptance, teacher-forced on held-out stdlib files: label_k = 1 iff the "

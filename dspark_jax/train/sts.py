@@ -83,12 +83,17 @@ class STSResult:
     grid: tuple[float, ...]
 
     def to_json(self, **extra) -> dict:
+        """JSON-ready dict (an undefined AUC, with one class only, becomes null)."""
         mean = lambda xs: float(np.mean(xs))
         return dict(temperatures=list(self.temperatures), ece_before=mean(self.ece_before),
                     ece_after=mean(self.ece_after), ece_before_per_position=list(self.ece_before),
-                    ece_after_per_position=list(self.ece_after), auc_before_per_position=list(self.auc_before),
-                    auc_after_per_position=list(self.auc_after), n_samples=self.n_samples, n_bins=self.n_bins,
+                    ece_after_per_position=list(self.ece_after), auc_before_per_position=json_floats(self.auc_before),
+                    auc_after_per_position=json_floats(self.auc_after), n_samples=self.n_samples, n_bins=self.n_bins,
                     grid=[float(self.grid[0]), float(self.grid[-1]), len(self.grid)], **extra)
+
+
+def json_floats(xs) -> list[float | None]:
+    return [float(x) if np.isfinite(x) else None for x in xs]
 
 
 def fit_sts(conf_logits: np.ndarray, prefix_accepted: np.ndarray, *, grid: np.ndarray | None = None,

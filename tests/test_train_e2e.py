@@ -1,0 +1,69 @@
+"""The one training command at toy scale: ``python -m dspark_jax.train <out> --toy``."""
+
+import json
+import os
+
+import numpy as np
+import optax
+import pytest
+
+import dspark_jax
+from dspark_jax.train.__main__ import main
+from dspark_jax.train.config import toy
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("toy_run"))
+    assert main([out, "--toy", "--no-resume"]) == 0
+    with open(os.path.join(out, "train_log.json")) as f:
+        return out, json.load(f)
+
+
+@pytest.mark.parametrize("phase", ["target", "drafter"])
+def test_a_few_steps_reduce_the_held_out_loss(run, phase):
+    _, log = run
+    p = log[phase]["phase"]
+    assert p["steps"] == toy().target.max_steps and p["done"]
+    first, last = p["evals"][0], p["evals"][-1]  # the same held-out batch before / after training
+    assert first["step"] == 0 and last["step"] == p["steps"]
+    assert last["loss"] < first["loss"] - 0.02
+    assert p["tokens_per_s"] > 0 and len(p["history"]) == p["steps"]
+
+
+def test_outputs_are_an_official_layout_directory_within_limits(run):
+    out, log = run
+    model_dir = os.path.join(out, "model")
+    names = set(os.listdir(model_dir))
+    assert {"config.json", "tokenizer.json", "sts.json"} <= names
+    assert "model.safetensors" in names or "model.safetensors.index.json" in names
+    assert all(os.path.getsize(os.path.join(model_dir, n)) <= 16 * 2**20 for n in names)
+    assert log["total_mib"] <= 32 and log["export_check"]["identical"]
+    for png in ("loss_curves.png", "acceptance_by_position.png"):
+        assert os.path.getsize(os.path.join(out, png)) > 10_000
+    with open(os.path.join(model_dir, "sts.json")) as f:
+        sts = json.load(f)
+    assert len(sts["temperatures"]) == 5 and all(t > 0 for t in sts["temperatures"])
+    assert sts["ece_after"] <= sts["ece_before"] + 1e-12  # the fit can always keep T = 1
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["dspark_noise_token_id"]) == (0, 1, 2)
+    assert log["parameters"]["drafter"] > 0 and log["parameters"]["target"] > log["parameters"]["drafter"]
+
+
+def test_the_trained_pair_loads_and_scores_like_in_training(run):
+    out, log = run
+    model = dspark_jax.load(os.path.join(out, "model"), dtype=np.float32)
+    assert model.config.dspark is not None and len(model.module.mtp) == toy().model.dspark.num_stages
+    assert model.tokenizer.token_to_id("<|noise|>") == model.config.dspark.noise_token_id
+    text = "def add(a, b):\n    return a + b\n"
+    assert model.tokenizer.decode(model.tokenizer.encode(text).ids) == text
+    # held-out loss through the public API equals the one measured by the training code
+    cfg = toy()
+    with np.load(os.path.join(out, "work", "tokens.npz")) as z:
+        held = z["heldout"]
+    n = log["target"]["heldout"]["windows"]
+    ids = held[:n * cfg.seq_len].reshape(n, cfg.seq_len).astype(np.int32)
+    logits = np.asarray(model.logits(ids))
+    ce = float(np.mean(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:])))
+    assert ce == pytest.approx(log["target"]["heldout"]["loss"], rel=1e-4)

@@ -1,0 +1,136 @@
+"""Training machinery: mixed-precision AdamW, the clock-bounded loop, orbax checkpoints, the
+sharded official-layout export."""
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dspark_jax
+from dspark_jax import config
+from dspark_jax.checkpoint.hf import official_tensors
+from dspark_jax.train.checkpointing import PhaseCheckpointer
+from dspark_jax.train.corpus import WindowSampler
+from dspark_jax.train.export import ExportError, export_model, plan_shards
+from dspark_jax.train.loop import PhaseLog, run_phase
+from dspark_jax.train.optim import OptimConfig, TrainState, apply_gradients, cast_like, decay_mask, init_state, \
+    make_optimizer
+
+
+def test_lr_schedule():
+    opt = OptimConfig(peak_lr=1.0, warmup_fraction=0.1, min_lr_ratio=0.1)
+    assert opt.lr(0.05) == pytest.approx(0.5)
+    assert opt.lr(0.1) == pytest.approx(1.0)
+    assert opt.lr(0.55) == pytest.approx(0.55)  # half way through the cosine
+    assert opt.lr(1.0) == pytest.approx(0.1) and opt.lr(7.0) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="peak_lr"):
+        OptimConfig(peak_lr=0.0)
+
+
+def test_adamw_on_fp32_master_matches_optax_and_casts_for_the_forward():
+    model = dspark_jax.init(config.tiny(), 0, dtype=jnp.bfloat16).module
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    mask = decay_mask(params)
+    flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(mask)}
+    assert flat["layers.0.attn.wq_a.weight"] is True and flat["head.weight"] is True
+    assert flat["embed.weight"] is False and flat["layers.0.hc_attn_fn"] is False  # noise row, mHC
+    assert flat["mtp.2.markov_head.markov_w1.weight"] is False and flat["norm.weight"] is False
+
+    opt = OptimConfig(peak_lr=1e-2, weight_decay=0.1, clip_norm=1.0)
+    tx = make_optimizer(opt, params)
+    state = init_state(params, tx)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.master))
+    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.3, jnp.float32), state.master)
+    ref_tx = optax.chain(optax.clip_by_global_norm(1.0),
+                         optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask))
+    ref_updates, _ = ref_tx.update(grads, ref_tx.init(state.master), state.master)
+    expected = optax.apply_updates(state.master, ref_updates)
+    new, gnorm = apply_gradients(state, grads, tx, 1e-2)
+    for a, b in zip(jax.tree.leaves(new.master), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(new.step) == 1 and float(gnorm) > 1.0
+    dtypes = jax.tree.map(lambda x: x.dtype, params)
+    cast = cast_like(new.master, dtypes)
+    assert all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(params)))
+    assert {str(x.dtype) for x in jax.tree.leaves(cast)} == {"bfloat16", "float32"}
+
+
+def _toy_state():
+    params = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones((3,), jnp.float32)}
+    tx = optax.sgd(1.0)
+    return TrainState(master=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def _fake_step(calls):
+    @jax.jit
+    def step(state, batch, lr):
+        return TrainState(master=jax.tree.map(lambda x: x - lr, state.master), opt_state=state.opt_state,
+                          step=state.step + 1), dict(loss=jnp.mean(batch).astype(jnp.float32))
+
+    def fn(state, batch, lr, i):
+        calls.append((batch.shape[0], lr))
+        if batch.shape[0] > 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return step(state, jnp.asarray(batch), lr)
+    return fn
+
+
+def test_phase_stops_by_steps_halves_the_batch_on_oom_and_checkpoints(tmp_path):
+    calls = []
+    sampler = WindowSampler(np.arange(64).reshape(16, 4), batch_size=8, seed=0)
+    ckpt = PhaseCheckpointer(str(tmp_path / "ckpt"))
+    log = PhaseLog("toy")
+    evals = []
+    state = run_phase(log, _toy_state(), _fake_step(calls), sampler, OptimConfig(peak_lr=0.5, warmup_fraction=0.0),
+                      deadline=time.time() + 600, max_steps=5,
+                      eval_fn=lambda s: evals.append(1) or dict(loss=jnp.float32(len(evals))),
+                      checkpointer=ckpt, save_meta=lambda: dict(sampler=dict(epoch=0, cursor=0)))
+    assert [c[0] for c in calls[:3]] == [8, 4, 2] and sampler.batch_size == 2  # OOM retries
+    assert log.steps == 5 and log.done and len(log.history) == 5 and log.batch_size == 2
+    assert [e["step"] for e in log.evals] == [0, 5]  # before the first and after the last step
+    lrs = [h["lr"] for h in log.history]
+    assert lrs[0] == pytest.approx(0.5) and lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.5
+    assert int(state.step) == 5
+    restored, meta = ckpt.restore(_toy_state())
+    np.testing.assert_allclose(restored.master["w"], state.master["w"])
+    assert meta["log"]["done"] and meta["log"]["steps"] == 5 and meta["sampler"] == dict(epoch=0, cursor=0)
+    ckpt.close()
+
+
+def test_phase_runs_one_step_even_past_the_deadline():
+    log = PhaseLog("late")
+    sampler = WindowSampler(np.arange(8).reshape(4, 2), batch_size=1)
+    run_phase(log, _toy_state(), _fake_step([]), sampler, OptimConfig(peak_lr=0.1), deadline=time.time() - 1)
+    assert log.steps == 1 and log.done
+
+
+def test_export_shards_reload_through_the_official_loader(tmp_path):
+    model = dspark_jax.init(config.tiny(), 1, dtype=jnp.bfloat16).module
+    sizes = export_model(model, str(tmp_path), sts={"temperatures": [1.0] * 5}, max_file_mib=4.0, max_total_mib=16.0)
+    shards = [f for f in sizes if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in sizes
+    assert all(s <= 4 * 2**20 for s in sizes.values())
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        assert set(json.load(f)["weight_map"].values()) == set(shards)
+    loaded = dspark_jax.load(str(tmp_path))
+    assert loaded.config == model.cfg and loaded.config.dspark.num_stages == 3
+    ours, theirs = dict(official_tensors(model)), dict(official_tensors(loaded.module))
+    assert ours.keys() == theirs.keys()
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    # re-exporting into the same directory with one file removes the stale shards
+    sizes = export_model(model, str(tmp_path), max_file_mib=16.0)
+    assert sorted(f for f in os.listdir(tmp_path) if "safetensors" in f) == ["model.safetensors"]
+    with pytest.raises(ExportError, match="MiB"):
+        export_model(model, str(tmp_path / "small"), max_file_mib=16.0, max_total_mib=0.5)
+
+
+def test_plan_shards():
+    assert plan_shards({"a": 4, "b": 4, "c": 3, "d": 9}, 9) == [["a", "b"], ["c"], ["d"]]
+    with pytest.raises(ExportError, match="alone"):
+        plan_shards({"a": 10}, 9)
