@@ -33,32 +33,42 @@ def test_lr_schedule():
         OptimConfig(peak_lr=0.0)
 
 
-def test_adamw_on_fp32_master_matches_optax_and_casts_for_the_forward():
+def test_decay_mask_and_casting_to_storage_dtypes():
     model = dspark_jax.init(config.tiny(), 0, dtype=jnp.bfloat16).module
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    mask = decay_mask(params)
-    flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(mask)}
+    flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(decay_mask(params))}
     assert flat["layers.0.attn.wq_a.weight"] is True and flat["head.weight"] is True
+    assert flat["mtp.0.ffn.experts.w1"] is True
     assert flat["embed.weight"] is False and flat["layers.0.hc_attn_fn"] is False  # noise row, mHC
     assert flat["mtp.2.markov_head.markov_w1.weight"] is False and flat["norm.weight"] is False
-
-    opt = OptimConfig(peak_lr=1e-2, weight_decay=0.1, clip_norm=1.0)
-    tx = make_optimizer(opt, params)
-    state = init_state(params, tx)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.master))
-    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.3, jnp.float32), state.master)
-    ref_tx = optax.chain(optax.clip_by_global_norm(1.0),
-                         optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask))
-    ref_updates, _ = ref_tx.update(grads, ref_tx.init(state.master), state.master)
-    expected = optax.apply_updates(state.master, ref_updates)
-    new, gnorm = apply_gradients(state, grads, tx, 1e-2)
-    for a, b in zip(jax.tree.leaves(new.master), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert int(new.step) == 1 and float(gnorm) > 1.0
-    dtypes = jax.tree.map(lambda x: x.dtype, params)
-    cast = cast_like(new.master, dtypes)
+    master = jax.tree.map(lambda x: jnp.array(x, jnp.float32) + 1e-3, params)
+    cast = cast_like(master, jax.tree.map(lambda x: x.dtype, params))
     assert all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(params)))
     assert {str(x.dtype) for x in jax.tree.leaves(cast)} == {"bfloat16", "float32"}
+
+
+def test_adamw_on_the_fp32_master_matches_optax():
+    rng = np.random.default_rng(0)
+    params = {"embed": {"weight": jnp.asarray(rng.normal(size=(6, 4)), jnp.bfloat16)},
+              "layers": {"0": {"wq_a": {"weight": jnp.asarray(rng.normal(size=(4, 4)), jnp.bfloat16)},
+                               "norm": {"weight": jnp.ones((4,), jnp.float32)}}}}
+    mask = decay_mask(params)
+    assert mask == {"embed": {"weight": False}, "layers": {"0": {"wq_a": {"weight": True}, "norm": {"weight": False}}}}
+    tx = make_optimizer(OptimConfig(peak_lr=1e-2, weight_decay=0.1, clip_norm=1.0), params)
+    state = init_state(params, tx)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.master))
+    ref_tx = optax.chain(optax.clip_by_global_norm(1.0),
+                         optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask))
+    ref_master, ref_opt = state.master, ref_tx.init(state.master)
+    for i in range(3):
+        grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), state.master)
+        state, gnorm = apply_gradients(state, grads, tx, 1e-2)
+        updates, ref_opt = ref_tx.update(grads, ref_opt, ref_master)
+        ref_master = optax.apply_updates(ref_master, updates)
+    for a, b in zip(jax.tree.leaves(state.master), jax.tree.leaves(ref_master)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(state.step) == 3 and float(gnorm) == pytest.approx(
+        float(np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads)))), rel=1e-6)
 
 
 def _toy_state():
@@ -131,6 +141,8 @@ def test_export_shards_reload_through_the_official_loader(tmp_path):
 
 
 def test_plan_shards():
-    assert plan_shards({"a": 4, "b": 4, "c": 3, "d": 9}, 9) == [["a", "b"], ["c"], ["d"]]
+    assert plan_shards({"a": 4, "b": 4, "c": 3, "d": 9}, 9) == [["d"], ["a", "b"], ["c"]]
+    # first-fit decreasing fills the gaps that name order would leave
+    assert plan_shards({"a": 5, "b": 6, "c": 4, "d": 5}, 10) == [["b", "c"], ["a", "d"]]
     with pytest.raises(ExportError, match="alone"):
         plan_shards({"a": 10}, 9)

@@ -12,14 +12,16 @@ def main(argv: list[str] | None = None) -> int:
                                             "official checkpoint layout under <out_dir>/model.")
     p.add_argument("out_dir")
     p.add_argument("--minutes", type=float, default=None,
-                   help="wall-clock budget of the whole run (default: 7.5 for the shipped preset)")
+                   help="wall-clock budget of the whole run (default: 7 for the shipped preset)")
     p.add_argument("--toy", action="store_true", help="CPU-test scale (a few steps of each phase)")
     p.add_argument("--target-share", type=float, default=None, help="share of the training time for the target")
     p.add_argument("--target-batch", type=int, default=None, help="windows per target step")
     p.add_argument("--drafter-batch", type=int, default=None, help="windows per drafter step")
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in <out_dir>/work")
+    p.add_argument("--work-dir", default=None,
+                   help="token cache and training checkpoints (default <out_dir>/work)")
+    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in the work directory")
     args = p.parse_args(argv)
 
     import dataclasses
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter_batch is not None:
         changes["drafter"] = dataclasses.replace(cfg.drafter, batch_size=args.drafter_batch)
     cfg = cfg.replace(**changes)
-    log = train_all(args.out_dir, cfg, resume=not args.no_resume)
+    log = train_all(args.out_dir, cfg, work_dir=args.work_dir, resume=not args.no_resume)
     print(f"done in {log['timings']['total_s']:.0f} s: {args.out_dir}/model")
     return 0
 

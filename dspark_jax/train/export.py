@@ -19,7 +19,7 @@ from safetensors.flax import save_file
 from dspark_jax.checkpoint.hf import official_tensors
 
 INDEX = "model.safetensors.index.json"
-HEADER_ALLOWANCE = 512 * 1024  # room left in every file for the safetensors JSON header
+HEADER_ALLOWANCE = 256 * 1024  # room left in every file for the safetensors JSON header
 
 
 class ExportError(ValueError):
@@ -27,20 +27,23 @@ class ExportError(ValueError):
 
 
 def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Greedy split of tensors (in name order) into groups of at most ``max_bytes`` data bytes."""
-    shards, current, used = [], [], 0
-    for name in sorted(sizes):
+    """Tensors into as few groups of at most ``max_bytes`` data bytes as first-fit decreasing finds
+    (largest tensor first, each into the first group with room); names sorted within a group."""
+    groups: list[list[str]] = []
+    used: list[int] = []
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
         n = sizes[name]
         if n > max_bytes:
             raise ExportError(f"tensor {name} ({n} bytes) alone exceeds the shard limit of {max_bytes} bytes")
-        if current and used + n > max_bytes:
-            shards.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += n
-    if current:
-        shards.append(current)
-    return shards
+        for i, u in enumerate(used):
+            if u + n <= max_bytes:
+                groups[i].append(name)
+                used[i] += n
+                break
+        else:
+            groups.append([name])
+            used.append(n)
+    return [sorted(g) for g in groups]
 
 
 def save_sharded(model: nnx.Module, path: str, *, max_file_bytes: int) -> list[str]:

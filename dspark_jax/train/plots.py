@@ -1,11 +1,10 @@
 """Loss curves and per-position acceptance plots from a run's JSON log.
 
-Usable on its own: ``python -m dspark_jax.train.plots train_log.json out_dir``."""
+Usable on its own: ``python -m dspark_jax.train.plots train_log.json training.png``."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -27,13 +26,15 @@ def _series(history: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return s, v
 
 
-def plot_loss_curves(log: dict, path: str) -> None:
+def plot_training(log: dict, path: str) -> None:
+    """One figure: target loss, drafter loss terms, teacher-forced accept length during training,
+    and held-out acceptance by draft position."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tgt, dr = log["target"]["phase"], log["drafter"]["phase"]
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, ax = plt.subplots(1, 4, figsize=(21, 4.3))
     s, v = _series(tgt["history"], "loss")
     ax[0].plot(s, v, alpha=0.3, color="C0")
     ax[0].plot(s, _ema(v), color="C0", label="train (EMA)")
@@ -56,42 +57,22 @@ def plot_loss_curves(log: dict, path: str) -> None:
         if len(v):
             ax[2].plot(s, v, "o", color=f"C{i}", ms=4)
     ax[2].set(title="drafter: teacher-forced expected accept length", xlabel="step")
+    ev = log["drafter"]["heldout"]
+    k = np.arange(1, len(ev["match"]) + 1)
+    ax[3].plot(k, ev["conditional_accept_greedy"], "o-", label="greedy: P(accept k | accepted < k)")
+    ax[3].plot(k, ev["accept_prob"], "s-", label="sampling (T=1): mean c*_k")
+    ax[3].set(xlabel="draft position k", ylabel="acceptance", ylim=(0, 1.02), xticks=k,
+              title=f"held-out: tau_greedy {ev['tau_greedy']:.2f}, tau_prob {ev['tau_prob']:.2f}")
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def plot_positions(log: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ev = log["drafter"]["heldout"]
-    k = np.arange(1, len(ev["match"]) + 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(k, ev["conditional_accept_greedy"], "o-", label="greedy: P(accept k | accepted < k)")
-    ax.plot(k, ev["accept_prob"], "s-", label="sampling (T=1): mean c*_k")
-    ax.set(xlabel="draft position k", ylabel="acceptance", ylim=(0, 1.02),
-           title=f"held-out, teacher-forced: tau_greedy {ev['tau_greedy']:.2f}, tau_prob {ev['tau_prob']:.2f}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_all(log: dict, out_dir: str) -> list[str]:
-    paths = [os.path.join(out_dir, "loss_curves.png"), os.path.join(out_dir, "acceptance_by_position.png")]
-    plot_loss_curves(log, paths[0])
-    plot_positions(log, paths[1])
-    return paths
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m dspark_jax.train.plots train_log.json out_dir")
+        sys.exit("usage: python -m dspark_jax.train.plots train_log.json out.png")
     with open(sys.argv[1]) as f:
-        print(plot_all(json.load(f), sys.argv[2]))
+        plot_training(json.load(f), sys.argv[2])

@@ -6,8 +6,10 @@ evaluation -> STS -> official-layout export (+ load check) -> plots and a JSON l
 Output directory layout::
 
     <out>/model/        config.json, model*.safetensors[, index], tokenizer.json, sts.json
-    <out>/train_log.json, <out>/loss_curves.png, <out>/acceptance_by_position.png
-    <out>/work/         tokenizer and token cache, orbax checkpoints of both phases (resume)
+    <out>/train_log.json  losses, evaluations, timings, tokens/s, parameter counts, file sizes
+    <out>/training.png    loss curves and held-out acceptance by draft position
+    <work>/               tokenizer and token cache, orbax checkpoints of both phases (resume);
+                          <out>/work unless given
 """
 
 from __future__ import annotations
@@ -198,11 +200,13 @@ def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
 
 
 # ---------------------------------------------------------------------------- pipeline
-def train_all(out_dir: str, cfg: RunConfig, *, resume: bool = True) -> dict:
-    """Run everything within ``cfg.minutes``; returns the log written to ``<out>/train_log.json``."""
+def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resume: bool = True) -> dict:
+    """Run everything within ``cfg.minutes``; returns the log written to ``<out>/train_log.json``.
+
+    ``work_dir`` (default ``<out>/work``) holds the tokenized corpus and the orbax checkpoints."""
     t_start = time.time()
     deadline = t_start + 60.0 * cfg.minutes
-    work, model_dir = os.path.join(out_dir, "work"), os.path.join(out_dir, "model")
+    work, model_dir = work_dir or os.path.join(out_dir, "work"), os.path.join(out_dir, "model")
     os.makedirs(work, exist_ok=True)
     dev = jax.devices()[0]
     log: dict = dict(device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, minutes=cfg.minutes,
@@ -244,10 +248,10 @@ def train_all(out_dir: str, cfg: RunConfig, *, resume: bool = True) -> dict:
     with open(os.path.join(out_dir, "train_log.json"), "w") as f:
         json.dump(log, f, indent=1)
     try:
-        from dspark_jax.train.plots import plot_all
-        log["plots"] = plot_all(log, out_dir)
-    except ImportError as e:  # plots can be redrawn later from train_log.json
-        _say(f"[run] no plots ({e}); run python -m dspark_jax.train.plots {out_dir}/train_log.json {out_dir}")
+        from dspark_jax.train.plots import plot_training
+        plot_training(log, os.path.join(out_dir, "training.png"))
+    except ImportError as e:  # the figure can be redrawn later from train_log.json
+        _say(f"[run] no plot ({e}): python -m dspark_jax.train.plots {out_dir}/train_log.json training.png")
     _say(f"[run] wrote {model_dir} ({log['total_mib']:.2f} MiB in {len(log['files'])} files) in "
          f"{time.time() - t_start:.0f} s")
     return log
