@@ -10,6 +10,7 @@ import pytest
 import dspark_jax
 from dspark_jax.train.__main__ import main
 from dspark_jax.train.config import toy
+from dspark_jax.train.report import summarize
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,9 @@ def test_outputs_are_an_official_layout_directory_within_limits(run):
         cfg = json.load(f)
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["dspark_noise_token_id"]) == (0, 1, 2)
     assert log["parameters"]["drafter"] > 0 and log["parameters"]["target"] > log["parameters"]["drafter"]
+    assert log["timings"]["total_s"] < 60 * toy().minutes
+    text = summarize(log)
+    assert "tau_greedy" in text and f"{log['drafter']['heldout']['tau_greedy']:.3f}" in text
 
 
 def test_the_trained_pair_loads_and_scores_like_in_training(run):

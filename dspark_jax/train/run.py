@@ -173,7 +173,8 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadl
 
 def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
     """STS on held-out blocks whose γ labels are all inside their window: temperatures fitted on
-    the even-numbered evaluation batches, ECE / AUC reported on the odd-numbered ones too."""
+    the even-numbered evaluation batches, ECE / AUC measured on the odd-numbered ones (on the same
+    batches when there is only one)."""
     def gather(part):
         conf = np.concatenate([b["confidence"] for b in part])
         match = np.concatenate([b["match"] for b in part])
@@ -192,10 +193,11 @@ def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
         test[f"auc_{name}_per_position"] = sts_lib.json_floats([sts_lib.auc(surv[:, k], tlabels[:, k])
                                                                 for k in range(g)])
         test[f"ece_{name}"] = float(np.mean(test[f"ece_{name}_per_position"]))
+    test["blocks"] = int(tconf.shape[0])
     sts_json = res.to_json(
         labels="greedy prefix acceptance, teacher-forced on held-out stdlib files: label_k = 1 iff the "
                "draft argmax equals the target argmax at positions 1..k given the true prefix",
-        fit_blocks=int(conf.shape[0]), test=dict(test, blocks=int(tconf.shape[0])))
+        fit_blocks=int(conf.shape[0]), test=test)
     return sts_json, test
 
 
@@ -236,7 +238,9 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
     log["timings"]["drafter_s"] = time.time() - t0
 
     t0 = time.time()
-    sts_json, log["sts"] = calibrate(blocks)
+    sts_json, test = calibrate(blocks)
+    log["sts"] = dict(test, temperatures=sts_json["temperatures"], fit_blocks=sts_json["fit_blocks"],
+                      fit_ece_before=sts_json["ece_before"], fit_ece_after=sts_json["ece_after"])
     _say(f"[sts] temperatures {np.round(sts_json['temperatures'], 3).tolist()}, held-out ECE "
          f"{log['sts']['ece_before']:.4f} -> {log['sts']['ece_after']:.4f}")
     log["files"] = export_model(model, model_dir, tokenizer=tok, sts=sts_json, max_file_mib=cfg.max_file_mib,

@@ -1,0 +1,79 @@
+"""A Markdown summary of a training run from its JSON log (for ``docs/tiny_model.md``).
+
+``python -m dspark_jax.train.report train_log.json``"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _f(x, nd=3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def summarize(log: dict) -> str:
+    c, t, d, s = log["corpus"], log["target"], log["drafter"], log["sts"]
+    tp, dp = t["phase"], d["phase"]
+    tim = log["timings"]
+    lines = [
+        "### Run",
+        "",
+        _row("device", "budget", "wall time", "data", "target phase", "drafter phase", "evaluation + STS + export"),
+        _row("---", "---", "---", "---", "---", "---", "---"),
+        _row(log["device"], f"{log['minutes']} min", f"{tim['total_s']:.0f} s", f"{tim['data_s']:.0f} s",
+             f"{tim['target_s']:.0f} s (compile {tp['compile_s']:.0f} s)",
+             f"{tim['drafter_s']:.0f} s (compile {dp['compile_s']:.0f} s)", f"{tim['finish_s']:.0f} s"),
+        "",
+        f"Corpus: {c['train_files']} train / {c['heldout_files']} held-out files of `{c['root']}` "
+        f"({c['train_bytes'] / 1e6:.1f} MB / {c['heldout_bytes'] / 1e6:.2f} MB), {c['train_tokens']:,} train tokens, "
+        f"{c['bytes_per_token']:.2f} bytes per token, vocabulary {c['tokenizer_vocab']}.",
+        f"Parameters: target {log['parameters']['target'] / 1e6:.2f} M, drafter {log['parameters']['drafter'] / 1e6:.2f} M; "
+        f"files {log['total_mib']:.2f} MiB: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in log["files"].items()),
+        "",
+        "### Training",
+        "",
+        _row("phase", "steps", "batch (windows)", "tokens", "epochs", "tokens/s", "held-out"),
+        _row("---", "---", "---", "---", "---", "---", "---"),
+        _row("target", tp["steps"], tp["batch_size"], f"{tp['tokens']:,}", _f(tp["epochs"], 2),
+             f"{tp['tokens_per_s']:,.0f}",
+             f"loss {t['heldout']['loss']:.3f} nats/token ({t['heldout']['loss'] / math.log(2) / c['bytes_per_token']:.3f}"
+             f" bits/byte), accuracy {t['heldout']['accuracy']:.3f}"),
+        _row("drafter", dp["steps"], dp["batch_size"], f"{dp['tokens']:,}", _f(dp["epochs"], 2),
+             f"{dp['tokens_per_s']:,.0f}",
+             f"tau_greedy {d['heldout']['tau_greedy']:.3f}, tau_prob {d['heldout']['tau_prob']:.3f} (teacher-forced)"),
+        "",
+        "### Held-out acceptance by draft position (teacher-forced)",
+        "",
+        _row("k", "greedy match", "greedy P(accept k | accepted < k)", "greedy survival", "mean c*_k (T = 1)"),
+        _row("---", "---", "---", "---", "---"),
+    ]
+    h = d["heldout"]
+    for k in range(len(h["match"])):
+        lines.append(_row(k + 1, _f(h["match"][k]), _f(h["conditional_accept_greedy"][k]),
+                          _f(h["survival_greedy"][k]), _f(h["accept_prob"][k])))
+    lines += [
+        "",
+        "### Confidence calibration (STS)",
+        "",
+        _row("k", "temperature", "ECE before", "ECE after", "AUC before", "AUC after"),
+        _row("---", "---", "---", "---", "---", "---"),
+    ]
+    for k in range(len(s["ece_before_per_position"])):
+        lines.append(_row(k + 1, _f(s["temperatures"][k]), _f(s["ece_before_per_position"][k], 4), _f(s["ece_after_per_position"][k], 4),
+                          _f(s["auc_before_per_position"][k]), _f(s["auc_after_per_position"][k])))
+    lines += ["", f"Mean ECE on the evaluation half of the held-out blocks: {s['ece_before']:.4f} -> "
+                  f"{s['ece_after']:.4f} ({s['blocks']} blocks)."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m dspark_jax.train.report train_log.json")
+    with open(sys.argv[1]) as f:
+        print(summarize(json.load(f)))
