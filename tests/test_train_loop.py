@@ -146,3 +146,55 @@ def test_plan_shards():
     assert plan_shards({"a": 5, "b": 6, "c": 4, "d": 5}, 10) == [["b", "c"], ["a", "d"]]
     with pytest.raises(ExportError, match="alone"):
         plan_shards({"a": 10}, 9)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_an_interrupted_phase_resumes_from_its_last_checkpoint(tmp_path):
+    from dspark_jax.train.run import _restore
+
+    data = np.arange(64).reshape(16, 4)
+    opt = OptimConfig(peak_lr=0.5, warmup_fraction=0.0)
+    sampler = WindowSampler(data, batch_size=2, seed=0)
+    ckpt = PhaseCheckpointer(str(tmp_path / "ckpt"))
+    seen = []
+    fake = _fake_step([])
+
+    def crashing(state, batch, lr, i):
+        if i == 3:
+            raise _Crash()
+        seen.append(batch.copy())
+        return fake(state, batch, lr, i)
+
+    meta = lambda: dict(sampler=dict(epoch=sampler.epoch, cursor=sampler.cursor))
+    with pytest.raises(_Crash):
+        run_phase(PhaseLog("p"), _toy_state(), crashing, sampler, opt, deadline=time.time() + 600, max_steps=6,
+                  checkpointer=ckpt, ckpt_every_s=0.0, save_meta=meta)
+    ckpt.close()
+
+    sampler = WindowSampler(data, batch_size=2, seed=0)
+    ckpt = PhaseCheckpointer(str(tmp_path / "ckpt"))
+    state, log = _restore(ckpt, _toy_state(), PhaseLog("p"), sampler, resume=True)
+    assert log.steps == 3 and not log.done and 0 < log.progress < 1 and int(state.step) == 3
+    np.testing.assert_allclose(state.master["b"], 1 - sum(h["lr"] for h in log.history))
+    state = run_phase(log, state, lambda s, b, lr, i: seen.append(b.copy()) or fake(s, b, lr, i), sampler, opt,
+                      deadline=time.time() + 600, max_steps=6, checkpointer=ckpt, save_meta=meta)
+    assert log.steps == 6 and [h["step"] for h in log.history] == list(range(6)) and int(state.step) == 6
+    # the data continues where the interrupted run stopped: 12 distinct windows, no repeats
+    firsts = [int(b[0, 0]) // 4 for b in seen]
+    assert len(seen) == 6 and len(set(firsts)) == 6
+    ckpt.close()
+
+
+def test_a_failing_checkpointer_does_not_stop_training():
+    class Broken:
+        def save(self, *a, **k):
+            raise OSError("disk full")
+
+    log = PhaseLog("p")
+    run_phase(log, _toy_state(), _fake_step([]), WindowSampler(np.arange(16).reshape(8, 2), batch_size=1),
+              OptimConfig(peak_lr=0.1), deadline=time.time() + 600, max_steps=3, checkpointer=Broken(),
+              ckpt_every_s=0.0)
+    assert log.steps == 3 and log.done and "disk full" in log.checkpoint_error

@@ -24,13 +24,14 @@ class PhaseLog:
     history: list[dict] = field(default_factory=list)  # one entry per step
     evals: list[dict] = field(default_factory=list)
     compile_s: float = 0.0  # first step of this invocation (compilation + one step)
-    train_s: float = 0.0  # wall time of all later steps
+    train_s: float = 0.0  # wall time of all later steps (evaluations and checkpoints excluded)
     steps: int = 0
     tokens: int = 0
     progress: float = 0.0  # of the learning-rate schedule, 1 = finished
     done: bool = False
     batch_size: int = 0
     epochs: float = 0.0
+    checkpoint_error: str | None = None  # checkpoints are only for resuming: a failure does not stop training
 
     @property
     def tokens_per_s(self) -> float:
@@ -41,12 +42,13 @@ class PhaseLog:
     def to_json(self) -> dict:
         return dict(name=self.name, steps=self.steps, tokens=self.tokens, compile_s=self.compile_s,
                     train_s=self.train_s, tokens_per_s=self.tokens_per_s, progress=self.progress, done=self.done,
-                    batch_size=self.batch_size, epochs=self.epochs, history=self.history, evals=self.evals)
+                    batch_size=self.batch_size, epochs=self.epochs, checkpoint_error=self.checkpoint_error,
+                    history=self.history, evals=self.evals)
 
     @classmethod
     def from_json(cls, d: dict) -> "PhaseLog":
         keys = ("name", "history", "evals", "compile_s", "train_s", "steps", "tokens", "progress", "done",
-                "batch_size", "epochs")
+                "batch_size", "epochs", "checkpoint_error")
         return cls(**{k: d[k] for k in keys if k in d})
 
 
@@ -80,6 +82,7 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
     p0, step0 = log.progress, log.steps
     host_state = jax.device_get(state) if retry_oom else None
     t_ready = None  # end of the first (compiling) step
+    paused = 0.0  # time spent in evaluations and checkpoints after the first step
     pending = None
     last_eval = last_ckpt = time.time()
     bar = tqdm(total=100, desc=log.name, unit="%", file=sys.stderr, mininterval=10.0, ascii=True,
@@ -102,10 +105,21 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
         log.evals.append(dict(step=log.steps, time_s=time.time() - t_start, **_to_host(eval_fn(state))))
         tqdm.write(f"[{log.name}] held-out eval at step {log.steps}: " + _fmt(log.evals[-1]))
 
+    def flush():
+        nonlocal pending
+        if pending is not None:
+            record(pending)
+            pending = None
+
     def checkpoint(done: bool):
-        if checkpointer is not None:
+        flush()  # the saved history must include the step the saved state ends on
+        if checkpointer is not None and log.checkpoint_error is None:
             log.done = done
-            checkpointer.save(log.steps, state, dict(log=log.to_json(), **save_meta()))
+            try:
+                checkpointer.save(log.steps, state, dict(log=log.to_json(), **save_meta()))
+            except Exception as e:  # noqa: BLE001
+                log.checkpoint_error = f"{type(e).__name__}: {e}"
+                tqdm.write(f"[{log.name}] checkpointing failed, training continues without it: {log.checkpoint_error}")
 
     if eval_fn is not None and log.steps == 0:
         evaluate()
@@ -130,8 +144,7 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
             tqdm.write(f"[{log.name}] first step (compile) took {log.compile_s:.1f} s, batch {batch.shape}")
         else:
             state, metrics = step_fn(state, batch, lr, log.steps)
-        if pending is not None:  # fetching the previous step keeps at most one step in flight
-            record(pending)
+        flush()  # fetching the previous step's metrics keeps at most one step in flight
         pending = (log.steps, time.time() - t_start, lr, metrics)
         log.steps += 1
         log.tokens += int(batch.size)
@@ -149,10 +162,10 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
         if checkpointer is not None and now - last_ckpt >= ckpt_every_s:
             checkpoint(done=False)
             last_ckpt = time.time()
-    if pending is not None:
-        record(pending)
+        paused += time.time() - now
+    flush()
     jax.block_until_ready(state)
-    log.train_s += time.time() - (t_ready or time.time())
+    log.train_s += time.time() - (t_ready or time.time()) - paused  # time in train steps only
     if eval_fn is not None and (not log.evals or log.evals[-1]["step"] != log.steps):
         evaluate()
     log.progress = 1.0
