@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-share", type=float, default=None, help="share of the training time for the target")
     p.add_argument("--target-batch", type=int, default=None, help="windows per target step")
     p.add_argument("--drafter-batch", type=int, default=None, help="windows per drafter step")
+    p.add_argument("--stages", type=int, default=None, help="DSpark drafter stages (default 3; toy 2)")
+    p.add_argument("--target-layers", default=None,
+                   help="comma-separated target layers whose hc-means feed the drafter (default: the last 3)")
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--work-dir", default=None,
@@ -43,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         changes["target"] = dataclasses.replace(cfg.target, batch_size=args.target_batch)
     if args.drafter_batch is not None:
         changes["drafter"] = dataclasses.replace(cfg.drafter, batch_size=args.drafter_batch)
+    ds = cfg.model.dspark
+    if args.stages is not None:
+        ds = dataclasses.replace(ds, num_stages=args.stages)
+    if args.target_layers is not None:
+        ds = dataclasses.replace(ds, target_layer_ids=tuple(int(x) for x in args.target_layers.split(",")))
+    if ds != cfg.model.dspark:
+        changes["model"] = cfg.model.replace(dspark=ds)
     cfg = cfg.replace(**changes)
     log = train_all(args.out_dir, cfg, work_dir=args.work_dir, resume=not args.no_resume)
     print(f"done in {log['timings']['total_s']:.0f} s: {args.out_dir}/model")

@@ -73,7 +73,7 @@ def shipped(minutes: float = 7.0) -> RunConfig:
         model=model_config.shipped(),
         corpus=CorpusConfig(),
         seq_len=1024,
-        target=PhaseConfig(batch_size=64, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.1)),
+        target=PhaseConfig(batch_size=48, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.1)),
         drafter=PhaseConfig(batch_size=32, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.0)),
         draft_loss=DraftLossConfig(num_anchors=128),
         minutes=minutes)
