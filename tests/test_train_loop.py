@@ -198,3 +198,25 @@ def test_a_failing_checkpointer_does_not_stop_training():
               OptimConfig(peak_lr=0.1), deadline=time.time() + 600, max_steps=3, checkpointer=Broken(),
               ckpt_every_s=0.0)
     assert log.steps == 3 and log.done and "disk full" in log.checkpoint_error
+
+
+def test_the_shipped_model_fits_two_16_mib_files():
+    from dspark_jax.checkpoint.hf import official_names
+    from dspark_jax.config import from_hf_config
+    from dspark_jax.model.common import Numerics
+    from dspark_jax.model.deepseek_v4 import DeepSeekV4
+    from dspark_jax.train.config import shipped
+    from dspark_jax.train.export import HEADER_ALLOWANCE
+
+    cfg = shipped().model
+    assert from_hf_config(cfg.to_hf_dict()) == cfg
+    assert {0, 4, 128} == set(cfg.compress_ratios) and 0 < cfg.num_hash_layers < cfg.num_hidden_layers
+    assert cfg.max_position_embeddings >= 1024 and shipped().seq_len == cfg.max_position_embeddings
+    abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, Numerics(), rngs=nnx.Rngs(0)))
+    dtypes = {".".join(map(str, k)): v.dtype for k, v in nnx.to_flat_state(nnx.state(abstract))}
+    sizes = {}
+    for name, (path, _, shape) in official_names(abstract).items():
+        itemsize = 8 if name.endswith("tid2eid") else np.dtype(dtypes[path]).itemsize
+        sizes[name] = int(np.prod(shape)) * itemsize
+    assert sum(sizes.values()) < 31 * 2**20  # + tokenizer (~0.4 MiB) and JSON files <= 32 MiB
+    assert len(plan_shards(sizes, 16 * 2**20 - HEADER_ALLOWANCE)) == 2
