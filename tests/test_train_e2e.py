@@ -62,6 +62,8 @@ def test_the_trained_pair_loads_and_scores_like_in_training(run):
     model = dspark_jax.load(os.path.join(out, "model"), dtype=np.float32)
     assert model.config.dspark is not None and len(model.module.mtp) == toy().model.dspark.num_stages
     assert model.tokenizer.token_to_id("<|noise|>") == model.config.dspark.noise_token_id
+    routes = np.asarray(model.module.layers[0].ffn.gate.tid2eid[...])  # hash layer: distinct experts per token
+    assert routes.shape == (model.config.vocab_size, 2) and (routes[:, 0] != routes[:, 1]).all()
     text = "def add(a, b):\n    return a + b\n"
     assert model.tokenizer.decode(model.tokenizer.encode(text).ids) == text
     # held-out loss through the public API equals the one measured by the training code

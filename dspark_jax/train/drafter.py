@@ -3,7 +3,7 @@
 Per batch of windows x [b, T]:
 1. the frozen target runs once: fp32 logits (the teacher distributions p_t) and the hc-means of
    the DSpark target layers; ``main_x = main_norm(main_proj(hidden))``;
-2. A random anchors a per window; block = [x_a, noise x (γ-1)] at positions a .. a+γ-1, slot k
+2. ``num_anchors`` random anchors a per window; block = [x_a, noise x (γ-1)] at positions a .. a+γ-1, slot k
    predicting x_{a+k+1};
 3. each stage attends to its context keys ``kv_norm(wkv(main_x))`` at positions a-W .. a-1
    (strictly before the anchor, W = sliding window) plus the block's own rows, bidirectionally:

@@ -50,7 +50,7 @@ def summarize(log: dict) -> str:
         "",
         "### Held-out acceptance by draft position (teacher-forced)",
         "",
-        _row("k", "greedy match", "greedy P(accept k | accepted < k)", "greedy survival", "mean c*_k (T = 1)"),
+        _row("k", "greedy match", "greedy conditional acceptance", "greedy survival", "mean c*_k (T = 1)"),
         _row("---", "---", "---", "---", "---"),
     ]
     h = d["heldout"]

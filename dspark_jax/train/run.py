@@ -35,7 +35,7 @@ from dspark_jax.train.corpus import WindowSampler, build_corpus, windows
 from dspark_jax.train.export import export_model
 from dspark_jax.train.loop import PhaseLog, run_phase
 from dspark_jax.train.optim import cast_like, init_state, make_optimizer
-from dspark_jax.train.target import make_target_eval, make_target_step
+from dspark_jax.train.target import init_hash_routes, make_target_eval, make_target_step
 from dspark_jax.train.tokenizer import encode_documents, train_tokenizer
 
 
@@ -225,6 +225,7 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
     dtype = jnp.dtype(cfg.dtype)
     model = DeepSeekV4(cfg.model, Numerics(dtype=dtype, param_dtype=dtype, quant_sim=False, moe_impl="dense"),
                        rngs=nnx.Rngs(cfg.seed))
+    init_hash_routes(model, jax.random.key(cfg.seed))
     log["parameters"] = count_parameters(model)
 
     train_time = deadline - cfg.reserve_s - time.time()

@@ -20,6 +20,17 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train.optim import TrainState, apply_gradients, cast_like
 
 
+def init_hash_routes(model: DeepSeekV4, key: Array) -> None:
+    """Give every token ``num_experts_per_tok`` distinct experts in each hash-routed layer (a random
+    table drawn with replacement can send a token twice to one expert). The table is fixed, not trained."""
+    cfg = model.cfg
+    for i, layer in enumerate(model.layers):
+        if cfg.is_hash_layer(i):
+            u = jax.random.uniform(jax.random.fold_in(key, i), (cfg.vocab_size, cfg.n_routed_experts))
+            routes = jnp.argsort(u, axis=-1)[:, :cfg.num_experts_per_tok].astype(jnp.int32)
+            layer.ffn.gate.tid2eid.set_value(routes)
+
+
 def causal_logits(model: DeepSeekV4, ids: Int[Array, "b t"]) -> Float[Array, "b t v"]:
     """fp32 logits of every position of full windows."""
     b, t = ids.shape
