@@ -31,6 +31,7 @@ class PhaseLog:
     done: bool = False
     batch_size: int = 0
     epochs: float = 0.0
+    peak_memory_gib: float | None = None  # device memory after the first step (None on CPU)
     checkpoint_error: str | None = None  # checkpoints are only for resuming: a failure does not stop training
 
     @property
@@ -42,13 +43,14 @@ class PhaseLog:
     def to_json(self) -> dict:
         return dict(name=self.name, steps=self.steps, tokens=self.tokens, compile_s=self.compile_s,
                     train_s=self.train_s, tokens_per_s=self.tokens_per_s, progress=self.progress, done=self.done,
-                    batch_size=self.batch_size, epochs=self.epochs, checkpoint_error=self.checkpoint_error,
+                    batch_size=self.batch_size, epochs=self.epochs, peak_memory_gib=self.peak_memory_gib,
+                    checkpoint_error=self.checkpoint_error,
                     history=self.history, evals=self.evals)
 
     @classmethod
     def from_json(cls, d: dict) -> "PhaseLog":
         keys = ("name", "history", "evals", "compile_s", "train_s", "steps", "tokens", "progress", "done",
-                "batch_size", "epochs", "checkpoint_error")
+                "batch_size", "epochs", "peak_memory_gib", "checkpoint_error")
         return cls(**{k: d[k] for k in keys if k in d})
 
 
@@ -58,6 +60,12 @@ def _to_host(metrics: dict) -> dict:
         v = np.asarray(v)
         out[k] = float(v) if v.ndim == 0 else v.astype(float).tolist()
     return out
+
+
+def peak_memory_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
 
 
 def is_out_of_memory(e: Exception) -> bool:
@@ -141,7 +149,9 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
             host_state = None
             t_ready = time.time()
             log.compile_s = t_ready - t_start
-            tqdm.write(f"[{log.name}] first step (compile) took {log.compile_s:.1f} s, batch {batch.shape}")
+            log.peak_memory_gib = peak_memory_gib()
+            mem = "" if log.peak_memory_gib is None else f", device memory peak {log.peak_memory_gib:.1f} GiB"
+            tqdm.write(f"[{log.name}] first step (compile) took {log.compile_s:.1f} s, batch {batch.shape}{mem}")
         else:
             state, metrics = step_fn(state, batch, lr, log.steps)
         flush()  # fetching the previous step's metrics keeps at most one step in flight
