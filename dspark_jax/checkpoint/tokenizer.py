@@ -137,10 +137,16 @@ def encode_chat(messages: Sequence[Mapping], thinking: bool = False, *, tokenize
     special = ChatTokens.from_tokenizer(tokenizer)
     by_text = {BOS: special.bos, EOS: special.eos, USER: special.user, ASSISTANT: special.assistant,
                THINK_START: special.think_start, THINK_END: special.think_end}
+    pieces = chat_pieces(messages, thinking, drop_thinking=drop_thinking)
     ids: list[int] = []
-    for piece, is_special in chat_pieces(messages, thinking, drop_thinking=drop_thinking):
-        if is_special:
-            ids.append(by_text[piece])
-        else:
-            ids.extend(tokenizer.encode(piece, add_special_tokens=False).ids)
+    as_text = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True  # special-token strings inside message text stay text
+    try:
+        for piece, is_special in pieces:
+            if is_special:
+                ids.append(by_text[piece])
+            else:
+                ids.extend(tokenizer.encode(piece, add_special_tokens=False).ids)
+    finally:
+        tokenizer.encode_special_tokens = as_text
     return ids
