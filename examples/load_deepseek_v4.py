@@ -39,7 +39,7 @@ from dspark_jax.checkpoint.tokenizer import encode_chat
 def load_model(checkpoint: str, cache: str | None, mesh) -> dspark_jax.Model:
     if cache and orbax.is_orbax_checkpoint(cache):
         print(f"restoring converted parameters from {cache}")
-        return orbax.restore(cache, mesh=mesh, quant_sim=True)
+        return orbax.restore(cache, mesh=mesh)  # dtype and quant_sim as saved
     model = dspark_jax.load(checkpoint, mesh=mesh, dspark=True)  # bf16 parameters, quant_sim from the files
     if cache:
         orbax.save(model, cache)

@@ -226,6 +226,14 @@ def test_mtp_stages(tiny_bf16_dir, tmp_path):
     m = _load(tiny_bf16_dir, dspark=False)
     assert m.config.dspark is None and not hasattr(m.module, "mtp")
 
+    def drop_mtp(t):
+        for k in [k for k in t if k.startswith("mtp.")]:
+            del t[k]
+    target_only = _edit(tiny_bf16_dir, tmp_path / "target_only", drop_mtp)  # config.json keeps its dspark_* keys
+    assert _load(target_only).config.dspark is None
+    with pytest.raises(CheckpointError, match=r"no DSpark drafter \(no mtp.\* tensors\); speculative decoding needs"):
+        _load(target_only, dspark=True)
+
     def legacy(t):
         for k in [k for k in t if k.startswith("mtp.")]:
             del t[k]

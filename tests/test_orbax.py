@@ -28,7 +28,8 @@ def test_save_restore_identical(loaded, tmp_path):
     with pytest.raises(FileExistsError):
         orbax.save(loaded, path)
     back = orbax.restore(path)
-    assert back.config == loaded.config and back.numerics.param_dtype == jnp.bfloat16
+    assert back.config == loaded.config and back.numerics == loaded.numerics  # bf16, quant_sim from fp8 / fp4
+    assert back.numerics.param_dtype == jnp.bfloat16 and back.numerics.quant_sim is True
     assert back.tokenizer is not None and back.tokenizer.get_vocab() == loaded.tokenizer.get_vocab()
     a, b = flat_params(loaded), flat_params(back)
     assert a.keys() == b.keys()

@@ -256,15 +256,13 @@ def _read_ids(reader: files.TensorReader, src: Source, dtype, upper: int) -> np.
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_fn(shape, dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+def _zeros_fn(shape, dtype, device):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
-@functools.lru_cache(maxsize=None)
-def _set_row_fn(sharding):
-    # Writes one expert into the stacked array in place (the stack is donated).
-    return jax.jit(lambda stack, x, i: jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), i, 0),
-                   donate_argnums=0, out_shardings=sharding)
+# Writes one expert into a device's part of a stacked array in place (the part is donated).
+_set_row = jax.jit(lambda part, x, i: jax.lax.dynamic_update_index_in_dim(part, x.astype(part.dtype), i, 0),
+                   donate_argnums=0)
 
 
 def _release_host_buffers():
@@ -289,14 +287,34 @@ def _read_param(reader, path: str, var: nnx.Variable, sources: list[Source], sha
         if np.issubdtype(dtype, np.integer):
             return _place(_read_ids(reader, sources[0], dtype, cfg.n_routed_experts), sharding)
         return _place(read_source(reader, sources[0], tuple(var.shape), dtype), sharding)
-    stack = _zeros_fn(tuple(var.shape), dtype, sharding)()
+    return _stack_experts(reader, sources, tuple(var.shape), dtype, sharding)
+
+
+def _stack_experts(reader, sources: list[Source], shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    """Routed experts [E, ...] read one expert at a time; each device receives only the experts
+    (and the slices of them) that its shard holds, written in place into its part."""
+    if sharding is None:
+        index_map = {jax.devices()[0]: tuple(slice(None) for _ in shape)}
+    else:
+        index_map = sharding.addressable_devices_indices_map(shape)
+    parts, rows = {}, {}
+    for device, index in index_map.items():
+        rows[device] = range(shape[0])[index[0]]
+        local = tuple(len(range(n)[i]) for n, i in zip(shape, index))
+        parts[device] = _zeros_fn(local, dtype, device)()
     for e, src in enumerate(sources):
-        arr = read_source(reader, src, tuple(var.shape[1:]), dtype)
-        stack = _set_row_fn(sharding)(stack, arr, np.int32(e))
+        arr = read_source(reader, src, shape[1:], dtype)
+        for device, index in index_map.items():
+            if e in rows[device]:
+                piece = jax.device_put(np.ascontiguousarray(arr[index[1:]]), device)
+                parts[device] = _set_row(parts[device], piece, np.int32(rows[device].index(e)))
         del arr
-    stack.block_until_ready()
+    for part in parts.values():
+        part.block_until_ready()
     _release_host_buffers()
-    return stack
+    if sharding is None:
+        return next(iter(parts.values()))
+    return jax.make_array_from_single_device_arrays(shape, sharding, list(parts.values()))
 
 
 def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
@@ -314,7 +332,8 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
     """
     entries = files.inventory(path)
     stages, legacy = mtp_stages(entries)
-    cfg = from_hf_config(path, num_dspark_stages=len(stages) or None)
+    # (without DSpark stages in the weights any dspark_* config keys are ignored below)
+    cfg = from_hf_config(path, num_dspark_stages=len(stages) or 1)
     if stages and cfg.dspark is None:
         raise CheckpointError(f"{path}: the weights hold DSpark stages mtp.0 .. mtp.{len(stages) - 1} but config.json "
                               f"has no dspark_* keys (dspark_block_size, dspark_noise_token_id, "

@@ -48,8 +48,9 @@ def save(model, path: str | os.PathLike, *, force: bool = False) -> None:
         ckptr.save(target, arrays, force=force)
         ckptr.wait_until_finished()
     cfg = model.config
-    meta = {"format": FORMAT, "param_dtype": jnp.dtype(model.numerics.param_dtype).name,
-            "dspark_stages": cfg.dspark.num_stages if cfg.dspark is not None else 0}
+    num = model.numerics
+    meta = {"format": FORMAT, "param_dtype": jnp.dtype(num.param_dtype).name, "dtype": jnp.dtype(num.dtype).name,
+            "quant_sim": bool(num.quant_sim), "dspark_stages": cfg.dspark.num_stages if cfg.dspark is not None else 0}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2)
     with open(os.path.join(path, META_FILE), "w") as f:
@@ -63,10 +64,13 @@ def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.exists(os.path.join(os.fspath(path), META_FILE))
 
 
-def restore(path: str | os.PathLike, *, mesh=None, dtype=jnp.bfloat16, quant_sim: bool = False,
+def restore(path: str | os.PathLike, *, mesh=None, dtype=None, quant_sim: bool | None = None,
             moe_impl: str = "auto"):
     """A ``dspark_jax.Model`` from a directory written by ``save``; with ``mesh`` every array is
-    read straight into its ``dspark_jax.sharding`` placement (otherwise onto the default device)."""
+    read straight into its ``dspark_jax.sharding`` placement (otherwise onto the default device).
+
+    dtype / quant_sim: None = as the saved model (parameters keep their saved dtypes).
+    """
     from dspark_jax.api import Model
     from dspark_jax.checkpoint.tokenizer import load_tokenizer
 
@@ -81,7 +85,8 @@ def restore(path: str | os.PathLike, *, mesh=None, dtype=jnp.bfloat16, quant_sim
     cfg = from_hf_config(path, num_dspark_stages=meta["dspark_stages"] or None)
     if not meta["dspark_stages"]:
         cfg = cfg.replace(dspark=None)
-    num = Numerics(dtype=dtype, param_dtype=jnp.dtype(meta["param_dtype"]), quant_sim=quant_sim, moe_impl=moe_impl)
+    num = Numerics(dtype=jnp.dtype(meta["dtype"] if dtype is None else dtype), param_dtype=jnp.dtype(meta["param_dtype"]),
+                   quant_sim=meta["quant_sim"] if quant_sim is None else bool(quant_sim), moe_impl=moe_impl)
     abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = _flat(state)
