@@ -409,7 +409,8 @@ def save_official(model, path: str, *, encoding: str = "bf16", config: dict | No
 
     model: a ``dspark_jax.Model`` or a ``DeepSeekV4`` module. encoding: see ``encode_tensor``.
     max_shard_bytes: split into ``model-0000k-of-0000n.safetensors`` shards of about this size
-    plus ``model.safetensors.index.json`` (default: one ``model.safetensors``).
+    plus ``model.safetensors.index.json`` (default: one ``model.safetensors``). A shard is
+    assembled in host memory before it is written, so large models need this.
     """
     from safetensors.numpy import save_file
 
@@ -421,9 +422,13 @@ def save_official(model, path: str, *, encoding: str = "bf16", config: dict | No
     shard_bytes, weight_map, total = 0, {}, 0
     tmp_names: list[str] = []
 
+    umask = os.umask(0)
+    os.umask(umask)
+
     def flush(tensors: dict[str, np.ndarray]):
         tmp = os.path.join(path, f".shard-{len(tmp_names):05d}.safetensors.tmp")
         save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates owner-only files
         tmp_names.append(tmp)
 
     pending: dict[str, np.ndarray] = {}
