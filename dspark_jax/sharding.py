@@ -134,3 +134,19 @@ def shard_model(model, mesh: Mesh):
     state = shard_state(state, param_shardings(state, model.config, mesh))
     return Model(nnx.merge(graphdef, state), tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures,
                  path=model.path)
+
+
+def model_mesh(model) -> Mesh | None:
+    """The mesh a model's parameters are placed on, or None for a single device."""
+    for leaf in jax.tree_util.tree_leaves(model.state):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None
+
+
+def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:
+    """Per-request state (caches, lengths, sampling arrays): split over ``data`` when the batch
+    divides by it, else replicated. The KV latent has no head axis to split over ``model``."""
+    data = mesh.shape.get(DATA, 1)
+    return NamedSharding(mesh, PartitionSpec(DATA) if data > 1 and batch % data == 0 else PartitionSpec())

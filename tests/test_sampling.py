@@ -98,7 +98,7 @@ def test_engine_sampling_matches_target_distribution(params):
         block_size=GAMMA, noise_token_id=7, target_layer_ids=(3, 4, 5), markov_rank=4))
     m = perturb(dspark_jax.init(cfg, 3, dtype=jnp.float32), 3, scale=3.0)
     prompt = [0, 3, 5, 2, 6, 4]
-    n = 3072
+    n = 2048
     res = dspark_jax.generate([prompt] * n, model=m, sampling=[SamplingParams(max_new_tokens=2, seed=i, **params)
                                                               for i in range(n)])
     samples = np.array([r.tokens for r in res])

@@ -28,6 +28,7 @@ from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
+from dspark_jax.sharding import batch_sharding, model_mesh
 
 PREFILL_CHUNK = 256
 
@@ -164,12 +165,14 @@ class Engine:
                             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
                             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
                             seed=jnp.asarray(seeds, jnp.uint32).astype(jnp.int32))
-        return BatchState(cache=init_cache(cfg, b, max_len, dtype),
-                          draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
-                          anchor=jnp.zeros((b,), jnp.int32), active=jnp.ones((b,), bool),
-                          n_generated=jnp.zeros((b,), jnp.int32),
-                          max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
-                          stop_ids=jnp.asarray(stop), sampling=sp)
+        bs = BatchState(cache=init_cache(cfg, b, max_len, dtype),
+                        draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
+                        anchor=jnp.zeros((b,), jnp.int32), active=jnp.ones((b,), bool),
+                        n_generated=jnp.zeros((b,), jnp.int32),
+                        max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                        stop_ids=jnp.asarray(stop), sampling=sp)
+        mesh = model_mesh(self.model)
+        return bs if mesh is None else jax.device_put(bs, batch_sharding(mesh, b))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
         """Chunked prefill of every prompt, then the first generated token of each request."""

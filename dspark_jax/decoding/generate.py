@@ -16,6 +16,7 @@ from dspark_jax.api import InputError, Model, load
 from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.sharding import model_mesh, shard_model
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
 _DEFAULT: dict[str, Model] = {}
@@ -34,7 +35,7 @@ def default_model() -> Model:
     if "tiny" not in _DEFAULT:
         if not os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
             raise FileNotFoundError(f"the default model is missing from {DEFAULT_MODEL_DIR}; pass model=")
-        _DEFAULT["tiny"] = load(DEFAULT_MODEL_DIR, dtype=jnp.float32)
+        _DEFAULT["tiny"] = load(DEFAULT_MODEL_DIR, dtype=jnp.float32, progress=False)
     return _DEFAULT["tiny"]
 
 
@@ -48,6 +49,14 @@ def resolve_model(model) -> Model:
             raise InputError(f"unknown model {model!r}: not a Model and not a checkpoint directory")
         return load(model)
     raise InputError(f"unknown model {model!r}: pass a dspark_jax.Model, a checkpoint directory or None")
+
+
+def _sharded(model: Model, mesh) -> Model:
+    """The model with parameters placed on ``mesh`` (kept, so compiled engines are reused)."""
+    cache = model.__dict__.setdefault("_sharded", {})
+    if id(mesh) not in cache:
+        cache[id(mesh)] = (mesh, shard_model(model, mesh))
+    return cache[id(mesh)][1]
 
 
 def _engine(model: Model, gamma: int, drafter) -> Engine:
@@ -108,13 +117,14 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
     directory, or None for the shipped default model. sampling: one ``SamplingParams`` for all
-    requests or one per request. speculative: DSpark drafting + lossless verification (False:
+    requests or one per request. mesh: a ``jax.sharding.Mesh`` (``dspark_jax.sharding.make_mesh``)
+    to spread the model over; a model loaded with ``mesh=`` already is. speculative: DSpark drafting + lossless verification (False:
     target-only decoding). Greedy speculative output equals greedy target-only output token for
     token; sampled output follows the target distribution.
     """
-    if mesh is not None:
-        raise NotImplementedError("sharded generation is not available yet; pass mesh=None")
     model = resolve_model(model)
+    if mesh is not None and model_mesh(model) is not mesh:
+        model = _sharded(model, mesh)
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
                                     and np.isscalar(prompts[0])):
         prompts = [prompts]
