@@ -143,12 +143,12 @@ def test_bad_inputs(tiny_f32):
 
 
 def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
-    """Parameters over an 8-device ``model`` axis (and a 2 x 4 data x model mesh): same tokens."""
+    """Parameters and per-request state spread over 8 devices: the same tokens."""
     from dspark_jax.sharding import make_mesh
 
     prompts, truth = greedy_truth
     assert len(jax.devices()) == 8
-    for mesh in (make_mesh(), make_mesh(data=2)):
-        res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=24), mesh=mesh)
-        for r, t in zip(res, truth):
-            assert r.tokens == t[:24]
+    mesh = make_mesh(data=2)  # 2 x 4: requests over data, heads / experts / vocab over model
+    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=12), mesh=mesh)
+    for r, t in zip(res, truth):
+        assert r.tokens == t[:12]
