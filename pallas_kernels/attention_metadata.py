@@ -78,11 +78,19 @@ def check_shapes(meta: RaggedMeta) -> None:
             raise ValueError(f"metadata {name} must be {jnp.dtype(want).name}, got {x.dtype}")
 
 
+def _concrete(x) -> np.ndarray | None:
+    """The values of ``x``, or None when it is traced (inside jit)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def check_values(meta: RaggedMeta, *, ring: int | None = None, n_entries: int | None = None) -> None:
     """Checks that need the values (skipped for traced metadata, e.g. inside jit)."""
-    if isinstance(meta.cu_q_lens, jax.core.Tracer):
+    cu = _concrete(meta.cu_q_lens)
+    if cu is None:
         return
-    cu = np.asarray(meta.cu_q_lens)
     lens = np.diff(cu)
     if cu[0] != 0 or (lens < 0).any():
         raise ValueError(f"cu_q_lens must start at 0 and be non-decreasing, got {cu.tolist()}")
@@ -90,18 +98,17 @@ def check_values(meta: RaggedMeta, *, ring: int | None = None, n_entries: int | 
         raise ValueError(f"cu_q_lens[-1] = {cu[-1]} exceeds the number of tokens {meta.num_tokens}")
     if lens.max(initial=0) > meta.max_q_len:
         raise ValueError(f"a request has {lens.max()} tokens, more than max_q_len = {meta.max_q_len}")
-    if meta.has_entries and not isinstance(meta.comp_len, jax.core.Tracer):
-        cl = np.asarray(meta.comp_len)
+    cl = _concrete(meta.comp_len) if meta.has_entries else None
+    if cl is not None:
         if (cl < 0).any() or (cl > meta.comp_idx.shape[1]).any():
             raise ValueError(f"comp_len must lie in [0, {meta.comp_idx.shape[1]}], got {cl.tolist()}")
-        if n_entries is not None and not isinstance(meta.comp_idx, jax.core.Tracer):
-            ci = np.asarray(meta.comp_idx)
+        ci = _concrete(meta.comp_idx)
+        if n_entries is not None and ci is not None:
             used = np.arange(ci.shape[1])[None] < cl[:, None]
             if (ci[used] >= n_entries).any():
                 raise ValueError(f"comp_idx names an entry >= the entries pool size {n_entries}")
-    if ring is not None and not isinstance(meta.win_lo, jax.core.Tracer):
-        end = np.asarray(meta.ring_end)
-        lo, hi = np.asarray(meta.win_lo), np.asarray(meta.win_hi)
+    end, lo, hi = _concrete(meta.ring_end), _concrete(meta.win_lo), _concrete(meta.win_hi)
+    if ring is not None and end is not None and lo is not None and hi is not None:
         req = np.searchsorted(cu[1:], np.arange(cu[-1]), side="right")
         if (lo[:cu[-1]] < end[req] - ring).any() or (hi[:cu[-1]] >= end[req]).any():
             raise ValueError(f"a token's window [win_lo, win_hi] reaches outside the ring of {ring} slots "

@@ -176,24 +176,25 @@ def _iota(n: int) -> Array:
 
 
 def _load_keys(refs, rows: Array, ok: Array, d: int, fp8: bool, out_dtype) -> Array:
-    """Key rows [bk, d] of a pool (flat refs), zero where not ``ok``; fp8 rows are dequantised."""
+    """Key rows [bk, d] of a pool (flat refs), zero where not ``ok``; fp8 rows are dequantised.
+
+    Everything stays 2-D: each nope column gathers the exponent byte of its 64-dim block and the
+    last ``rope_dim`` columns come from the rope pool (no in-register reshapes).
+    """
     r = rows[:, None]
     cols = _iota(d)[None, :]
     if not fp8:
         (pool_ref,) = refs
         return pltriton.load(pool_ref.at[r, cols], mask=ok[:, None], other=0.0)
     nope_ref, rope_ref = refs
-    groups = d // BLOCK
     nope = d - rope_ref.shape[1]
+    is_nope = cols < nope
     codes = pltriton.load(nope_ref.at[r, cols], mask=ok[:, None], other=0)
-    exps = pltriton.load(nope_ref.at[r, nope + _iota(groups)[None, :]], mask=ok[:, None], other=127)
-    rope = pltriton.load(rope_ref.at[r, _iota(rope_ref.shape[1])[None, :]], mask=ok[:, None], other=0.0)
+    exps = pltriton.load(nope_ref.at[r, nope + cols // BLOCK], mask=ok[:, None] & is_nope, other=0)
+    rope = pltriton.load(rope_ref.at[r, cols - nope], mask=ok[:, None] & ~is_nope, other=0.0)
     scale = lax.bitcast_convert_type(exps.astype(jnp.int32) << 23, jnp.float32)  # 2 ** (e - 127)
-    vals = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    vals = vals.reshape(rows.shape[0], groups, BLOCK) * scale[:, :, None]
-    g = lax.broadcasted_iota(jnp.int32, (1, groups, BLOCK), 1)
-    vals = jnp.where(g < groups - 1, vals, rope.astype(jnp.float32)[:, None, :])  # last 64 dims: rope
-    return vals.reshape(rows.shape[0], d).astype(out_dtype)
+    vals = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    return jnp.where(is_nope, vals, rope.astype(jnp.float32)).astype(out_dtype)
 
 
 def _online_update(state, q, kv, visible, scale: float):
