@@ -146,9 +146,10 @@ def _check(out, ref) -> dict:
 
 def run_attention_case(case, dims, ceil, config, time_xla=True) -> dict:
     inputs, info = build_case(*case, dims)
+    config = config or ra.default_config(dims["heads"], info["q_len"], info["batch"])
     kern, ref = _attn_fns(config)
     r = ref(*inputs)
-    info.update(config=config.__dict__ if config else None, **_check(kern(*inputs), r))
+    info.update(config=dict(config.__dict__), **_check(kern(*inputs), r))
     t_k = median_time(kern, *inputs)
     info.update(kernel_us=t_k * 1e6, kernel_GBps=info["bytes"] / t_k / 1e9,
                 kernel_TFLOPs=info["useful_flops"] / t_k / 1e12)
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
     else:
         sweep_cases = [("c128", 64, 32768, 6, "bf16"), ("c4", 64, 32768, 6, "fp8")]
         configs = [None] + [ra.BlockConfig(*c) for c in [(1, 64, 32, 8, 2), (2, 32, 32, 8, 2), (1, 64, 64, 8, 1),
-                                                          (1, 16, 64, 4, 2), (1, 32, 16, 4, 3)]]
+                                                          (1, 16, 64, 4, 2), (1, 32, 16, 4, 3), (1, 64, 16, 4, 2)]]
         cases = []
         for layout in ("bf16", "fp8"):
             cases += [("swa", b, 32768, 6, layout) for b in (1, 8, 64)]
@@ -335,6 +336,8 @@ def main(argv=None) -> int:
         if over_budget(("attention", case)):
             continue
         cfg = chosen.get("c4" if case[0] == "c4" else "c128")
+        if cfg is not None:  # tiles from the sweep, key splits for this grid size
+            cfg = ra.auto_splits(cfg, dims["heads"], case[3], case[1])
         try:
             r = run_attention_case(case, dims, ceil, cfg)
             print(f"attention {case}: {r['kernel_us']:.1f} us, {r['kernel_GBps']:.0f} GB/s, "

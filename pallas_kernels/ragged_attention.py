@@ -41,15 +41,21 @@ Pool = Array | Fp8Rows
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes (all powers of two; block_t * block_h >= 16 rows, block_k >= 16 keys)."""
+    """Tile sizes (powers of two; block_t * block_h >= 16 rows, block_k >= 16 keys) and the number
+    of key splits: with ``kv_splits`` > 1 every (request, token block, head block) is spread over
+    that many programs, each taking a share of the key tiles, and the partial softmax states are
+    merged in XLA afterwards (more parallelism for small batches and decode)."""
 
     block_t: int
     block_h: int
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    kv_splits: int = 1
 
     def check(self) -> None:
+        if self.kv_splits < 1:
+            raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
         for name in ("block_t", "block_h", "block_k"):
             if not backend.is_power_of_2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
@@ -58,11 +64,20 @@ class BlockConfig:
                              f"{self.block_t * self.block_h}, block_k = {self.block_k}")
 
 
-def default_config(num_heads: int, max_q_len: int, rows: int = 32) -> BlockConfig:
+def auto_splits(cfg: BlockConfig, num_heads: int, max_q_len: int, num_requests: int, *,
+                target_programs: int = 128) -> BlockConfig:
+    """``cfg`` with key splits when its grid has fewer than ``target_programs`` programs."""
+    programs = num_requests * -(-max_q_len // cfg.block_t) * -(-num_heads // cfg.block_h)
+    splits = 1 if programs >= target_programs else min(8, backend.next_power_of_2(-(-target_programs // programs)))
+    return dataclasses.replace(cfg, kv_splits=splits)
+
+
+def default_config(num_heads: int, max_q_len: int, num_requests: int = 64, *, rows: int = 32) -> BlockConfig:
+    """Tiles of ``rows`` (token, head) rows, split keys for small grids (``auto_splits``)."""
     block_h = min(backend.next_power_of_2(num_heads), rows)
     block_t = max(1, min(backend.next_power_of_2(max_q_len), rows // block_h))
     block_t = max(block_t, 16 // block_h)
-    return BlockConfig(block_t=block_t, block_h=block_h)
+    return auto_splits(BlockConfig(block_t=block_t, block_h=block_h), num_heads, max_q_len, num_requests)
 
 
 # ------------------------------------------------------------------------------ shared helpers
@@ -216,7 +231,12 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
                       n_tok_blocks: int, num_tokens: int, w_fp8: bool, c_fp8: bool, has_entries: bool,
                       scale: float, pv_dtype_w, pv_dtype_c):
     refs = list(refs)
-    o_ref = refs.pop()
+    split = cfg.kv_splits > 1
+    if split:  # partial softmax states of each key split
+        acc_ref, m_ref, l_ref = refs[-3:]
+        refs = refs[:-3]
+    else:
+        o_ref = refs.pop()
     cu_ref, lo_ref, hi_ref, end_ref, q_ref, sink_ref = refs[:6]
     rest = refs[6:]
     w_refs = tuple(rest[:2] if w_fp8 else rest[:1])
@@ -225,15 +245,41 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
         idx_ref, len_ref, mask_ref = rest[:3]
         c_refs = tuple(rest[3:5] if c_fp8 else rest[3:4])
 
-    bt, bh, bk = cfg.block_t, cfg.block_h, cfg.block_k
+    bt, bh, bk, n_split = cfg.block_t, cfg.block_h, cfg.block_k, cfg.kv_splits
     d = q_ref.shape[1]
     n_req = end_ref.shape[0]
-    hb, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n_rows = num_tokens * heads  # rows of q / the output: token * heads + head
+    ks, hb, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     i = _iota(bt * bh)
     head = hb * bh + i % bh
     head_ok = head < heads
     head_c = jnp.where(head_ok, head, 0)
     cols = _iota(d)[None, :]
+
+    def store(row, ok, state):
+        """Final output, or this split's partial state. Masked rows index one past the end: never
+        accessed on a GPU, and in interpret mode a masked store to a shared in-range row could
+        race with a real one."""
+        m, l, acc = state
+        if split:
+            dest = jnp.where(ok, ks * n_rows + row, n_split * n_rows)
+            pltriton.store(acc_ref.at[dest[:, None], cols], acc, mask=ok[:, None])
+            pltriton.store(m_ref.at[dest], m, mask=ok)
+            pltriton.store(l_ref.at[dest], l, mask=ok)
+        else:
+            sink = pltriton.load(sink_ref.at[head_c], mask=head_ok, other=0.0)
+            m = jnp.where(m == -jnp.inf, 0.0, m)
+            out = acc / (l + jnp.exp(sink - m))[:, None]
+            dest = jnp.where(ok, row, n_rows)[:, None]
+            pltriton.store(o_ref.at[dest, cols], out.astype(o_ref.dtype), mask=ok[:, None])
+
+    def share(n_tiles):
+        """This split's range of ``n_tiles`` key tiles."""
+        per = pl.cdiv(n_tiles, n_split)
+        return jnp.minimum(ks * per, n_tiles), jnp.minimum((ks + 1) * per, n_tiles)
+
+    empty = (jnp.full((bt * bh,), -jnp.inf, jnp.float32), jnp.zeros((bt * bh,), jnp.float32),
+             jnp.zeros((bt * bh, d), jnp.float32))
 
     @pl.when(s < n_req)
     def _attend():
@@ -244,16 +290,11 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
             tok = q0 + j * bt + i // bh
             row_ok = (tok < q1) & head_ok
             tok_c = jnp.where(row_ok, tok, 0)
-            # masked rows index one past the end: never accessed on a GPU, and in interpret mode a
-            # masked store to a shared in-range row could race with a real one
-            qrow = jnp.where(row_ok, tok * heads + head, num_tokens * heads)[:, None]
-            q = pltriton.load(q_ref.at[qrow, cols], mask=row_ok[:, None], other=0.0)
+            row = tok * heads + head
+            q = pltriton.load(q_ref.at[jnp.where(row_ok, row, 0)[:, None], cols], mask=row_ok[:, None], other=0.0)
             lo = pltriton.load(lo_ref.at[tok_c], mask=row_ok, other=1)  # masked rows: empty window
             hi = pltriton.load(hi_ref.at[tok_c], mask=row_ok, other=0)
             end = end_ref[s]
-            rows = bt * bh
-            state = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-                     jnp.zeros((rows, d), jnp.float32))
 
             def ring_tile(kt, state):
                 slot = kt * bk + _iota(bk)
@@ -263,7 +304,7 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
                 vis = ok[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= hi[:, None])
                 return _online_update(state, q, kv, vis, scale)
 
-            state = lax.fori_loop(0, pl.cdiv(ring, bk), ring_tile, state)
+            state = lax.fori_loop(*share(pl.cdiv(ring, bk)), ring_tile, empty)
 
             if has_entries:
                 n_used = len_ref[s]
@@ -278,24 +319,17 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
                                            mask=row_ok[:, None] & u_ok[None, :], other=0)
                     return _online_update(state, q, kv, ok[None, :] & (picked != 0), scale)
 
-                state = lax.fori_loop(0, pl.cdiv(n_used, bk), entry_tile, state)
-
-            m, l, acc = state
-            sink = pltriton.load(sink_ref.at[head_c], mask=head_ok, other=0.0)
-            m = jnp.where(m == -jnp.inf, 0.0, m)
-            out = acc / (l + jnp.exp(sink - m))[:, None]
-            pltriton.store(o_ref.at[qrow, cols], out.astype(o_ref.dtype), mask=row_ok[:, None])
+                state = lax.fori_loop(*share(pl.cdiv(n_used, bk)), entry_tile, state)
+            store(row, row_ok, state)
 
     @pl.when(s == n_req)
-    def _zero_padding_tokens():
+    def _padding_tokens():  # tokens after the last request: zero output (empty states)
         first = cu_ref[n_req] + j * bt
         step = n_tok_blocks * bt
 
         def body(it, carry):
             tok = first + it * step + i // bh
-            ok = (tok < num_tokens) & head_ok
-            qrow = jnp.where(ok, tok * heads + head, num_tokens * heads)[:, None]
-            pltriton.store(o_ref.at[qrow, cols], jnp.zeros((bt * bh, d), o_ref.dtype), mask=ok[:, None])
+            store(tok * heads + head, (tok < num_tokens) & head_ok, empty)
             return carry
 
         lax.fori_loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), step), body, 0)
@@ -305,6 +339,16 @@ def _flat(pool: Pool) -> tuple[Array, ...]:
     if isinstance(pool, Fp8Rows):
         return (pool.nope.reshape(-1, pool.head_dim), pool.rope.reshape(-1, pool.rope_dim))
     return (pool.reshape(-1, pool.shape[-1]),)
+
+
+def merge_splits(acc, m, l, sink, out_dtype):
+    """Merge per-split softmax states ``acc [P, n, d], m [P, n], l [P, n]`` (row n = token * H + head)."""
+    m_max = jnp.max(m, axis=0)
+    m_use = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = jnp.exp(m - m_use)  # splits without keys (m = -inf) weigh 0
+    sink_rows = jnp.tile(sink.astype(jnp.float32), m.shape[1] // sink.shape[0])
+    den = jnp.sum(w * l, axis=0) + jnp.exp(sink_rows - m_use)
+    return (jnp.einsum("pn,pnd->nd", w, acc) / den[:, None]).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "scale", "interpret"))
@@ -325,15 +369,24 @@ def _pallas(q, window, entries, sink, meta: RaggedMeta, *, cfg: BlockConfig, sca
         n_tok_blocks=n_tok_blocks, num_tokens=t, w_fp8=isinstance(window, Fp8Rows),
         c_fp8=isinstance(entries, Fp8Rows), has_entries=has_entries, scale=scale,
         pv_dtype_w=_pool_dtype(window), pv_dtype_c=_pool_dtype(entries) if has_entries else None)
+    p = cfg.kv_splits
+    if p > 1:
+        out_shape = (jax.ShapeDtypeStruct((p * t * h, d), jnp.float32), jax.ShapeDtypeStruct((p * t * h,), jnp.float32),
+                     jax.ShapeDtypeStruct((p * t * h,), jnp.float32))
+    else:
+        out_shape = jax.ShapeDtypeStruct((t * h, d), q.dtype)
     with backend.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
-            grid=(pl.cdiv(h, cfg.block_h), n_tok_blocks, s + 1),
-            out_shape=jax.ShapeDtypeStruct((t * h, d), q.dtype),
+            grid=(p, pl.cdiv(h, cfg.block_h), n_tok_blocks, s + 1),
+            out_shape=out_shape,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
             interpret=interpret,
             name="ragged_sink_attention",
         )(*args)
+    if p > 1:
+        acc, m, l = out
+        out = merge_splits(acc.reshape(p, t * h, d), m.reshape(p, t * h), l.reshape(p, t * h), sink, q.dtype)
     return out.reshape(t, h, d)
 
 
@@ -347,7 +400,7 @@ def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: F
         raise ValueError(f"head_dim must be a power of two >= 16 for the kernel, got {d}")
     check_values(meta, ring=_pool_shape(window)[1],
                  n_entries=_pool_shape(entries)[1] if entries is not None else None)
-    cfg = config or default_config(h, meta.max_q_len)
+    cfg = config or default_config(h, meta.max_q_len, meta.num_requests)
     cfg.check()
     scale = d**-0.5 if scale is None else float(scale)
     return _pallas(q, window, entries, sink, meta, cfg=cfg, scale=scale, interpret=backend.interpret_mode(interpret))

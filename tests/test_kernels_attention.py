@@ -52,8 +52,8 @@ def test_interpret_mode_poisons_outputs():
 VERIFY = ([1, 6, 3, 6, 2], [0, 5, 31, 100, 9])
 
 
-@pytest.mark.parametrize("dtype,layout", [("f32", "plain"), ("bf16", "fp8")])
-def test_window_only(dtype, layout):
+@pytest.mark.parametrize("dtype,layout,splits", [("f32", "plain", 1), ("bf16", "fp8", 4)])
+def test_window_only(dtype, layout, splits):
     rng = np.random.default_rng(0)
     q_lens, lengths = VERIFY
     t = sum(q_lens) + 3  # three padding tokens
@@ -64,7 +64,7 @@ def test_window_only(dtype, layout):
     if layout == "fp8":
         ring = kv_fp8.quantize(ring)
     sink = _rand(rng, (H,))
-    out = ra.kernel(q, ring, None, sink, meta)
+    out = ra.kernel(q, ring, None, sink, meta, config=ra.BlockConfig(block_t=4, block_h=4, kv_splits=splits))
     _compare(out, ra.reference(q, ring, None, sink, meta), dtype, sum(q_lens))
 
 
@@ -94,7 +94,7 @@ def test_topk_entries_with_empty_slots(dtype, w_layout, c_layout):
 
 
 @pytest.mark.parametrize("config", [None, ra.BlockConfig(block_t=1, block_h=16, block_k=16),
-                                    ra.BlockConfig(block_t=2, block_h=8, block_k=64, num_warps=8)])
+                                    ra.BlockConfig(block_t=2, block_h=8, block_k=64, num_warps=8, kv_splits=3)])
 def test_prefix_entries_block_configs(config):
     rng = np.random.default_rng(2)
     q_lens, lengths = VERIFY
@@ -211,6 +211,15 @@ def test_sink_attention_is_the_models():
 
 
 # ------------------------------------------------------------------ metadata
+def test_default_config():
+    flash = ra.default_config(64, 6, 64)  # 64 requests x 6 verify tokens: enough programs, no split
+    assert (flash.block_t, flash.block_h, flash.kv_splits) == (1, 32, 1)
+    assert ra.default_config(64, 6, 1).kv_splits == 8  # one request: spread its keys
+    tiny = ra.default_config(4, 1, 64)
+    assert tiny.block_t * tiny.block_h >= 16
+    tiny.check()
+
+
 def test_topk_union_and_membership():
     rng = np.random.default_rng(7)
     q_lens, k = [3, 1, 4], 4

@@ -42,6 +42,7 @@ def test_fp8_write_lowers_for_gfx950():
     (None, None),  # window-only layers and the drafter
     (6 * K, None),  # C4: union of 6 tokens' top-512
     (N, ra.BlockConfig(block_t=1, block_h=64, block_k=32, num_warps=8, num_stages=2)),  # C128 at 64k
+    (N, ra.BlockConfig(block_t=2, block_h=16, block_k=64, num_warps=4, num_stages=3, kv_splits=4)),
 ])
 def test_ragged_attention_lowers_for_gfx950(layout, entries, config):
     args = (SD((T, H, D), jnp.bfloat16), _pool(RING, layout), _pool(N, layout) if entries else None,
