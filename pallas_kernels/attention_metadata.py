@@ -10,7 +10,8 @@ Queries of S requests are flattened into one token axis of T rows: request s own
 - compressed entries (optional): slot u < ``comp_len[s]`` of the request's list names entry
   ``comp_idx[s, u]`` (-1 = empty); it is a key of token t iff ``comp_mask[t, u] != 0``.
 
-Builders: ``verify`` (target decode / verify chunks, causal sliding window), ``draft`` (the
+Builders: ``verify`` (target decode / verify chunks, causal sliding window; ``verify_dense`` for
+the batch-dense [S, width] layout with padding rows), ``draft`` (the
 drafter's block rows: the last ``window`` committed rows plus the whole block, non-causal), and
 ``with_prefix_entries`` (Cm layers: every entry w < (p + 1) // m) / ``with_topk_entries`` (C4
 layers: the indexer's top-k, merged into one list per request so that each entry row is read
@@ -110,7 +111,9 @@ def check_values(meta: RaggedMeta, *, ring: int | None = None, n_entries: int | 
     end, lo, hi = _concrete(meta.ring_end), _concrete(meta.win_lo), _concrete(meta.win_hi)
     if ring is not None and end is not None and lo is not None and hi is not None:
         req = np.searchsorted(cu[1:], np.arange(cu[-1]), side="right")
-        if (lo[:cu[-1]] < end[req] - ring).any() or (hi[:cu[-1]] >= end[req]).any():
+        lo, hi = lo[:cu[-1]], hi[:cu[-1]]
+        used = lo <= hi  # an empty window (lo > hi) reads nothing
+        if (used & ((lo < end[req] - ring) | (hi >= end[req]))).any():
             raise ValueError(f"a token's window [win_lo, win_hi] reaches outside the ring of {ring} slots "
                              f"(positions [ring_end - {ring}, ring_end))")
 
@@ -146,6 +149,22 @@ def verify(q_lens: Int[Array, " s"], lengths: Int[Array, " s"], *, window: int, 
     return meta, pos
 
 
+def verify_dense(n_valid: Int[Array, " s"], lengths: Int[Array, " s"], *, width: int,
+                 window: int) -> tuple[RaggedMeta, Int[Array, " t"]]:
+    """``verify`` for the batch-dense layout ``[S, width]`` flattened to T = S * width tokens (what
+    the model's ``Chunk`` uses): row t of request s is a real token iff t < n_valid[s]; the other
+    rows get no key and a zero output. Returns the metadata and positions (-1 for padding rows)."""
+    n_valid, lengths = _i32(n_valid), _i32(lengths)
+    s = n_valid.shape[0]
+    row = jnp.arange(width, dtype=jnp.int32)[None]
+    valid = (row < n_valid[:, None]).reshape(-1)
+    pos = jnp.where(valid, (lengths[:, None] + row).reshape(-1), -1)
+    meta = RaggedMeta(cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32) * width,
+                      win_lo=jnp.where(valid, pos - window + 1, 1), win_hi=jnp.where(valid, pos, 0),
+                      ring_end=lengths + n_valid, max_q_len=width)
+    return meta, pos
+
+
 def draft(lengths: Int[Array, " s"], *, block: int, window: int) -> RaggedMeta:
     """The drafter's block of ``block`` rows per request at positions lengths[s] .. + block - 1,
     written into the (transient part of the) context ring before attending. Every block row sees
@@ -171,11 +190,15 @@ def with_prefix_entries(meta: RaggedMeta, positions: Int[Array, " t"], *, ratio:
                                comp_mask=(u[None] < count[:, None]).astype(jnp.int8))
 
 
-def with_topk_entries(meta: RaggedMeta, topk: Int[Array, "t k"]) -> RaggedMeta:
+def with_topk_entries(meta: RaggedMeta, topk: Int[Array, "t k"],
+                      positions: Int[Array, " t"] | None = None) -> RaggedMeta:
     """C4 layers: token t sees the entries ``topk[t]`` (-1 = empty). The lists of a request's tokens
     are merged into one sorted list without duplicates (so each entry is loaded once per request);
-    ``comp_mask`` says which token picked which slot. U = max_q_len * k."""
+    ``comp_mask`` says which token picked which slot. U = max_q_len * k. With ``positions`` given,
+    the picks of padding rows (position -1) are ignored."""
     topk = _i32(topk)
+    if positions is not None:
+        topk = jnp.where(_i32(positions)[:, None] >= 0, topk, -1)
     t, k = topk.shape
     s, q = meta.num_requests, meta.max_q_len
     cu = meta.cu_q_lens

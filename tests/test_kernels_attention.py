@@ -151,8 +151,8 @@ def _flatten(x, n_valid):
     return jnp.concatenate([x[i, :int(n)] for i, n in enumerate(n_valid)], axis=0)
 
 
-@pytest.mark.parametrize("kind", ["window", "prefix", "topk"])
-def test_reference_matches_model_key_sets(kind):
+@pytest.mark.parametrize("kind,dense", [("window", False), ("prefix", False), ("topk", False), ("topk", True)])
+def test_reference_matches_model_key_sets(kind, dense):
     rng = np.random.default_rng(4)
     b, t, n, ratio, k = 4, 6, 12, 4, 3
     lengths = jnp.asarray([0, 7, 30, 45], jnp.int32)
@@ -162,7 +162,12 @@ def test_reference_matches_model_key_sets(kind):
     part, pos = _model_window_part(window, kv, lengths, n_valid, t)
     parts = [part]
     entries = _rand(rng, (b, n, D))
-    meta, tok_pos = am.verify(n_valid, lengths, window=W, num_tokens=int(n_valid.sum()), max_q_len=t)
+    if dense:  # the model's [b, t] layout with padding rows, flattened
+        meta, tok_pos = am.verify_dense(n_valid, lengths, width=t, window=W)
+        flat = lambda x: x.reshape(b * t, *x.shape[2:])  # noqa: E731
+    else:
+        meta, tok_pos = am.verify(n_valid, lengths, window=W, num_tokens=int(n_valid.sum()), max_q_len=t)
+        flat = lambda x: _flatten(x, n_valid)  # noqa: E731
     if kind == "prefix":
         parts.append((entries, jnp.arange(n)[None, None] < visible_entries(pos, ratio)[..., None]))
         meta = am.with_prefix_entries(meta, tok_pos, ratio=ratio, num_slots=n)
@@ -176,12 +181,18 @@ def test_reference_matches_model_key_sets(kind):
         top = jnp.asarray(top)
         picked = entries[jnp.arange(b)[:, None, None], jnp.maximum(top, 0)]
         parts.append((picked, top >= 0))
-        meta = am.with_topk_entries(meta, _flatten(top, n_valid))
-    expect = model_attention.sink_attention(q, parts, sink, D**-0.5)
+        meta = am.with_topk_entries(meta, flat(top), tok_pos)
+    expect = flat(model_attention.sink_attention(q, parts, sink, D**-0.5))
 
     ring = scatter_rows(window, ring_write_slots(lengths, n_valid, t, R), kv)  # the chunk's rows first
-    got = ra.reference(_flatten(q, n_valid), ring, None if kind == "window" else entries, sink, meta)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(_flatten(expect, n_valid)), rtol=1e-5, atol=1e-5)
+    got = ra.reference(flat(q), ring, None if kind == "window" else entries, sink, meta)
+    real = np.asarray(tok_pos) >= 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expect)[real], rtol=1e-5, atol=1e-5)
+    assert (np.asarray(got)[~real] == 0).all()
+    if dense:  # and the kernel on the dense layout
+        out = ra.kernel(flat(q), ring, entries, sink, meta)
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_allclose(np.asarray(out), np.asarray(got), rtol=2e-5, atol=2e-5)
 
 
 def test_reference_matches_drafter_key_sets():
