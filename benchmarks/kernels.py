@@ -15,6 +15,10 @@ the roofline fraction (max(bytes / copy BW, flops / matmul peak) / time) and the
 
     python benchmarks/kernels.py                  # GPU: writes $OUT/kernels.{json,png,md} (OUT=./out)
     python benchmarks/kernels.py --smoke          # tiny shapes, any machine (interpret mode on CPU)
+    python benchmarks/kernels.py --plot-from out/kernels.json   # redraw the plot elsewhere
+
+Small batches fit in the GPU's L2 cache and are timed warm (back-to-back calls on the same
+inputs), which flatters their GB/s; batch 64 at 32k context moves far more than L2 holds.
 """
 
 from __future__ import annotations
@@ -170,13 +174,13 @@ def run_attention_case(case, dims, ceil, config, time_xla=True) -> dict:
 
 
 # ------------------------------------------------------------------------------ fp8 write
-def run_fp8_write_case(n_rows, pool_rows, dims, ceil) -> dict:
+def run_fp8_write_case(n_rows, pool_rows, dims, ceil, block_rows=16, time_xla=True) -> dict:
     d = dims["head_dim"]
     rows = jax.random.normal(jax.random.key(7), (n_rows, d), jnp.float32).astype(jnp.bfloat16)
     slots = jax.random.permutation(jax.random.key(8), pool_rows)[:n_rows].astype(jnp.int32)
     slots = slots.at[::17].set(-1)  # a few skipped rows
     pool = kv_fp8.zeros((pool_rows,), d, dims["rope"])
-    kern = jax.jit(lambda p, s, x: kv_fp8.write_kernel(p, s, x), donate_argnums=0)
+    kern = jax.jit(lambda p, s, x: kv_fp8.write_kernel(p, s, x, block_rows=block_rows), donate_argnums=0)
     ref = jax.jit(lambda p, s, x: kv_fp8.write_reference(p, s, x), donate_argnums=0)
     a = kern(kv_fp8.zeros((pool_rows,), d, dims["rope"]), slots, rows)
     b = ref(kv_fp8.zeros((pool_rows,), d, dims["rope"]), slots, rows)
@@ -195,11 +199,13 @@ def run_fp8_write_case(n_rows, pool_rows, dims, ceil) -> dict:
         return step
 
     t_k = median_time(chain(kern), slots, rows)
-    pool = kv_fp8.zeros((pool_rows,), d, dims["rope"])
-    t_x = median_time(chain(ref), slots, rows)
-    return dict(rows=n_rows, pool_rows=pool_rows, bit_exact=exact, bytes=nbytes, kernel_us=t_k * 1e6,
-                kernel_GBps=nbytes / t_k / 1e9, bw_fraction=nbytes / t_k / 1e9 / ceil["copy_GBps"],
-                xla_us=t_x * 1e6, speedup_vs_xla=t_x / t_k)
+    r = dict(rows=n_rows, pool_rows=pool_rows, block_rows=block_rows, bit_exact=exact, bytes=nbytes,
+             kernel_us=t_k * 1e6, kernel_GBps=nbytes / t_k / 1e9, bw_fraction=nbytes / t_k / 1e9 / ceil["copy_GBps"])
+    if time_xla:
+        pool = kv_fp8.zeros((pool_rows,), d, dims["rope"])
+        t_x = median_time(chain(ref), slots, rows)
+        r.update(xla_us=t_x * 1e6, speedup_vs_xla=t_x / t_k)
+    return r
 
 
 # ------------------------------------------------------------------------------ report
@@ -275,9 +281,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Pallas kernel benchmark (see module docstring)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs anywhere, interpret mode off GPU)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining cases after this many seconds")
+    ap.add_argument("--plot-from", metavar="JSON", help="only redraw kernels.png / kernels.md from a saved kernels.json")
     args = ap.parse_args(argv)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            saved = json.load(f)
+        att = [a for a in saved["attention"] if "kernel_us" in a]
+        wr = [w for w in saved["fp8_write"] if "kernel_us" in w]
+        with open(os.path.join(out_dir, "kernels.md"), "w") as f:
+            f.write(markdown(dict(saved, fp8_write=wr)))
+        print(plot(dict(saved, attention=att, fp8_write=wr), os.path.join(out_dir, "kernels.png")) or "redrawn")
+        return 0
     dims = SMOKE if args.smoke else FLASH
     start = time.time()
     dev = jax.devices()[0]
@@ -301,19 +317,42 @@ def main(argv=None) -> int:
         configs = [None, ra.BlockConfig(1, 16, 16, 4, 1)]
         cases = [("swa", 2, 512, 6, "bf16"), ("c128", 2, 512, 6, "fp8"), ("c4", 2, 512, 6, "fp8"),
                  ("c4", 1, 512, 1, "bf16")]
-        writes = [(16, 64), (100, 256)]
+        writes, write_sweep = [(16, 64), (100, 256)], (100, 256)
     else:
         sweep_cases = [("c128", 64, 32768, 6, "bf16"), ("c4", 64, 32768, 6, "fp8")]
-        configs = [None] + [ra.BlockConfig(*c) for c in [(1, 64, 32, 8, 2), (2, 32, 32, 8, 2), (1, 64, 64, 8, 1),
-                                                          (1, 16, 64, 4, 2), (1, 32, 16, 4, 3), (1, 64, 16, 4, 2)]]
-        cases = []
-        for layout in ("bf16", "fp8"):
-            cases += [("swa", b, 32768, 6, layout) for b in (1, 8, 64)]
-            cases += [("c128", b, 32768, 6, layout) for b in (1, 8, 64)]
-            cases += [("c128", 64, c, 6, layout) for c in (8192, 65536)]
-            cases += [("c4", b, 32768, 6, layout) for b in (1, 8, 64)]
-            cases += [("c128", 64, 32768, 1, layout), ("c4", 64, 32768, 1, layout)]  # decode
-        writes = [(64 * 6, 1 << 20), (8192, 1 << 20), (65536, 1 << 20)]
+        configs = [None] + [ra.BlockConfig(*c) for c in [
+            (1, 64, 32, 8, 2), (2, 32, 32, 8, 2), (1, 32, 32, 8, 2), (1, 64, 64, 8, 1), (1, 16, 64, 4, 2),
+            (1, 32, 16, 4, 3), (2, 16, 32, 4, 2)]]
+        cases = []  # most important first: the run stops adding cases after --budget-s
+        for kind in ("c128", "c4", "swa"):
+            cases += [(kind, 64, 32768, 6, layout) for layout in ("bf16", "fp8")]
+        for b in (1, 8):
+            cases += [(kind, b, 32768, 6, layout) for kind in ("c128", "c4", "swa") for layout in ("bf16", "fp8")]
+        cases += [("c128", 64, c, 6, layout) for c in (8192, 65536) for layout in ("bf16", "fp8")]
+        cases += [(kind, 64, 32768, 1, layout) for kind in ("c128", "c4") for layout in ("bf16", "fp8")]  # decode
+        writes, write_sweep = [(64 * 6, 1 << 20), (8192, 1 << 20), (65536, 1 << 20)], (65536, 1 << 20)
+
+    # fp8 write: pick block_rows on the largest case, then all sizes
+    best_rows, best_t = 16, float("inf")
+    for br in (16, 32, 64):
+        try:
+            r = run_fp8_write_case(*write_sweep, dims, ceil, block_rows=br, time_xla=False)
+            result["write_sweep"] = result.get("write_sweep", []) + [r]
+            if r["bit_exact"] and r["kernel_us"] < best_t:
+                best_rows, best_t = br, r["kernel_us"]
+        except Exception as e:
+            result["write_sweep"] = result.get("write_sweep", []) + [dict(block_rows=br, error=repr(e)[:400])]
+    result["chosen_write_block_rows"] = best_rows
+    for n, p in writes:
+        try:
+            r = run_fp8_write_case(n, p, dims, ceil, block_rows=best_rows)
+            print(f"fp8 write {n} rows: {r['kernel_us']:.1f} us, {r['kernel_GBps']:.0f} GB/s "
+                  f"({100 * r['bw_fraction']:.0f}% of copy), {r['speedup_vs_xla']:.2f}x vs XLA, "
+                  f"bit-exact={r['bit_exact']}", flush=True)
+        except Exception as e:
+            r = dict(rows=n, pool_rows=p, error=repr(e)[:400])
+            print("fp8 write failed", n, traceback.format_exc()[-800:], flush=True)
+        result["fp8_write"].append(r)
 
     best = {}
     for case in sweep_cases:
@@ -323,14 +362,14 @@ def main(argv=None) -> int:
             try:
                 r = run_attention_case(case, dims, ceil, cfg, time_xla=False)
                 result["config_sweep"].append(r)
-                print("sweep", case, cfg, f"{r['kernel_us']:.1f} us ok={r['ok']}", flush=True)
+                print("sweep", case, r["config"], f"{r['kernel_us']:.1f} us ok={r['ok']}", flush=True)
                 if r["ok"] and (case[0] not in best or r["kernel_us"] < best[case[0]][0]):
-                    best[case[0]] = (r["kernel_us"], cfg)
+                    best[case[0]] = (r["kernel_us"], ra.BlockConfig(**r["config"]))
             except Exception as e:  # a config Triton cannot compile: record it and go on
                 result["config_sweep"].append(dict(case=case, config=str(cfg), error=repr(e)[:400]))
                 print("sweep failed", case, cfg, repr(e)[:200], flush=True)
     chosen = {k: v[1] for k, v in best.items()}
-    result["chosen_configs"] = {k: (v.__dict__ if v else "default") for k, v in chosen.items()}
+    result["chosen_configs"] = {k: dict(v.__dict__) for k, v in chosen.items()}
 
     for case in cases:
         if over_budget(("attention", case)):
@@ -347,19 +386,6 @@ def main(argv=None) -> int:
             r = dict(kind=case[0], batch=case[1], ctx=case[2], q_len=case[3], layout=case[4], error=repr(e)[:400])
             print("attention failed", case, traceback.format_exc()[-800:], flush=True)
         result["attention"].append(r)
-
-    for n, p in writes:
-        if over_budget(("fp8_write", n)):
-            continue
-        try:
-            r = run_fp8_write_case(n, p, dims, ceil)
-            print(f"fp8 write {n} rows: {r['kernel_us']:.1f} us, {r['kernel_GBps']:.0f} GB/s "
-                  f"({100 * r['bw_fraction']:.0f}% of copy), {r['speedup_vs_xla']:.2f}x vs XLA, "
-                  f"bit-exact={r['bit_exact']}", flush=True)
-        except Exception as e:
-            r = dict(rows=n, pool_rows=p, error=repr(e)[:400])
-            print("fp8 write failed", n, traceback.format_exc()[-800:], flush=True)
-        result["fp8_write"].append(r)
 
     ok_att = [a for a in result["attention"] if "kernel_us" in a]
     ok_wr = [w for w in result["fp8_write"] if "kernel_us" in w]
