@@ -119,7 +119,7 @@ def build_case(kind, batch, ctx, q_len, layout, dims, seed=0):
     elif kind == "c4":
         n = max(ctx // 4, 1)
         shift = max(k // 10, 1)
-        topk = _topk(rng, ends // 4, q_lens, k, shift)
+        topk = _topk(rng, (lengths + 1) // 4, q_lens, k, shift)  # entries every token of the request may see
         meta = am.with_topk_entries(meta, jnp.asarray(topk))
         entries = _pools(keys[3], batch, n, dims, layout)
         comp_keys, comp_unique = (topk >= 0).sum(1), np.asarray(meta.comp_len)
