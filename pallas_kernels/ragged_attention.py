@@ -13,10 +13,15 @@ holds ``exp(sink[h])`` (a per-head fp32 logit that has no value). Logits and sum
 probabilities are cast to the pool's dtype before the P.V product; the output has q's dtype and
 is ready for the caller's inverse RoPE. A token with no key gets 0.
 
-Kernel grid: (head blocks, token blocks, S + 1). A program takes ``block_t`` consecutive tokens of
-one request times ``block_h`` heads as the rows of its tiles, so every key tile it loads serves
-all of them; programs of one request run next to each other and share tiles through the cache.
-The last grid row (s = S) writes zeros for the padding tokens.
+Kernel grid: (key splits, head blocks, token blocks, S + 1). A program takes ``block_t``
+consecutive tokens of one request times ``block_h`` heads as the rows of its tiles, so every key
+tile it loads serves all of them; programs of one request are adjacent in launch order and share
+tiles through the cache. With ``kv_splits`` > 1 each program walks a share of the key tiles and
+writes its partial softmax state, merged in XLA (``merge_splits``). The last grid row (s = S)
+writes zeros (or empty states) for the padding tokens.
+
+``kernel`` validates metadata values when they are concrete (a host sync); inside jit only the
+shapes are checked.
 """
 
 from __future__ import annotations
