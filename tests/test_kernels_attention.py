@@ -48,8 +48,10 @@ def test_interpret_mode_poisons_outputs():
     assert np.isnan(np.asarray(out)[8:]).all()
 
 
-# (q_lens, committed lengths): lengths 1 and γ+1 = 6, a fresh request, ring wrap-around (> R)
-VERIFY = ([1, 6, 3, 6, 2], [0, 5, 31, 100, 9])
+# (q_lens, committed lengths): lengths 1 and γ+1 = 6, a request without tokens, a fresh request,
+# ring wrap-around (> R)
+VERIFY = ([1, 6, 3, 0, 6, 2], [0, 5, 31, 12, 100, 9])
+S = len(VERIFY[0])
 
 
 @pytest.mark.parametrize("dtype,layout,splits", [("f32", "plain", 1), ("bf16", "fp8", 4)])
@@ -60,7 +62,7 @@ def test_window_only(dtype, layout, splits):
     meta, _ = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
     qd = jnp.float32 if dtype == "f32" else jnp.bfloat16
     q = _rand(rng, (t, H, D), qd)
-    ring = _poison_unwritten_ring(_rand(rng, (5, R, D), qd), np.add(q_lens, lengths))
+    ring = _poison_unwritten_ring(_rand(rng, (S, R, D), qd), np.add(q_lens, lengths))
     if layout == "fp8":
         ring = kv_fp8.quantize(ring)
     sink = _rand(rng, (H,))
@@ -84,8 +86,8 @@ def test_topk_entries_with_empty_slots(dtype, w_layout, c_layout):
     meta = am.with_topk_entries(meta, jnp.asarray(topk))
     qd = jnp.float32 if dtype == "f32" else jnp.bfloat16
     q = _rand(rng, (t, H, D), qd)
-    ring = _poison_unwritten_ring(_rand(rng, (5, R, D), qd), np.add(q_lens, lengths))
-    entries = _rand(rng, (5, n, D), qd)
+    ring = _poison_unwritten_ring(_rand(rng, (S, R, D), qd), np.add(q_lens, lengths))
+    entries = _rand(rng, (S, n, D), qd)
     ring = kv_fp8.quantize(ring) if w_layout == "fp8" else ring
     entries = kv_fp8.quantize(entries) if c_layout == "fp8" else entries
     sink = _rand(rng, (H,))
@@ -102,8 +104,8 @@ def test_prefix_entries_block_configs(config):
     meta, pos = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
     meta = am.with_prefix_entries(meta, pos, ratio=ratio, num_slots=n)
     q = _rand(rng, (t, H, D))
-    ring = _poison_unwritten_ring(_rand(rng, (5, R, D)), np.add(q_lens, lengths))
-    entries = _rand(rng, (5, n, D))
+    ring = _poison_unwritten_ring(_rand(rng, (S, R, D)), np.add(q_lens, lengths))
+    entries = _rand(rng, (S, n, D))
     # entries nobody may see yet hold NaN: they must not be read
     visible = np.arange(n)[None] < (np.add(q_lens, lengths) // ratio)[:, None]
     entries = jnp.where(jnp.asarray(visible)[..., None], entries, jnp.nan)
