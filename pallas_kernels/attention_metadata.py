@@ -21,11 +21,14 @@ once per request, with a per-token membership mask).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, Int8
+
+if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
+    from jaxtyping import Array, Int, Int8
 
 
 @jax.tree_util.register_dataclass

@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import backend
+
+if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
+    from jaxtyping import Array, Float, Int, UInt8
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 AMAX_FLOOR = 1e-4  # the reference clamps each block's amax to at least this

@@ -28,20 +28,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float
 
 from pallas_kernels import backend
 from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values
 from pallas_kernels.kv_fp8 import BLOCK, Fp8Rows, check_layout, dequantize
 
-Pool = Array | Fp8Rows
+if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
+    from jaxtyping import Array, Float
+
+Pool = jax.Array | Fp8Rows
 
 
 @dataclasses.dataclass(frozen=True)
