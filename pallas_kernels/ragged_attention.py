@@ -214,9 +214,11 @@ def _load_keys(refs, rows: Array, ok: Array, d: int, fp8: bool, out_dtype) -> Ar
     codes = pltriton.load(nope_ref.at[r, cols], mask=ok[:, None], other=0)
     exps = pltriton.load(nope_ref.at[r, nope + cols // BLOCK], mask=ok[:, None] & is_nope, other=0)
     rope = pltriton.load(rope_ref.at[r, cols - nope], mask=ok[:, None] & ~is_nope, other=0.0)
-    scale = lax.bitcast_convert_type(exps.astype(jnp.int32) << 23, jnp.float32)  # 2 ** (e - 127)
-    vals = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * scale
-    return jnp.where(is_nope, vals, rope.astype(jnp.float32)).astype(out_dtype)
+    # all in bf16, exactly: e4m3 codes and powers of two (2 ** (e - 127), built from the exponent
+    # bits) are bf16 values, and their products are too (the scales keep them in the normal range)
+    scale = lax.bitcast_convert_type(exps.astype(jnp.int16) << 7, jnp.bfloat16)
+    vals = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.bfloat16) * scale
+    return jnp.where(is_nope, vals, rope).astype(out_dtype)
 
 
 def _online_update(state, q, kv, visible, scale: float):

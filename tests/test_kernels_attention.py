@@ -278,3 +278,22 @@ def test_bad_input_is_rejected():
         m = am.with_prefix_entries(meta, jnp.arange(5), ratio=4, num_slots=4)
         ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink, am.RaggedMeta(
             m.cu_q_lens, m.win_lo, m.win_hi, m.ring_end, m.comp_idx, m.comp_len, m.comp_mask.astype(jnp.int32), 3))
+
+
+def test_fp8_keys_are_dequantised_exactly():
+    """With a one-position window and no sink mass the output is the key row itself: it must equal
+    the reference KV fake-quantisation of the stored row bit for bit."""
+    from dspark_jax.model.quant import kv_sim
+
+    rng = np.random.default_rng(8)
+    s, r = 3, 24
+    rows = jnp.asarray(rng.standard_normal((s, r, D)) * np.exp(rng.uniform(-10, 10, (s, r, 1))), jnp.bfloat16)
+    lengths = np.array([3, 30, 57])
+    meta, pos = am.verify([2, 1, 3], lengths, window=1, num_tokens=6, max_q_len=3)
+    q = _rand(rng, (6, H, D), jnp.bfloat16)
+    sink = jnp.full((H,), -1e30, jnp.float32)  # exp(sink - m) == 0
+    out = ra.kernel(q, kv_fp8.quantize(rows), None, sink, meta, config=ra.BlockConfig(4, 4))
+    req = np.array([0, 0, 1, 2, 2, 2])
+    expect = kv_sim(rows, 64)[req, np.asarray(pos) % r]  # [6, D]
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.broadcast_to(np.asarray(expect)[:, None, :], (6, H, D)).view(np.uint16))
