@@ -173,6 +173,23 @@ def run_attention_case(case, dims, ceil, config, time_xla=True) -> dict:
     return info
 
 
+def fp8_dequant_exact(dims) -> bool:
+    """With a one-position window and no sink mass the kernel returns the key row itself: the
+    device's dequantised fp8 keys must equal the XLA dequantisation bit for bit."""
+    s, ring, d, h = 8, dims["ring"], dims["head_dim"], dims["heads"]
+    key = jax.random.key(11)
+    rows = (jax.random.normal(key, (s, ring, d)) * jnp.exp(jax.random.uniform(key, (s, ring, 1), minval=-8,
+                                                                                maxval=8))).astype(jnp.bfloat16)
+    lengths = np.arange(s) * 37 + 5
+    meta, _ = am.verify(np.full(s, 3), lengths, window=1, num_tokens=3 * s, max_q_len=3)
+    q = jax.random.normal(jax.random.key(12), (3 * s, h, d), jnp.float32).astype(jnp.bfloat16)
+    sink = jnp.full((h,), -1e30, jnp.float32)
+    pool = kv_fp8.quantize(rows, dims["rope"])
+    out = jax.jit(lambda *a: ra.kernel(*a))(q, pool, None, sink, meta)
+    ref = jax.jit(lambda *a: ra.reference(*a))(q, pool, None, sink, meta)
+    return bool(np.array_equal(np.asarray(out).view(np.uint16), np.asarray(ref).view(np.uint16)))
+
+
 # ------------------------------------------------------------------------------ fp8 write
 def run_fp8_write_case(n_rows, pool_rows, dims, ceil, block_rows=16, time_xla=True) -> dict:
     d = dims["head_dim"]
@@ -332,6 +349,12 @@ def main(argv=None) -> int:
         cases += [(kind, 64, 32768, 1, layout) for kind in ("c128", "c4") for layout in ("bf16", "fp8")]  # decode
         writes, write_sweep = [(64 * 6, 1 << 20), (8192, 1 << 20), (65536, 1 << 20)], (65536, 1 << 20)
 
+    try:
+        result["fp8_attention_dequant_bit_exact"] = fp8_dequant_exact(dims)
+    except Exception as e:
+        result["fp8_attention_dequant_bit_exact"] = f"failed: {e!r}"[:400]
+    print("fp8 keys dequantised bit-exactly in the attention kernel:", result["fp8_attention_dequant_bit_exact"])
+
     # fp8 write: pick block_rows on the largest case, then all sizes
     best_rows, best_t = 16, float("inf")
     for br in (16, 32, 64):
@@ -393,6 +416,7 @@ def main(argv=None) -> int:
     result["summary"] = dict(
         all_attention_match=all(a["ok"] for a in ok_att) and len(ok_att) == len(result["attention"]),
         all_writes_bit_exact=all(w["bit_exact"] for w in ok_wr) and len(ok_wr) == len(result["fp8_write"]),
+        fp8_attention_dequant_bit_exact=result["fp8_attention_dequant_bit_exact"],
         wall_s=time.time() - start)
     for a in ok_att:
         if a["ctx"] == 32768 and a["batch"] == 64 and a["q_len"] == 6:
@@ -408,7 +432,9 @@ def main(argv=None) -> int:
     note = plot(dict(result, attention=ok_att, fp8_write=ok_wr), os.path.join(out_dir, "kernels.png"))
     print(json.dumps(result["summary"], indent=1, default=str))
     print(note or f"wrote {out_dir}/kernels.json, kernels.md, kernels.png", flush=True)
-    return 0 if result["summary"]["all_attention_match"] and result["summary"]["all_writes_bit_exact"] else 1
+    good = (result["summary"]["all_attention_match"] and result["summary"]["all_writes_bit_exact"]
+            and result["fp8_attention_dequant_bit_exact"] is True)
+    return 0 if good else 1
 
 
 if __name__ == "__main__":
