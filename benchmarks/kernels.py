@@ -134,10 +134,12 @@ def build_case(kind, batch, ctx, q_len, layout, dims, seed=0):
     return inputs, info
 
 
+_KERNEL = jax.jit(ra.kernel, static_argnames=("scale", "config", "interpret"))  # compiled once per shape + config
+_REFERENCE = jax.jit(ra.reference, static_argnames=("scale",))
+
+
 def _attn_fns(config):
-    kern = jax.jit(lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, config=config))
-    ref = jax.jit(lambda q, w, e, s, m: ra.reference(q, w, e, s, m))
-    return kern, ref
+    return (lambda q, w, e, s, m: _KERNEL(q, w, e, s, m, config=config)), _REFERENCE
 
 
 def _check(out, ref) -> dict:
