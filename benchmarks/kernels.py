@@ -267,7 +267,8 @@ def markdown(result) -> str:
     c = result["ceilings"]
     lines = [f"Device: {result['meta']['device']}; jax {result['meta']['jax']}; commit {result['meta']['commit']}; "
              f"{result['meta']['date']}",
-             f"Ceilings (same run): device copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s", "",
+             f"Ceilings (same run): device copy {c['copy_GBps']:.0f} GB/s, "
+             f"bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s", "",
              "| layer | pool | batch | context | tokens/req | unique KB/req | kernel us | GB/s | TFLOP/s | "
              "% BW | % roofline | bound | XLA us | speedup | check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -279,9 +280,11 @@ def markdown(result) -> str:
         lines.append(f"| {a['kind']} | {a['layout']} | {a['batch']} | {a['ctx']} | {a['q_len']} | "
                      f"{a['unique_bytes_per_request'] / 1e3:.0f} | {a['kernel_us']:.1f} | {a['kernel_GBps']:.0f} | "
                      f"{a['kernel_TFLOPs']:.1f} | {100 * a['bw_fraction']:.0f} | {100 * a['roofline_fraction']:.0f} | "
-                     f"{a['bound']} | {a.get('xla_us', float('nan')):.1f} | {a.get('speedup_vs_xla', float('nan')):.2f} | "
+                     f"{a['bound']} | {a.get('xla_us', float('nan')):.1f} | "
+                     f"{a.get('speedup_vs_xla', float('nan')):.2f} | "
                      f"{'ok' if a['ok'] else 'MISMATCH'} |")
-    lines += ["", "| fp8 write rows | kernel us | GB/s | % BW | XLA us | speedup | bit-exact |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| fp8 write rows | kernel us | GB/s | % BW | XLA us | speedup | bit-exact |",
+              "|---|---|---|---|---|---|---|"]
     for w in result["fp8_write"]:
         lines.append(f"| {w['rows']} | {w['kernel_us']:.1f} | {w['kernel_GBps']:.0f} | {100 * w['bw_fraction']:.0f} | "
                      f"{w['xla_us']:.1f} | {w['speedup_vs_xla']:.2f} | {w['bit_exact']} |")
@@ -300,7 +303,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Pallas kernel benchmark (see module docstring)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs anywhere, interpret mode off GPU)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining cases after this many seconds")
-    ap.add_argument("--plot-from", metavar="JSON", help="only redraw kernels.png / kernels.md from a saved kernels.json")
+    ap.add_argument("--plot-from", metavar="JSON",
+                    help="only redraw kernels.png / kernels.md from a saved kernels.json")
     args = ap.parse_args(argv)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)

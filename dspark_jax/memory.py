@@ -47,7 +47,8 @@ class MemoryPlan:
             f"(C4 entries {b['c4_entries_per_token']:,.1f} + indexer keys {b['indexer_keys_per_token']:,.1f} "
             f"+ Cm entries {b['cm_entries_per_token']:,.1f}); fixed {self.bytes_per_request_fixed / 2**20:,.2f} MiB "
             f"per request (window rings {b['window_rings_per_request'] / 2**20:,.2f}, compressor states "
-            f"{b['compressor_states_per_request'] / 2**20:,.2f}, draft rings {b['draft_rings_per_request'] / 2**20:,.2f})",
+            f"{b['compressor_states_per_request'] / 2**20:,.2f}, "
+            f"draft rings {b['draft_rings_per_request'] / 2**20:,.2f})",
             f"  budget {self.budget_bytes / _GiB:,.1f} GiB, requests of {self.seq_len:,} tokens: "
             f"{self.bytes_per_request / 2**20:,.1f} MiB each -> {self.max_requests:,} requests = "
             f"{self.max_tokens:,} tokens",
