@@ -75,3 +75,19 @@ def test_illegal_kernel_fails_lowering_but_passes_interpret_mode():
     # the same kernel over 32 elements is legal
     assert lowering.count_triton_calls(lowering.lower(lambda x: _double(x, interpret=False),
                                                       SD((32,), jnp.float32))) == 1
+
+
+def test_tiny_model_shapes_lower_for_gfx950():
+    """The CPU test model's sizes (4 heads x 128, 64 nope dims) go through the same kernels."""
+    s, t, h, d = 2, 12, 4, 128
+    i32 = jnp.int32
+    meta = RaggedMeta(SD((s + 1,), i32), SD((t,), i32), SD((t,), i32), SD((s,), i32), SD((s, 18), i32),
+                      SD((s,), i32), SD((t, 18), jnp.int8), max_q_len=6)
+    fp8 = lambda n: kv_fp8.Fp8Rows(SD((s, n, d), jnp.uint8), SD((s, n, 64), jnp.bfloat16))  # noqa: E731
+    text = lowering.lower(lambda q, w, e, k, m: ra.kernel(q, w, e, k, m, interpret=False),
+                          SD((t, h, d), jnp.bfloat16), fp8(24), fp8(40), SD((h,), jnp.float32), meta)
+    assert lowering.count_triton_calls(text) == 1
+    pool = kv_fp8.Fp8Rows(SD((48, d), jnp.uint8), SD((48, 64), jnp.bfloat16))
+    text = lowering.lower(lambda p, sl, x: kv_fp8.write_kernel(p, sl, x, interpret=False),
+                          pool, SD((t,), i32), SD((t, d), jnp.bfloat16))
+    assert lowering.count_triton_calls(text) == 1
