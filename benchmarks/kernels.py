@@ -24,12 +24,9 @@ inputs), which flatters their GB/s; batch 64 at 32k context moves far more than 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -39,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common  # noqa: E402
 from pallas_kernels import attention_metadata as am  # noqa: E402
 from pallas_kernels import backend, kv_fp8  # noqa: E402
 from pallas_kernels import ragged_attention as ra  # noqa: E402
@@ -49,7 +47,10 @@ SMOKE = dict(heads=4, head_dim=128, window=8, ring=24, topk=8, rope=64)
 
 # ------------------------------------------------------------------------------ timing and ceilings
 def median_time(fn, *args, inner: int = 10, reps: int = 5) -> float:
-    """Median seconds per call over ``reps`` batches of ``inner`` back-to-back asynchronous calls."""
+    """Median seconds per call over ``reps`` batches of ``inner`` back-to-back asynchronous calls.
+
+    Unlike ``common.median_time`` (one synchronised call per sample) this keeps the host's
+    per-call synchronisation out of kernels that take only tens of microseconds."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -62,16 +63,10 @@ def median_time(fn, *args, inner: int = 10, reps: int = 5) -> float:
 
 
 def measure_ceilings(smoke: bool) -> dict:
-    n = 1 << (16 if smoke else 29)  # 1 GiB of bf16 on the GPU
-    x = jnp.ones((n,), jnp.bfloat16)
-    t = median_time(jax.jit(lambda x: x + 1), x)
-    copy = 2 * n * 2 / t
-    m = 256 if smoke else 8192
-    a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    tm = median_time(jax.jit(lambda a, b: a @ b), a, b)
-    del x, a, b
-    return dict(copy_GBps=copy / 1e9, matmul_TFLOPs=2 * m**3 / tm / 1e12, copy_bytes=4 * n, matmul_n=m)
+    """Device copy GB/s and bf16 matmul TFLOP/s (``common.ceilings``; tiny sizes for --smoke)."""
+    if smoke:
+        return common.ceilings(copy_gib=1 / 4096, matmul_n=256)
+    return common.ceilings()
 
 
 # ------------------------------------------------------------------------------ attention cases
@@ -159,10 +154,10 @@ def run_attention_case(case, dims, ceil, config, time_xla=True) -> dict:
     t_k = median_time(kern, *inputs)
     info.update(kernel_us=t_k * 1e6, kernel_GBps=info["bytes"] / t_k / 1e9,
                 kernel_TFLOPs=info["useful_flops"] / t_k / 1e12)
-    t_roof = max(info["bytes"] / (ceil["copy_GBps"] * 1e9), info["useful_flops"] / (ceil["matmul_TFLOPs"] * 1e12))
-    info.update(bw_fraction=info["kernel_GBps"] / ceil["copy_GBps"], roofline_fraction=t_roof / t_k,
-                bound="compute" if info["useful_flops"] / (ceil["matmul_TFLOPs"] * 1e12)
-                > info["bytes"] / (ceil["copy_GBps"] * 1e9) else "memory")
+    t_mem = info["bytes"] / (ceil["copy_GBps"] * 1e9)
+    t_flop = info["useful_flops"] / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+    info.update(bw_fraction=info["kernel_GBps"] / ceil["copy_GBps"], roofline_fraction=max(t_mem, t_flop) / t_k,
+                bound="compute" if t_flop > t_mem else "memory")
     if time_xla:
         t_x = median_time(ref, *inputs)
         info.update(xla_us=t_x * 1e6, speedup_vs_xla=t_x / t_k)
@@ -268,7 +263,7 @@ def markdown(result) -> str:
     lines = [f"Device: {result['meta']['device']}; jax {result['meta']['jax']}; commit {result['meta']['commit']}; "
              f"{result['meta']['date']}",
              f"Ceilings (same run): device copy {c['copy_GBps']:.0f} GB/s, "
-             f"bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s", "",
+             f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s", "",
              "| layer | pool | batch | context | tokens/req | unique KB/req | kernel us | GB/s | TFLOP/s | "
              "% BW | % roofline | bound | XLA us | speedup | check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -291,14 +286,6 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Pallas kernel benchmark (see module docstring)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs anywhere, interpret mode off GPU)")
@@ -306,8 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot-from", metavar="JSON",
                     help="only redraw kernels.png / kernels.md from a saved kernels.json")
     args = ap.parse_args(argv)
-    out_dir = os.environ.get("OUT", "./out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = common.out_dir()
     if args.plot_from:
         with open(args.plot_from) as f:
             saved = json.load(f)
@@ -319,11 +305,7 @@ def main(argv=None) -> int:
         return 0
     dims = SMOKE if args.smoke else FLASH
     start = time.time()
-    dev = jax.devices()[0]
-    result = dict(meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                            device=f"{dev.platform}: {dev.device_kind}", jax=jax.__version__, commit=_commit(),
-                            python=platform.python_version(), smoke=args.smoke, dims=dims,
-                            interpret_mode=backend.interpret_mode()),
+    result = dict(meta=dict(common.environment(), smoke=args.smoke, dims=dims, interpret_mode=backend.interpret_mode()),
                   attention=[], fp8_write=[], config_sweep=[], skipped=[])
     print(result["meta"], flush=True)
     ceil = result["ceilings"] = measure_ceilings(args.smoke)
