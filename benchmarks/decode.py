@@ -77,13 +77,16 @@ def main():
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     args = ap.parse_args()
 
     env = environment()
     print(env, flush=True)
-    ceil = ceilings()
+    ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
     print(ceil, flush=True)
     cfg = dspark_jax.config.flash_slice(args.layers).replace(n_routed_experts=args.experts)
+    if args.smoke:
+        cfg, args.context, args.batch = dspark_jax.config.tiny(), 64, "2"
     model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(model.state))
     results = []
