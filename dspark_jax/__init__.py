@@ -6,3 +6,8 @@ from dspark_jax.config import DSparkConfig, ModelConfig, from_hf_config
 
 __all__ = ["config", "DSparkConfig", "ModelConfig", "from_hf_config", "InputError", "Model", "init", "load"]
 __version__ = "0.1.0"
+
+from dspark_jax.decoding.generate import Result, generate  # noqa: E402
+from dspark_jax.decoding.sampling import SamplingParams  # noqa: E402
+
+__all__ += ["Result", "generate", "SamplingParams"]

@@ -106,22 +106,21 @@ def init(config: ModelConfig, seed: int = 0, *, dtype=jnp.bfloat16, param_dtype=
 
 
 def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
-         moe_impl: str = "auto", mesh=None) -> Model:
-    """Load an official-layout checkpoint directory (config.json + safetensors [+ tokenizer.json])."""
+         moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True) -> Model:
+    """Load an official-layout checkpoint directory (config.json + model.safetensors or a sharded
+    model.safetensors.index.json [+ tokenizer.json]); see ``dspark_jax.checkpoint.hf``.
+
+    mesh: place every parameter on its ``dspark_jax.sharding`` layout while reading (e.g.
+        ``dspark_jax.sharding.make_mesh()`` over 8 GPUs); None = the default device.
+    quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights (the real checkpoints).
+    dspark: None = load the DSpark drafter when present; True = require it; False = target only.
+    progress: show a progress bar.
+    """
+    from dspark_jax.checkpoint.tokenizer import load_tokenizer
+
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    if mesh is not None:
-        raise NotImplementedError("sharded loading is not available yet; pass mesh=None")
-    names = hf.tensor_names(path)
-    n_mtp = hf.count_mtp_stages(names)
-    config = from_hf_config(path, num_dspark_stages=n_mtp or None)
-    num = _numerics(dtype, param_dtype, bool(quant_sim), moe_impl)
-    module = DeepSeekV4(config, num, rngs=nnx.Rngs(0))
-    hf.load_into(module, path, ignore_prefixes=() if config.dspark is not None else ("mtp.",))
-    tokenizer = None
-    tok_path = os.path.join(path, "tokenizer.json")
-    if os.path.exists(tok_path):
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(tok_path)
-    return Model(module, tokenizer=tokenizer, path=path)
+    module = hf.load_module(path, dtype=dtype, param_dtype=param_dtype, quant_sim=quant_sim, moe_impl=moe_impl,
+                            mesh=mesh, dspark=dspark, progress=progress)
+    return Model(module, tokenizer=load_tokenizer(path), path=path)

@@ -1,11 +1,22 @@
-"""Score a sequence with a tiny randomly initialised DeepSeek-V4 (CPU)."""
-
-import numpy as np
+"""Generate with the shipped DeepSeek-V4 + DSpark pair on CPU, and compare speculative decoding
+with target-only decoding of the same prompts in the same run."""
 
 import dspark_jax
+from dspark_jax.cli import speed_comparison
+from dspark_jax.decoding.generate import default_model
 
-model = dspark_jax.init(dspark_jax.config.tiny(), seed=0)
-ids = np.arange(1, 33) % model.config.vocab_size
-logits = model.logits(ids)
+model = default_model()
 print(model)
-print("logits", logits.shape, "greedy next tokens:", np.asarray(logits[0]).argmax(-1)[-8:])
+prompts = ["def binary_search(items, target):\n", "class LRUCache:\n    def __init__(self, capacity):\n"]
+sampling = dspark_jax.SamplingParams(max_new_tokens=96)  # greedy
+
+run = speed_comparison(model, prompts, sampling, repeats=3)
+for prompt, r in zip(prompts, run["dspark"]["results"]):
+    print("-" * 60)
+    print(prompt + r.text)
+print("-" * 60)
+same = all(a.tokens == b.tokens for a, b in zip(run["dspark"]["results"], run["target_only"]["results"]))
+print(f"speculative output identical to target-only output: {same}")
+print(f"mean accept length (tokens per round, incl. bonus): {run['dspark']['mean_accept_length']:.2f}")
+print(f"target-only: {run['target_only']['tokens_per_s']:.1f} tok/s, "
+      f"DSpark: {run['dspark']['tokens_per_s']:.1f} tok/s, speed-up {run['speedup']:.2f}x")

@@ -46,3 +46,24 @@ def run_chunks(model: dspark_jax.Model, ids: np.ndarray, sizes, cache, *, commit
         out.append(np.asarray(lg))
         pos += sz
     return np.concatenate(out, axis=1), cache
+
+
+class OracleDrafter:
+    """A test-only drafter proposing the target's own greedy continuation ``truth`` [b, n] (prompt +
+    target-only output, per request), except at positions where ``wrong`` [b, n] is set, where it
+    proposes a different token. This makes every accept length 0..γ happen on purpose."""
+
+    def __init__(self, truth: np.ndarray, wrong: np.ndarray, gamma: int, vocab: int):
+        self.truth, self.wrong = jnp.asarray(truth, jnp.int32), jnp.asarray(wrong, bool)
+        self.gamma, self.vocab = gamma, vocab
+
+    def __call__(self, model, draft_cache, anchor, lengths, pick):
+        from dspark_jax.model.dspark import DraftOutput
+
+        n = self.truth.shape[1]
+        pos = jnp.clip(lengths[:, None] + jnp.arange(1, self.gamma + 1)[None], 0, n - 1)
+        true = jnp.take_along_axis(self.truth, pos, axis=1)
+        bad = jnp.take_along_axis(self.wrong, pos, axis=1)
+        tokens = jnp.where(bad, (true + 1) % self.vocab, true)
+        logits = jax.nn.one_hot(tokens, self.vocab) * 30.0
+        return DraftOutput(tokens=tokens, logits=logits, confidence=jnp.zeros(tokens.shape, jnp.float32))

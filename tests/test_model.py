@@ -23,10 +23,10 @@ def rel_err(a, b):
 def test_chunked_prefill_and_decode_match_one_shot(tiny_f32):
     m = tiny_f32
     ids = np.random.default_rng(0).integers(0, m.config.vocab_size, (2, SEQ)).astype(np.int32)
-    full = np.asarray(m.logits(ids))
+    full = np.asarray(m.logits(ids))[:, :SEQ - 1]
     cache = init_cache(m.config, 2, SEQ + 16, jnp.float32, fill=1e4)  # poisoned: unwritten rows must never leak
-    sizes = [37, 1, 1, 6, 91, 1, 6, 6, 128, 23]
-    assert sum(sizes) == SEQ
+    sizes = [37, 1, 1, 6, 128, 1, 6, 6, 37, 6, 1, 6, 37, 6, 6, 14]  # few distinct shapes: fewer compiles
+    assert sum(sizes) == SEQ - 1
     chunked, _ = run_chunks(m, ids, sizes, cache)
     assert rel_err(chunked, full) < 1e-5
 
@@ -107,7 +107,7 @@ def test_quant_sim_chunked_matches_one_shot():
     m = perturbed_tiny(jnp.float32, quant_sim=True, seed=4)
     ids = np.random.default_rng(4).integers(0, m.config.vocab_size, (1, 64)).astype(np.int32)
     full = np.asarray(m.logits(ids))
-    chunked, _ = run_chunks(m, ids, [40, 1, 1, 6, 16], init_cache(m.config, 1, 80, jnp.float32))
+    chunked, _ = run_chunks(m, ids, [37, 1, 1, 6, 6, 6, 6, 1], init_cache(m.config, 1, 80, jnp.float32))
     row_err = np.abs(chunked - full).max(-1)[0] / np.abs(full).max()
     assert np.mean(row_err < 1e-5) > 0.5, row_err
     assert (chunked.argmax(-1) == full.argmax(-1)).mean() > 0.9

@@ -14,9 +14,14 @@ from jaxtyping import Array, Float
 from dspark_jax.model.common import normal_init
 
 
-def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[Array, "... n n"]:
+def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float, *, unroll: bool | None = None
+             ) -> Float[Array, "... n n"]:
     """Reference Sinkhorn: softmax over j plus eps, column-normalise, then (iters - 1) x
-    (row-normalise, column-normalise). Columns (sums over i) end at exactly 1."""
+    (row-normalise, column-normalise). Columns (sums over i) end at exactly 1.
+
+    unroll: write the iterations out (GPU: no per-iteration loop overhead) or use a loop (CPU:
+    much faster to compile); None picks by backend.
+    """
     c = jax.nn.softmax(logits, axis=-1) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
@@ -24,6 +29,12 @@ def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[A
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
+    if unroll is None:
+        unroll = jax.default_backend() != "cpu"
+    if unroll:
+        for i in range(iters - 1):
+            c = row_col(i, c)
+        return c
     return jax.lax.fori_loop(0, iters - 1, row_col, c)
 
 

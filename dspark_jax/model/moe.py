@@ -63,7 +63,7 @@ class SharedExpert(nnx.Module):
         self.limit = cfg.swiglu_limit
 
     def __call__(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
-        h = swiglu(self.w1(x, jnp.float32), self.w3(x, jnp.float32), self.limit)
+        h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
 
 
@@ -87,8 +87,8 @@ class Experts(nnx.Module):
         gate_w = jnp.zeros((x.shape[0], cfg.n_routed_experts), jnp.float32)
         gate_w = gate_w.at[jnp.arange(x.shape[0])[:, None], idx].add(w)
         xq = self._act_in(x)
-        g = jnp.einsum("nd,eid->nei", xq, self.w1[...].astype(dt), preferred_element_type=jnp.float32)
-        u = jnp.einsum("nd,eid->nei", xq, self.w3[...].astype(dt), preferred_element_type=jnp.float32)
+        g = jnp.einsum("nd,eid->nei", xq, self.w1[...].astype(dt), preferred_element_type=jnp.float32).astype(dt)
+        u = jnp.einsum("nd,eid->nei", xq, self.w3[...].astype(dt), preferred_element_type=jnp.float32).astype(dt)
         # The routing weight multiplies before w2 (rounded to the activation dtype as in the reference).
         h = swiglu(g, u, cfg.swiglu_limit) * gate_w.astype(dt).astype(jnp.float32)[..., None]
         y = jnp.einsum("nei,edi->ned", self._act_in(h.astype(dt)), self.w2[...].astype(dt),
@@ -108,10 +108,10 @@ class Experts(nnx.Module):
         dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
                                                  lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         mm = lambda a, b: jax.lax.ragged_dot_general(a, b.astype(dt), sizes, dims,
-                                                     preferred_element_type=jnp.float32)
+                                                     preferred_element_type=jnp.float32).astype(dt)
         h = swiglu(mm(xs, self.w1[...]), mm(xs, self.w3[...]), cfg.swiglu_limit)
         h = h * w.reshape(-1)[order].astype(dt).astype(jnp.float32)[:, None]
-        y = mm(self._act_in(h.astype(dt)), self.w2[...]).astype(dt).astype(jnp.float32)
+        y = mm(self._act_in(h.astype(dt)), self.w2[...]).astype(jnp.float32)
         return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y)
 
 

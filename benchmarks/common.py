@@ -1,0 +1,62 @@
+"""Shared benchmark helpers: timing medians and the device ceilings measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def out_dir() -> str:
+    path = os.environ.get("OUT", "out")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def median_time(fn, *args, repeat: int = 10, warmup: int = 2) -> float:
+    """Median wall time of ``fn(*args)`` in seconds (device work included)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def ceilings(copy_gib: float = 2.0, matmul_n: int = 8192) -> dict:
+    """Memory bandwidth of a large device copy (bytes read + written) and bf16 matmul FLOP/s."""
+    n = int(copy_gib * 2**30 // 2)
+    x = jnp.ones((n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t = median_time(copy, x)
+    a = jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: p @ q)
+    tm = median_time(mm, a, b)
+    del x, a, b
+    return {"copy_GBps": 2 * n * 2 / t / 1e9, "bf16_matmul_TFLOPs": 2 * matmul_n**3 / tm / 1e12}
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+            "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d")}
+
+
+def write_json(name: str, data: dict) -> str:
+    path = os.path.join(out_dir(), name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return path

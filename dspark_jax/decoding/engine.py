@@ -1,0 +1,200 @@
+"""The decoding engine: chunked prefill, the jitted speculative round, and a thin host loop.
+
+One round (DESIGN 3), a single jitted function with the batch state donated:
+  1 draft   ids [anchor, noise x (γ-1)] through the DSpark stages, Markov loop -> d_1..d_γ, q, confidence
+  2 verify  target forward on [anchor, d_1..d_γ] at positions L..L+γ (rows written tentatively),
+            capturing the hc-means the drafter reads
+  3 accept  greedy prefix match or chain rejection sampling -> a accepted drafts and a bonus token
+  4 commit  L += a + 1; draft rings get the context keys of the a + 1 committed rows; anchor = bonus
+Target-only decoding is the same round with γ = 0 (verify = [anchor]). The host dispatches rounds
+and reads each round's tokens one round later, so it never waits for the device in between;
+requests stop on the device (stop token ids, max_new_tokens), so a late read costs no capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from dspark_jax.cache import TargetCache, commit, init_cache
+from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
+                                          accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
+from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
+from dspark_jax.sharding import batch_sharding, model_mesh
+
+PREFILL_CHUNK = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BatchState:
+    cache: TargetCache
+    draft: DraftCache | None
+    anchor: Int[Array, " b"]  # last emitted token, not yet in the caches
+    active: Bool[Array, " b"]
+    n_generated: Int[Array, " b"]
+    max_new: Int[Array, " b"]
+    stop_ids: Int[Array, "b s"]  # -1 padded
+    sampling: SamplingArrays
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundOutput:
+    tokens: Int[Array, "b g1"]  # emitted tokens, -1 beyond n_new
+    n_new: Int[Array, " b"]  # a + 1 for active requests, else 0
+    accepted: Int[Array, " b"]  # a: drafts accepted
+    confidence: Float[Array, "b g"]  # raw confidence logits of the drafts (empty when γ = 0)
+
+
+# A drafter maps (model, draft cache, anchor [b], lengths [b], pick) to a DraftOutput.
+Drafter = Callable[..., DraftOutput]
+
+
+def _stopped(tokens: Int[Array, "b n"], valid: Bool[Array, "b n"], stop_ids: Int[Array, "b s"]) -> Bool[Array, " b"]:
+    hit = (tokens[:, :, None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0) & valid[:, :, None]
+    return jnp.any(hit, axis=(1, 2))
+
+
+class Engine:
+    """Compiled prefill / round functions for one model, γ and drafter.
+
+    gamma: draft tokens per round (0 = target-only decoding). drafter: None = the model's DSpark
+    drafter; tests pass an oracle with the same signature as ``draft_block``.
+    """
+
+    def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        cfg = model.config
+        if gamma > 0 and drafter is None and cfg.dspark is None:
+            raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
+        if gamma < 0 or (gamma > 0 and drafter is None and gamma != cfg.dspark.block_size):
+            raise ValueError(f"gamma must be the drafter's block size {cfg.dspark.block_size if cfg.dspark else 0}, "
+                             f"got {gamma}")
+        self.model, self.gamma = model, gamma
+        self.drafter = drafter or draft_block
+        self.prefill_chunk = prefill_chunk
+        self.uses_rings = cfg.dspark is not None and gamma > 0
+        self.capture = tuple(cfg.dspark.target_layer_ids) if self.uses_rings else ()
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+        self._first = jax.jit(self._first_impl, donate_argnums=(1,))
+        self._round = jax.jit(self._round_impl, donate_argnums=(1,), static_argnames=("sampled", "top_k", "top_p"))
+
+    # ------------------------------------------------------------------ device functions
+    def _prefill_impl(self, state, bs: BatchState, ids, n_valid, last_logits, is_last):
+        model = nnx.merge(self.model.graphdef, state)
+        start = bs.cache.lengths
+        lg, hid, cache = model.forward(ids, n_valid, bs.cache, capture=self.capture, logits="last")
+        draft = bs.draft
+        if self.uses_rings:
+            draft = write_context(model.mtp, draft, hid, start, n_valid)
+        bs = dataclasses.replace(bs, cache=commit(cache, n_valid), draft=draft)
+        return bs, jnp.where(is_last[:, None], lg, last_logits)
+
+    def _first_impl(self, state, bs: BatchState, last_logits):
+        """The first generated token, drawn from the prompt's last logits."""
+        sp = bs.sampling
+        keys = request_keys(sp.seed, bs.cache.lengths, STREAM_BONUS)
+        tok = pick_tokens(keys, process_logits(last_logits, sp), sp.greedy)
+        n = jnp.ones_like(bs.n_generated)
+        active = (n < bs.max_new) & ~_stopped(tok[:, None], jnp.ones_like(tok[:, None], bool), bs.stop_ids)
+        return dataclasses.replace(bs, anchor=tok, n_generated=n, active=active), tok
+
+    def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
+        model = nnx.merge(self.model.graphdef, state)
+        sp, g = bs.sampling, self.gamma
+        lengths, was_active = bs.cache.lengths, bs.active
+        b = lengths.shape[0]
+        proc = functools.partial(process_logits, sp=sp, use_top_k=top_k, use_top_p=top_p)
+
+        if g > 0:
+            def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
+                return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
+
+            d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
+            drafts, q_logits, conf = d.tokens, d.logits, d.confidence
+        else:
+            drafts = jnp.zeros((b, 0), jnp.int32)
+            q_logits = jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32)
+            conf = jnp.zeros((b, 0), jnp.float32)
+
+        ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
+        logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+
+        a, bonus = accept_greedy(drafts, logits)
+        if sampled:
+            u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_ACCEPT))
+                           for k in range(g)] + [jnp.zeros((b,))], axis=1)[:, :g]
+            a_s, resid = accept_sampled(drafts, proc(q_logits), proc(logits), u)
+            keys = request_keys(sp.seed, lengths + a_s + 1, STREAM_BONUS)  # the bonus sits at L + a + 1
+            bonus_s = jax.vmap(jax.random.categorical)(keys, resid).astype(jnp.int32)
+            a, bonus = jnp.where(sp.greedy, a, a_s), jnp.where(sp.greedy, bonus, bonus_s)
+
+        n_new = jnp.where(was_active, a + 1, 0)
+        col = jnp.arange(g + 1)[None]
+        tokens = jnp.where(col < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
+        tokens = jnp.where(col < n_new[:, None], tokens, -1)
+        draft = bs.draft
+        if self.uses_rings:
+            draft = write_context(model.mtp, draft, hid, lengths, n_new)
+        n_gen = bs.n_generated + n_new
+        active = was_active & (n_gen < bs.max_new) & ~_stopped(tokens, col < n_new[:, None], bs.stop_ids)
+        bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
+                                 anchor=jnp.where(was_active, bonus, bs.anchor))
+        return bs, RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(was_active, a, 0), confidence=conf)
+
+    # ------------------------------------------------------------------ host side
+    def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
+                   max_len: int) -> BatchState:
+        cfg = self.model.config
+        dtype = self.model.numerics.dtype
+        b = len(prompts)
+        stop_ids = [[s for s in p.stop if isinstance(s, int)] for p in params]
+        width = max(1, max(len(s) for s in stop_ids))
+        stop = np.full((b, width), -1, np.int32)
+        for i, s in enumerate(stop_ids):
+            stop[i, :len(s)] = s
+        sp = SamplingArrays(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                            seed=jnp.asarray(seeds, jnp.uint32).astype(jnp.int32))
+        bs = BatchState(cache=init_cache(cfg, b, max_len, dtype),
+                        draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
+                        anchor=jnp.zeros((b,), jnp.int32), active=jnp.ones((b,), bool),
+                        n_generated=jnp.zeros((b,), jnp.int32),
+                        max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                        stop_ids=jnp.asarray(stop), sampling=sp)
+        mesh = model_mesh(self.model)
+        return bs if mesh is None else jax.device_put(bs, batch_sharding(mesh, b))
+
+    def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
+        """Chunked prefill of every prompt, then the first generated token of each request."""
+        b = len(prompts)
+        lens = np.array([len(p) for p in prompts])
+        longest = int(lens.max())
+        c = min(self.prefill_chunk, max(16, 1 << (longest - 1).bit_length()))
+        padded = np.zeros((b, -(-longest // c) * c), np.int32)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = p
+        last = jnp.zeros((b, self.model.config.vocab_size), jnp.float32)
+        for s in range(0, padded.shape[1], c):
+            n_valid = np.clip(lens - s, 0, c).astype(np.int32)
+            is_last = (lens > s) & (lens <= s + c)
+            bs, last = self._prefill(self.model.state, bs, jnp.asarray(padded[:, s:s + c]), jnp.asarray(n_valid),
+                                     last, jnp.asarray(is_last))
+        bs, first = self._first(self.model.state, bs, last)
+        return bs, np.asarray(first)
+
+    def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
+        return self._round(self.model.state, bs, sampled=sampled, top_k=top_k, top_p=top_p)
+
+    def compilations(self) -> int:
+        """Number of distinct compiled round functions so far (for recompilation checks)."""
+        return self._round._cache_size()

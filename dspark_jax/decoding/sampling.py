@@ -1,0 +1,141 @@
+"""Sampling parameters, the processed distributions, and lossless acceptance of drafts.
+
+The same processing (temperature, then top-k, then top-p) is applied to the draft logits that
+tokens are drawn from (q) and to the target logits they are verified against (p). Greedy requests
+(temperature 0) accept the longest prefix that matches the target argmax; sampled requests use
+chain rejection sampling: accept d_k iff u_k * q_k(d_k) < p_{k-1}(d_k); at the first rejection
+the bonus token is drawn from normalize(max(p - q, 0)); if all drafts pass, from p_γ. The emitted
+tokens then follow the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+# Random streams: the randomness deciding the token at absolute position x of a request comes from
+# key(seed, x, stream), one stream per purpose. A round starting at committed length L uses
+# positions L+1 .. L+a+1 only for what reaches the output, and the next round starts at L+a+1, so
+# no randomness is ever reused for a decision that shows in the emitted tokens.
+STREAM_DRAFT, STREAM_ACCEPT, STREAM_BONUS = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    temperature: 0 = greedy; top_k: 0 = off; top_p: 1.0 = off; stop: token ids and/or strings that
+    end the request (the stop itself is not returned); seed: None = derived from generate()'s seed.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: Sequence[int | str] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        from dspark_jax.api import InputError
+
+        if not (self.temperature >= 0.0):
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise InputError(f"top_k must be a non-negative integer, got {self.top_k}")
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+        if isinstance(self.stop, (str, int)):
+            object.__setattr__(self, "stop", (self.stop,))
+        for s in self.stop:
+            if not isinstance(s, (str, int)) or (isinstance(s, str) and not s):
+                raise InputError(f"stop entries must be token ids or non-empty strings, got {s!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-request sampling parameters as device arrays [B]."""
+
+    temperature: Float[Array, " b"]
+    top_k: Int[Array, " b"]
+    top_p: Float[Array, " b"]
+    seed: Int[Array, " b"]
+
+    @property
+    def greedy(self) -> Bool[Array, " b"]:
+        return self.temperature <= 0.0
+
+
+def request_keys(seed: Int[Array, " b"], position: Int[Array, " b"], stream: int) -> Array:
+    """Keys per request for the token at ``position``, derived from (seed, position, stream) only, so
+    results do not depend on which other requests share the batch."""
+    def one(s, p):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), stream)
+    return jax.vmap(one)(seed.astype(jnp.uint32), position)
+
+
+def process_logits(logits: Float[Array, "b ... v"], sp: SamplingArrays, *, use_top_k: bool = True,
+                   use_top_p: bool = True) -> Float[Array, "b ... v"]:
+    """Tempered logits with tokens outside top-k / top-p set to -inf (greedy rows: temperature 1)."""
+    extra = logits.ndim - 2
+    expand = lambda a: a.reshape(a.shape + (1,) * (extra + 1))
+    t = jnp.where(sp.greedy, 1.0, sp.temperature)
+    x = logits.astype(jnp.float32) / expand(t)
+    if use_top_k or use_top_p:
+        srt = jnp.sort(x, axis=-1)[..., ::-1]
+        v = x.shape[-1]
+        if use_top_k:
+            k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
+            kth = jnp.take_along_axis(srt, expand(k - 1) * jnp.ones(srt.shape[:-1] + (1,), jnp.int32), axis=-1)
+            x = jnp.where(x < kth, -jnp.inf, x)
+            srt = jnp.where(srt < kth, -jnp.inf, srt)
+        if use_top_p:
+            probs = jax.nn.softmax(srt, axis=-1)
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly larger tokens
+            keep = before < expand(sp.top_p)
+            cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+            x = jnp.where(x < cutoff, -jnp.inf, x)
+    return x
+
+
+def pick_tokens(keys: Array, processed: Float[Array, "b v"], greedy: Bool[Array, " b"]) -> Int[Array, " b"]:
+    """argmax for greedy requests, a categorical draw from the processed logits otherwise."""
+    drawn = jax.vmap(jax.random.categorical)(keys, processed)
+    return jnp.where(greedy, jnp.argmax(processed, axis=-1), drawn).astype(jnp.int32)
+
+
+def accept_greedy(drafts: Int[Array, "b g"], target_logits: Float[Array, "b g1 v"]
+                  ) -> tuple[Int[Array, " b"], Int[Array, " b"]]:
+    """Longest prefix with d_k == argmax of target row k-1; bonus = argmax of row a."""
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, γ+1]
+    ok = drafts == best[:, :-1]
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(drafts: Int[Array, "b g"], q_logits: Float[Array, "b g v"], p_logits: Float[Array, "b g1 v"],
+                   uniforms: Float[Array, "b g"]) -> tuple[Int[Array, " b"], Float[Array, "b v"]]:
+    """Chain rejection sampling on processed logits (draft q for d_1..d_γ, target p rows 0..γ).
+
+    Returns the number of accepted drafts a and the log-distribution of the bonus token: the
+    residual max(p_a - q_{a+1}, 0) after a rejection, p_γ when every draft passed.
+    """
+    q = jax.nn.softmax(q_logits, axis=-1)
+    p = jax.nn.softmax(p_logits, axis=-1)
+    g = drafts.shape[1]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
+    ok = uniforms * q_d < p_d
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [b, v]
+    q_a = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1), a[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_a - q_a, 0.0)  # q_a = 0 when all drafts passed: plain p_γ
+    mass = jnp.sum(resid, axis=-1, keepdims=True)
+    resid = jnp.where(mass > 1e-12, resid / jnp.maximum(mass, 1e-30), p_a)
+    return a, jnp.log(resid)

@@ -1,0 +1,135 @@
+"""Memory planner for the KV caches: bytes per token and how many tokens / requests fit.
+
+Costs that grow with the context (per token of a request, summed over target layers):
+- C4 layers: one compressed KV row per 4 tokens + one indexer key (index_head_dim, bf16) per 4 tokens;
+- Cm layers: one compressed KV row per m tokens.
+Fixed costs per request (independent of its length):
+- a window ring per target layer (``window_ring_size`` rows, in the pool's layout);
+- compressor input rings (fp32 kv and gate scores) of every compressed layer and C4 indexer;
+- the drafter's context rings (``window_ring_size`` rows per stage, always bf16), unless gamma = 0.
+
+A KV row is ``head_dim`` latents: 1024 B in bf16, 640 B in the fp8 layout (``pallas_kernels.kv_fp8``).
+Sizes follow ``dspark_jax.cache`` (entries sized by ceil(length / m) per request).
+
+    python -m dspark_jax.memory            # DeepSeek-V4-Flash figures for both layouts
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from dspark_jax import config as config_lib
+from dspark_jax.config import ModelConfig
+from pallas_kernels.kv_fp8 import row_bytes
+
+LAYOUTS = ("bf16", "fp8")
+_GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    layout: str
+    budget_bytes: int
+    seq_len: int
+    bytes_per_token: float  # context-proportional cost, averaged per token
+    bytes_per_request_fixed: int  # rings and compressor states of one request
+    bytes_per_request: int  # fixed + entries for a request of seq_len tokens
+    max_requests: int  # requests of seq_len tokens that fit in the budget
+    max_tokens: int  # max_requests * seq_len
+    breakdown: dict[str, float]  # named parts (per token or per request, see keys)
+
+    def summary(self) -> str:
+        b = self.breakdown
+        lines = [
+            f"layout {self.layout}: {self.bytes_per_token:,.1f} B/token of context "
+            f"(C4 entries {b['c4_entries_per_token']:,.1f} + indexer keys {b['indexer_keys_per_token']:,.1f} "
+            f"+ Cm entries {b['cm_entries_per_token']:,.1f}); fixed {self.bytes_per_request_fixed / 2**20:,.2f} MiB "
+            f"per request (window rings {b['window_rings_per_request'] / 2**20:,.2f}, compressor states "
+            f"{b['compressor_states_per_request'] / 2**20:,.2f}, "
+            f"draft rings {b['draft_rings_per_request'] / 2**20:,.2f})",
+            f"  budget {self.budget_bytes / _GiB:,.1f} GiB, requests of {self.seq_len:,} tokens: "
+            f"{self.bytes_per_request / 2**20:,.1f} MiB each -> {self.max_requests:,} requests = "
+            f"{self.max_tokens:,} tokens",
+        ]
+        return "\n".join(lines)
+
+
+def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: int = 32768,
+         gamma: int | None = None) -> MemoryPlan:
+    """How many requests of ``seq_len`` tokens fit into ``budget_bytes`` of cache memory.
+
+    layout: 'bf16' or 'fp8' for the target's KV pools (window rings and compressed entries).
+    gamma: speculative block size; 0 = target-only decoding (no draft rings); None = the
+        config's drafter if it has one.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if gamma is not None and gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    row = row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, layout)
+    index_key = 2 * cfg.index_head_dim  # bf16 indexer keys
+    ring = cfg.window_ring_size
+
+    c4 = [r for r in cfg.compress_ratios if r == 4]
+    cm = [r for r in cfg.compress_ratios if r and r != 4]
+    per_tok = dict(c4_entries_per_token=len(c4) * row / 4, indexer_keys_per_token=len(c4) * index_key / 4,
+                   cm_entries_per_token=sum(row / m for m in cm))
+    entries_for_len = sum(math.ceil(seq_len / r) * (row + (index_key if r == 4 else 0))
+                          for r in cfg.compress_ratios if r)
+
+    window_rings = cfg.num_hidden_layers * ring * row
+    states = 0
+    for r in cfg.compress_ratios:
+        if not r:
+            continue
+        coff = 2 if r == 4 else 1
+        rows = cfg.compressor_ring_size(r)
+        states += 2 * rows * coff * cfg.head_dim * 4  # kv + score, fp32
+        if r == 4:
+            states += 2 * rows * coff * cfg.index_head_dim * 4
+    draft_stages = 0
+    if cfg.dspark is not None and gamma != 0:
+        draft_stages = cfg.dspark.num_stages
+    draft_rings = draft_stages * ring * row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, "bf16")
+    fixed = window_rings + states + draft_rings
+    per_request = fixed + entries_for_len
+    n_req = int(budget_bytes // per_request)
+    return MemoryPlan(layout=layout, budget_bytes=int(budget_bytes), seq_len=seq_len,
+                      bytes_per_token=sum(per_tok.values()), bytes_per_request_fixed=fixed,
+                      bytes_per_request=per_request, max_requests=n_req, max_tokens=n_req * seq_len,
+                      breakdown=dict(per_tok, window_rings_per_request=window_rings,
+                                     compressor_states_per_request=states, draft_rings_per_request=draft_rings))
+
+
+def compare(cfg: ModelConfig, budget_bytes: int, *, seq_len: int = 32768, gamma: int | None = None) -> str:
+    """Both layouts side by side with the capacity ratio."""
+    bf16 = plan(cfg, budget_bytes, "bf16", seq_len=seq_len, gamma=gamma)
+    fp8 = plan(cfg, budget_bytes, "fp8", seq_len=seq_len, gamma=gamma)
+    ratio_tok = bf16.bytes_per_token / fp8.bytes_per_token
+    ratio_fit = fp8.max_tokens / max(bf16.max_tokens, 1)
+    return "\n".join([bf16.summary(), fp8.summary(),
+                      f"fp8 / bf16: {ratio_tok:.3f}x tokens per byte of context; "
+                      f"{ratio_fit:.3f}x tokens that fit at {seq_len:,} tokens per request"])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="flash", choices=sorted(config_lib.PRESETS))
+    ap.add_argument("--budget-gib", type=float, default=64.0)
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[8192, 32768, 65536])
+    ap.add_argument("--gamma", type=int, default=None)
+    args = ap.parse_args(argv)
+    cfg = config_lib.PRESETS[args.preset]()
+    for n in args.seq_len:
+        print(f"== {args.preset}, {n:,}-token requests")
+        print(compare(cfg, int(args.budget_gib * _GiB), seq_len=n, gamma=args.gamma))
+
+
+if __name__ == "__main__":
+    main()

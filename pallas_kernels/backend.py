@@ -1,0 +1,107 @@
+"""The one place that decides how a kernel runs.
+
+Two implementations exist for every kernel in this package:
+
+- ``"pallas"``: the Pallas kernel. On a GPU (CUDA or ROCm) it is compiled through the Triton
+  lowering, the only Pallas GPU backend on ROCm; anywhere else (CPU) it runs in interpret mode.
+- ``"xla"``: the kernel's pure-JAX reference, i.e. plain XLA.
+
+The choice is read when a function is traced. It comes from, in order: an explicit ``impl=``
+argument, the innermost ``use(...)`` context, the environment variable ``DSPARK_KERNELS``
+(``pallas`` or ``xla``), and the default ``pallas``. Because it is read at trace time, a jitted
+function keeps the implementation it was traced with: choose before the first call (or pass
+``impl=`` and make it a static argument of your jit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from typing import Iterator
+
+import jax
+from jax.experimental.pallas import triton as pltriton
+
+IMPLS = ("pallas", "xla")
+ENV_VAR = "DSPARK_KERNELS"
+
+_local = threading.local()
+
+
+def _check(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"kernel implementation must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def current() -> str:
+    """The implementation selected now (context > environment > default ``pallas``)."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return stack[-1]
+    env = os.environ.get(ENV_VAR)
+    if env is not None and env.strip():
+        impl = env.strip().lower()
+        if impl not in IMPLS:
+            raise ValueError(f"environment variable {ENV_VAR}={env!r}: expected one of {IMPLS}")
+        return impl
+    return "pallas"
+
+
+def resolve(impl: str | None) -> str:
+    """``impl`` if given (validated), else ``current()``."""
+    return current() if impl is None else _check(impl)
+
+
+@contextlib.contextmanager
+def use(impl: str) -> Iterator[None]:
+    """Run the enclosed traces with the given implementation (``"pallas"`` or ``"xla"``)."""
+    _check(impl)
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(impl)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def on_gpu() -> bool:
+    """True when the default JAX backend is a GPU (CUDA or ROCm)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def interpret_mode(interpret: bool | None = None) -> bool:
+    """Whether a Pallas kernel must run in interpret mode: explicitly given, else off GPU."""
+    return (not on_gpu()) if interpret is None else bool(interpret)
+
+
+def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
+    """Triton compiler parameters; always passed so that the Triton lowering is selected on
+    every JAX version and on ROCm (where the Mosaic GPU backend does not exist)."""
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@contextlib.contextmanager
+def quiet_triton_deprecation() -> Iterator[None]:
+    """Silence the deprecation warning every Triton ``pallas_call`` emits (JAX >= 0.11)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        yield
+
+
+def next_power_of_2(n: int) -> int:
+    if n < 1:
+        raise ValueError(f"expected a positive size, got {n}")
+    return 1 << (n - 1).bit_length()
+
+
+def is_power_of_2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0

@@ -1,0 +1,299 @@
+"""Ragged sink attention: kernel (interpret mode) vs reference, and reference vs the model's key sets.
+
+Interpret mode fills every output of a ``pallas_call`` with NaN before the kernel runs (checked by
+``test_interpret_mode_poisons_outputs``), so a finite result means every element was written.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from dspark_jax.cache import ring_positions, ring_write_slots, scatter_rows
+from dspark_jax.model import attention as model_attention
+from dspark_jax.model.indexer import visible_entries
+from pallas_kernels import attention_metadata as am
+from pallas_kernels import backend, kv_fp8
+from pallas_kernels import ragged_attention as ra
+
+H, D, W = 4, 128, 8  # tiny-model head count, head dim and window
+R = W + 16  # ring slots
+TOL = dict(f32=dict(rtol=2e-5, atol=2e-5), bf16=dict(rtol=2e-2, atol=2e-2))
+
+
+def _rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def _poison_unwritten_ring(ring, ring_end):
+    """NaN in every ring slot that holds no position yet (the kernel must never read them)."""
+    pos = ra.ring_positions(jnp.asarray(ring_end, jnp.int32), ring.shape[1])
+    return jnp.where((pos >= 0)[..., None], ring, jnp.nan)
+
+
+def _compare(out, ref, dtype, padding_from):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), "unwritten or non-finite output elements"
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    assert (out[padding_from:] == 0).all()
+    assert np.abs(out[:padding_from]).max() > 0.05  # not a trivially zero result
+
+
+def test_interpret_mode_poisons_outputs():
+    def writes_half(o_ref):
+        o_ref[pl.ds(0, 8)] = jnp.ones((8,), jnp.float32)
+
+    out = pl.pallas_call(writes_half, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), interpret=True)()
+    assert np.isnan(np.asarray(out)[8:]).all()
+
+
+# (q_lens, committed lengths): lengths 1 and γ+1 = 6, a request without tokens, a fresh request,
+# ring wrap-around (> R)
+VERIFY = ([1, 6, 3, 0, 6, 2], [0, 5, 31, 12, 100, 9])
+S = len(VERIFY[0])
+
+
+@pytest.mark.parametrize("dtype,layout,splits", [("f32", "plain", 1), ("bf16", "fp8", 4)])
+def test_window_only(dtype, layout, splits):
+    rng = np.random.default_rng(0)
+    q_lens, lengths = VERIFY
+    t = sum(q_lens) + 3  # three padding tokens
+    meta, _ = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
+    qd = jnp.float32 if dtype == "f32" else jnp.bfloat16
+    q = _rand(rng, (t, H, D), qd)
+    ring = _poison_unwritten_ring(_rand(rng, (S, R, D), qd), np.add(q_lens, lengths))
+    if layout == "fp8":
+        ring = kv_fp8.quantize(ring)
+    sink = _rand(rng, (H,))
+    out = ra.kernel(q, ring, None, sink, meta, config=ra.BlockConfig(block_t=4, block_h=4, kv_splits=splits))
+    _compare(out, ra.reference(q, ring, None, sink, meta), dtype, sum(q_lens))
+
+
+@pytest.mark.parametrize("dtype,w_layout,c_layout", [("f32", "plain", "plain"), ("bf16", "fp8", "fp8"),
+                                                     ("bf16", "plain", "fp8")])
+def test_topk_entries_with_empty_slots(dtype, w_layout, c_layout):
+    rng = np.random.default_rng(1)
+    q_lens, lengths = VERIFY
+    t, n, k = sum(q_lens) + 2, 40, 5
+    meta, pos = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
+    vis = np.maximum((np.asarray(pos) + 1) // 4, 0)
+    topk = np.full((t, k), -1, np.int32)
+    for i in range(t):  # causal picks, some slots empty (fewer visible entries than k, or -1 holes)
+        m = min(k, vis[i])
+        topk[i, :m] = rng.choice(vis[i], m, replace=False) if m else []
+        topk[i, rng.random(k) < 0.2] = -1
+    meta = am.with_topk_entries(meta, jnp.asarray(topk))
+    qd = jnp.float32 if dtype == "f32" else jnp.bfloat16
+    q = _rand(rng, (t, H, D), qd)
+    ring = _poison_unwritten_ring(_rand(rng, (S, R, D), qd), np.add(q_lens, lengths))
+    entries = _rand(rng, (S, n, D), qd)
+    ring = kv_fp8.quantize(ring) if w_layout == "fp8" else ring
+    entries = kv_fp8.quantize(entries) if c_layout == "fp8" else entries
+    sink = _rand(rng, (H,))
+    out = ra.kernel(q, ring, entries, sink, meta)
+    _compare(out, ra.reference(q, ring, entries, sink, meta), dtype, sum(q_lens))
+
+
+@pytest.mark.parametrize("config", [None, ra.BlockConfig(block_t=1, block_h=16, block_k=16),
+                                    ra.BlockConfig(block_t=2, block_h=8, block_k=64, num_warps=8, kv_splits=3)])
+def test_prefix_entries_block_configs(config):
+    rng = np.random.default_rng(2)
+    q_lens, lengths = VERIFY
+    t, n, ratio = sum(q_lens), 16, 8
+    meta, pos = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
+    meta = am.with_prefix_entries(meta, pos, ratio=ratio, num_slots=n)
+    q = _rand(rng, (t, H, D))
+    ring = _poison_unwritten_ring(_rand(rng, (S, R, D)), np.add(q_lens, lengths))
+    entries = _rand(rng, (S, n, D))
+    # entries nobody may see yet hold NaN: they must not be read
+    visible = np.arange(n)[None] < (np.add(q_lens, lengths) // ratio)[:, None]
+    entries = jnp.where(jnp.asarray(visible)[..., None], entries, jnp.nan)
+    sink = _rand(rng, (H,))
+    out = ra.kernel(q, ring, entries, sink, meta, config=config)
+    _compare(out, ra.reference(q, ring, entries, sink, meta), "f32", t)
+
+
+def test_draft_block_and_dispatch():
+    rng = np.random.default_rng(3)
+    lengths, g = np.array([0, 3, 50]), 5
+    meta = am.draft(jnp.asarray(lengths), block=g, window=W)
+    q = _rand(rng, (3 * g, H, D), jnp.bfloat16)
+    ring = _poison_unwritten_ring(_rand(rng, (3, R, D), jnp.bfloat16), lengths + g)
+    sink = _rand(rng, (H,))
+    # the switch is read at trace time: trace a fresh function under each setting
+    with backend.use("xla"):
+        ref = ra.ragged_attention(q, ring, None, sink, meta)
+        assert "pallas_call" not in str(jax.make_jaxpr(lambda *a: ra.ragged_attention(*a))(q, ring, None, sink, meta))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: ra.ragged_attention(*a))(q, ring, None, sink, meta))
+    out = ra.ragged_attention(q, ring, None, sink, meta)
+    _compare(out, ref, "bf16", 3 * g)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(ra.reference(q, ring, None, sink, meta)))
+
+
+# ------------------------------------------------------------------ reference vs the model's key sets
+def _model_chunk(rng, b, t, n_valid, lengths):
+    q = _rand(rng, (b, t, H, D))
+    window = _rand(rng, (b, R, D))
+    kv = _rand(rng, (b, t, D))
+    return q, window, kv
+
+
+def _model_window_part(window, kv, lengths, n_valid, t):
+    """Keys and mask exactly as ``Attention.__call__`` builds them (ring before the chunk + chunk)."""
+    pos = lengths[:, None] + jnp.arange(t)[None]
+    rpos = ring_positions(lengths, R)
+    keys = jnp.concatenate([window, kv], axis=1)
+    key_pos = jnp.concatenate([rpos, pos], axis=1)
+    key_ok = jnp.concatenate([rpos >= 0, jnp.arange(t)[None] < n_valid[:, None]], axis=1)
+    return (keys, model_attention.window_mask(key_pos, key_ok, pos, W)), pos
+
+
+def _flatten(x, n_valid):
+    return jnp.concatenate([x[i, :int(n)] for i, n in enumerate(n_valid)], axis=0)
+
+
+@pytest.mark.parametrize("kind,dense", [("window", False), ("prefix", False), ("topk", False), ("topk", True)])
+def test_reference_matches_model_key_sets(kind, dense):
+    rng = np.random.default_rng(4)
+    b, t, n, ratio, k = 4, 6, 12, 4, 3
+    lengths = jnp.asarray([0, 7, 30, 45], jnp.int32)
+    n_valid = jnp.asarray([1, 6, 4, 6], jnp.int32)
+    q, window, kv = _model_chunk(rng, b, t, n_valid, lengths)
+    sink = _rand(rng, (H,))
+    part, pos = _model_window_part(window, kv, lengths, n_valid, t)
+    parts = [part]
+    entries = _rand(rng, (b, n, D))
+    if dense:  # the model's [b, t] layout with padding rows, flattened
+        meta, tok_pos = am.verify_dense(n_valid, lengths, width=t, window=W)
+        flat = lambda x: x.reshape(b * t, *x.shape[2:])  # noqa: E731
+    else:
+        meta, tok_pos = am.verify(n_valid, lengths, window=W, num_tokens=int(n_valid.sum()), max_q_len=t)
+        flat = lambda x: _flatten(x, n_valid)  # noqa: E731
+    if kind == "prefix":
+        parts.append((entries, jnp.arange(n)[None, None] < visible_entries(pos, ratio)[..., None]))
+        meta = am.with_prefix_entries(meta, tok_pos, ratio=ratio, num_slots=n)
+    elif kind == "topk":
+        vis = np.asarray(visible_entries(pos, ratio))
+        top = np.full((b, t, k), -1, np.int32)
+        for i in range(b):
+            for j in range(t):
+                m = min(k, vis[i, j])
+                top[i, j, :m] = rng.choice(vis[i, j], m, replace=False) if m else []
+        top = jnp.asarray(top)
+        picked = entries[jnp.arange(b)[:, None, None], jnp.maximum(top, 0)]
+        parts.append((picked, top >= 0))
+        meta = am.with_topk_entries(meta, flat(top), tok_pos)
+    expect = flat(model_attention.sink_attention(q, parts, sink, D**-0.5))
+
+    ring = scatter_rows(window, ring_write_slots(lengths, n_valid, t, R), kv)  # the chunk's rows first
+    got = ra.reference(flat(q), ring, None if kind == "window" else entries, sink, meta)
+    real = np.asarray(tok_pos) >= 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expect)[real], rtol=1e-5, atol=1e-5)
+    assert (np.asarray(got)[~real] == 0).all()
+    if dense:  # and the kernel on the dense layout
+        out = ra.kernel(flat(q), ring, entries, sink, meta)
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_allclose(np.asarray(out), np.asarray(got), rtol=2e-5, atol=2e-5)
+
+
+def test_reference_matches_drafter_key_sets():
+    rng = np.random.default_rng(5)
+    b, g = 3, 5
+    lengths = jnp.asarray([0, 4, 77], jnp.int32)
+    q, ring, block_kv = _rand(rng, (b, g, H, D)), _rand(rng, (b, R, D)), _rand(rng, (b, g, D))
+    sink = _rand(rng, (H,))
+    rpos = ring_positions(lengths, R)  # as DSparkStage.draft_layer: committed context + the block
+    visible = (rpos >= 0) & (rpos >= lengths[:, None] - W)
+    parts = [(ring, jnp.broadcast_to(visible[:, None, :], (b, g, R))), (block_kv, jnp.ones((b, g, g), bool))]
+    expect = model_attention.sink_attention(q, parts, sink, D**-0.5)
+    full = jnp.full((b,), g, jnp.int32)
+    ring_with_block = scatter_rows(ring, ring_write_slots(lengths, full, g, R), block_kv)
+    got = ra.reference(q.reshape(b * g, H, D), ring_with_block, None, sink, am.draft(lengths, block=g, window=W))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expect).reshape(b * g, H, D), rtol=1e-5, atol=1e-5)
+
+
+def test_sink_attention_is_the_models():
+    rng = np.random.default_rng(6)
+    q, kv = _rand(rng, (2, 3, H, D), jnp.bfloat16), _rand(rng, (2, 7, D), jnp.bfloat16)
+    mask = jnp.asarray(rng.random((2, 3, 7)) < 0.6)
+    sink = _rand(rng, (H,))
+    a = ra.sink_attention(q, [(kv, mask)], sink, 0.1)
+    b = model_attention.sink_attention(q, [(kv, mask)], sink, 0.1)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# ------------------------------------------------------------------ metadata
+def test_default_config():
+    flash = ra.default_config(64, 6, 64)  # 64 requests x 6 verify tokens: enough programs, no split
+    assert (flash.block_t, flash.block_h, flash.kv_splits) == (1, 32, 1)
+    assert ra.default_config(64, 6, 1).kv_splits == 8  # one request: spread its keys
+    tiny = ra.default_config(4, 1, 64)
+    assert tiny.block_t * tiny.block_h >= 16
+    tiny.check()
+
+
+def test_topk_union_and_membership():
+    rng = np.random.default_rng(7)
+    q_lens, k = [3, 1, 4], 4
+    t = sum(q_lens) + 1
+    meta, _ = am.verify(q_lens, [10, 0, 20], window=W, num_tokens=t, max_q_len=4)
+    topk = rng.integers(-1, 9, (t, k)).astype(np.int32)
+    m = am.with_topk_entries(meta, jnp.asarray(topk))
+    cu = np.cumsum([0] + q_lens)
+    idx, ln, mask = np.asarray(m.comp_idx), np.asarray(m.comp_len), np.asarray(m.comp_mask)
+    assert idx.shape == (3, 16) and mask.shape == (t, 16)
+    for s in range(3):
+        want = sorted({int(e) for row in topk[cu[s]:cu[s + 1]] for e in row if e >= 0})
+        assert idx[s, :ln[s]].tolist() == want and (idx[s, ln[s]:] == -1).all()
+        for tok in range(cu[s], cu[s + 1]):
+            chosen = {int(e) for e in topk[tok] if e >= 0}
+            assert {int(idx[s, u]) for u in np.nonzero(mask[tok])[0]} == chosen
+    assert (mask[-1] == 0).all()  # padding token
+
+
+def test_bad_input_is_rejected():
+    meta, _ = am.verify([2, 3], [4, 5], window=W, num_tokens=5, max_q_len=3)
+    q, ring, sink = jnp.zeros((5, H, D)), jnp.zeros((2, R, D)), jnp.zeros((H,))
+    with pytest.raises(ValueError, match="q has 6 tokens"):
+        ra.kernel(jnp.zeros((6, H, D)), ring, None, sink, meta)
+    with pytest.raises(ValueError, match="window pool"):
+        ra.kernel(q, jnp.zeros((3, R, D)), None, sink, meta)
+    with pytest.raises(ValueError, match="sink"):
+        ra.reference(q, ring, None, jnp.zeros((H + 1,)), meta)
+    with pytest.raises(ValueError, match="entries pool exactly"):
+        ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink, meta)
+    short, _ = am.verify([2, 3], [4, 5], window=W, num_tokens=5, max_q_len=2)
+    with pytest.raises(ValueError, match="max_q_len"):
+        ra.kernel(q, ring, None, sink, short)
+    wide, _ = am.verify([2, 3], [4, 5], window=R, num_tokens=5, max_q_len=3)
+    with pytest.raises(ValueError, match="outside the ring"):
+        ra.kernel(q, ring, None, sink, wide)
+    with pytest.raises(ValueError, match="power of two"):
+        ra.kernel(q, ring, None, sink, meta, config=ra.BlockConfig(block_t=3, block_h=8))
+    with pytest.raises(ValueError, match="win_hi must have shape"):
+        ra.kernel(q, ring, None, sink, am.RaggedMeta(meta.cu_q_lens, meta.win_lo, meta.win_hi[:4], meta.ring_end,
+                                                    max_q_len=3))
+    with pytest.raises(ValueError, match="comp_mask must be int8"):
+        m = am.with_prefix_entries(meta, jnp.arange(5), ratio=4, num_slots=4)
+        ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink, am.RaggedMeta(
+            m.cu_q_lens, m.win_lo, m.win_hi, m.ring_end, m.comp_idx, m.comp_len, m.comp_mask.astype(jnp.int32), 3))
+
+
+def test_fp8_keys_are_dequantised_exactly():
+    """With a one-position window and no sink mass the output is the key row itself: it must equal
+    the reference KV fake-quantisation of the stored row bit for bit."""
+    from dspark_jax.model.quant import kv_sim
+
+    rng = np.random.default_rng(8)
+    s, r = 3, 24
+    rows = jnp.asarray(rng.standard_normal((s, r, D)) * np.exp(rng.uniform(-10, 10, (s, r, 1))), jnp.bfloat16)
+    lengths = np.array([3, 30, 57])
+    meta, pos = am.verify([2, 1, 3], lengths, window=1, num_tokens=6, max_q_len=3)
+    q = _rand(rng, (6, H, D), jnp.bfloat16)
+    sink = jnp.full((H,), -1e30, jnp.float32)  # exp(sink - m) == 0
+    out = ra.kernel(q, kv_fp8.quantize(rows), None, sink, meta, config=ra.BlockConfig(4, 4))
+    req = np.array([0, 0, 1, 2, 2, 2])
+    expect = kv_sim(rows, 64)[req, np.asarray(pos) % r]  # [6, D]
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
+                                  np.broadcast_to(np.asarray(expect)[:, None, :], (6, H, D)).view(np.uint16))

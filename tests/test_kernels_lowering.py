@@ -1,0 +1,93 @@
+"""Deviceless lowering of every kernel for a gfx950 (ROCm) target at DeepSeek-V4-Flash shapes.
+
+This runs JAX's Triton lowering (the legality rules that interpret mode does not check) without a
+GPU; it does not compile the Triton IR for the hardware. gfx950 is verified this way only.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend, kv_fp8, lowering
+from pallas_kernels import ragged_attention as ra
+from pallas_kernels.attention_metadata import RaggedMeta
+
+SD = jax.ShapeDtypeStruct
+S, T, H, D, RING, N, K = 64, 64 * 6, 64, 512, 144, 512, 512  # Flash: 64 requests x 6 verify tokens
+
+
+def _pool(rows: int, layout: str):
+    if layout == "fp8":
+        return kv_fp8.Fp8Rows(SD((S, rows, D), jnp.uint8), SD((S, rows, 64), jnp.bfloat16))
+    return SD((S, rows, D), jnp.bfloat16)
+
+
+def _meta(slots: int | None, max_q_len: int = 6, tokens: int = T):
+    i32 = jnp.int32
+    comp = (SD((S, slots), i32), SD((S,), i32), SD((tokens, slots), jnp.int8)) if slots else (None, None, None)
+    return RaggedMeta(SD((S + 1,), i32), SD((tokens,), i32), SD((tokens,), i32), SD((S,), i32), *comp,
+                      max_q_len=max_q_len)
+
+
+def test_fp8_write_lowers_for_gfx950():
+    pool = kv_fp8.Fp8Rows(SD((S * RING, D), jnp.uint8), SD((S * RING, 64), jnp.bfloat16))
+    text = lowering.lower(lambda p, s, x: kv_fp8.write_kernel(p, s, x, interpret=False),
+                          pool, SD((T,), jnp.int32), SD((T, D), jnp.bfloat16))
+    assert lowering.count_triton_calls(text) == 1
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+@pytest.mark.parametrize("entries,config", [
+    (None, None),  # window-only layers and the drafter
+    (6 * K, None),  # C4: union of 6 tokens' top-512
+    (N, ra.BlockConfig(block_t=1, block_h=64, block_k=32, num_warps=8, num_stages=2)),  # C128 at 64k
+    (N, ra.BlockConfig(block_t=2, block_h=16, block_k=64, num_warps=4, num_stages=3, kv_splits=4)),
+])
+def test_ragged_attention_lowers_for_gfx950(layout, entries, config):
+    args = (SD((T, H, D), jnp.bfloat16), _pool(RING, layout), _pool(N, layout) if entries else None,
+            SD((H,), jnp.float32), _meta(entries))
+    text = lowering.lower(lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, config=config, interpret=False), *args)
+    assert lowering.count_triton_calls(text) == 1
+
+
+def test_decode_shape_lowers_for_gfx950():
+    args = (SD((S, H, D), jnp.bfloat16), _pool(RING, "fp8"), None, SD((H,), jnp.float32),
+            _meta(None, max_q_len=1, tokens=S))
+    assert lowering.count_triton_calls(lowering.lower(
+        lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, interpret=False), *args)) == 1
+
+
+def _double(x, *, interpret: bool):
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    return pl.pallas_call(body, out_shape=SD(x.shape, x.dtype), interpret=interpret,
+                          compiler_params=backend.compiler_params(4, 1))(x)
+
+
+def test_illegal_kernel_fails_lowering_but_passes_interpret_mode():
+    """A 24-element block is not a power of two: interpret mode runs it, the gfx950 lowering refuses."""
+    x = jnp.arange(24, dtype=jnp.float32)
+    assert jnp.array_equal(_double(x, interpret=True), 2 * x)
+    with pytest.raises(ValueError, match="power of 2"):
+        lowering.lower(lambda x: _double(x, interpret=False), SD((24,), jnp.float32))
+    # the same kernel over 32 elements is legal
+    assert lowering.count_triton_calls(lowering.lower(lambda x: _double(x, interpret=False),
+                                                      SD((32,), jnp.float32))) == 1
+
+
+def test_tiny_model_shapes_lower_for_gfx950():
+    """The CPU test model's sizes (4 heads x 128, 64 nope dims) go through the same kernels."""
+    s, t, h, d = 2, 12, 4, 128
+    i32 = jnp.int32
+    meta = RaggedMeta(SD((s + 1,), i32), SD((t,), i32), SD((t,), i32), SD((s,), i32), SD((s, 18), i32),
+                      SD((s,), i32), SD((t, 18), jnp.int8), max_q_len=6)
+    fp8 = lambda n: kv_fp8.Fp8Rows(SD((s, n, d), jnp.uint8), SD((s, n, 64), jnp.bfloat16))  # noqa: E731
+    text = lowering.lower(lambda q, w, e, k, m: ra.kernel(q, w, e, k, m, interpret=False),
+                          SD((t, h, d), jnp.bfloat16), fp8(24), fp8(40), SD((h,), jnp.float32), meta)
+    assert lowering.count_triton_calls(text) == 1
+    pool = kv_fp8.Fp8Rows(SD((48, d), jnp.uint8), SD((48, 64), jnp.bfloat16))
+    text = lowering.lower(lambda p, sl, x: kv_fp8.write_kernel(p, sl, x, interpret=False),
+                          pool, SD((t,), i32), SD((t, d), jnp.bfloat16))
+    assert lowering.count_triton_calls(text) == 1
