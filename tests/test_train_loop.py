@@ -17,7 +17,7 @@ from dspark_jax import config
 from dspark_jax.checkpoint.hf import official_tensors
 from dspark_jax.train.checkpointing import PhaseCheckpointer
 from dspark_jax.train.corpus import WindowSampler
-from dspark_jax.train.export import ExportError, export_model, plan_shards
+from dspark_jax.train.export import ExportError, export_model
 from dspark_jax.train.loop import PhaseLog, run_phase
 from dspark_jax.train.optim import OptimConfig, TrainState, apply_gradients, cast_like, decay_mask, init_state, \
     make_optimizer
@@ -124,28 +124,21 @@ def test_export_shards_reload_through_the_official_loader(tmp_path):
     model = dspark_jax.init(config.tiny(), 1, dtype=jnp.bfloat16).module
     sizes = export_model(model, str(tmp_path), sts={"temperatures": [1.0] * 5}, max_file_mib=4.0, max_total_mib=16.0)
     shards = [f for f in sizes if f.endswith(".safetensors")]
-    assert len(shards) > 1 and "model.safetensors.index.json" in sizes
+    assert len(shards) > 1 and "model.safetensors.index.json" in sizes and "sts.json" in sizes
     assert all(s <= 4 * 2**20 for s in sizes.values())
     with open(tmp_path / "model.safetensors.index.json") as f:
         assert set(json.load(f)["weight_map"].values()) == set(shards)
-    loaded = dspark_jax.load(str(tmp_path))
+    loaded = dspark_jax.load(str(tmp_path), progress=False)
     assert loaded.config == model.cfg and loaded.config.dspark.num_stages == 3
     ours, theirs = dict(official_tensors(model)), dict(official_tensors(loaded.module))
     assert ours.keys() == theirs.keys()
     assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
-    # re-exporting into the same directory with one file removes the stale shards
-    sizes = export_model(model, str(tmp_path), max_file_mib=16.0)
-    assert sorted(f for f in os.listdir(tmp_path) if "safetensors" in f) == ["model.safetensors"]
+    # re-exporting into the same directory with fewer shards removes the stale ones
+    export_model(model, str(tmp_path), max_file_mib=16.0)
+    assert sorted(f for f in os.listdir(tmp_path) if "safetensors" in f) == [
+        "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     with pytest.raises(ExportError, match="MiB"):
         export_model(model, str(tmp_path / "small"), max_file_mib=16.0, max_total_mib=0.5)
-
-
-def test_plan_shards():
-    assert plan_shards({"a": 4, "b": 4, "c": 3, "d": 9}, 9) == [["d"], ["a", "b"], ["c"]]
-    # first-fit decreasing fills the gaps that name order would leave
-    assert plan_shards({"a": 5, "b": 6, "c": 4, "d": 5}, 10) == [["b", "c"], ["a", "d"]]
-    with pytest.raises(ExportError, match="alone"):
-        plan_shards({"a": 10}, 9)
 
 
 class _Crash(Exception):
@@ -200,23 +193,20 @@ def test_a_failing_checkpointer_does_not_stop_training():
     assert log.steps == 3 and log.done and "disk full" in log.checkpoint_error
 
 
-def test_the_shipped_model_fits_two_16_mib_files():
-    from dspark_jax.checkpoint.hf import official_names
+def test_the_shipped_model_is_two_weight_files_within_the_size_limits(tmp_path):
+    """The device run brings back at most 8 files: 2 weight files, index, config, tokenizer, sts,
+    log and figure."""
     from dspark_jax.config import from_hf_config
     from dspark_jax.model.common import Numerics
     from dspark_jax.model.deepseek_v4 import DeepSeekV4
     from dspark_jax.train.config import shipped
-    from dspark_jax.train.export import HEADER_ALLOWANCE
 
     cfg = shipped().model
     assert from_hf_config(cfg.to_hf_dict()) == cfg
     assert {0, 4, 128} == set(cfg.compress_ratios) and 0 < cfg.num_hash_layers < cfg.num_hidden_layers
     assert cfg.max_position_embeddings >= 1024 and shipped().seq_len == cfg.max_position_embeddings
-    abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, Numerics(), rngs=nnx.Rngs(0)))
-    dtypes = {".".join(map(str, k)): v.dtype for k, v in nnx.to_flat_state(nnx.state(abstract))}
-    sizes = {}
-    for name, (path, _, shape) in official_names(abstract).items():
-        itemsize = 8 if name.endswith("tid2eid") else np.dtype(dtypes[path]).itemsize
-        sizes[name] = int(np.prod(shape)) * itemsize
-    assert sum(sizes.values()) < 31 * 2**20  # + tokenizer (~0.4 MiB) and JSON files <= 32 MiB
-    assert len(plan_shards(sizes, 16 * 2**20 - HEADER_ALLOWANCE)) == 2
+    model = DeepSeekV4(cfg, Numerics(), rngs=nnx.Rngs(0))
+    sizes = export_model(model, str(tmp_path), sts={})
+    assert sorted(sizes) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                             "model.safetensors.index.json", "sts.json"]
+    assert sum(sizes.values()) < 31.5 * 2**20  # + tokenizer.json (0.4 MiB) <= 32 MiB

@@ -32,7 +32,7 @@ from dspark_jax.train import sts as sts_lib
 from dspark_jax.train.checkpointing import PhaseCheckpointer
 from dspark_jax.train.config import RunConfig
 from dspark_jax.train.corpus import WindowSampler, build_corpus, windows
-from dspark_jax.train.export import export_model
+from dspark_jax.train.export import export_model, round_to_checkpoint
 from dspark_jax.train.loop import PhaseLog, run_phase
 from dspark_jax.train.optim import cast_like, init_state, make_optimizer
 from dspark_jax.train.target import init_hash_routes, make_target_eval, make_target_step
@@ -119,8 +119,9 @@ def train_target(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadli
             eval_every_s=cfg.target.eval_every_s, checkpointer=ckpt, ckpt_every_s=cfg.target.ckpt_every_s,
             save_meta=lambda: dict(sampler=dict(epoch=sampler.epoch, cursor=sampler.cursor)))
     ckpt.close()
-    trained = cast_like(state.master, dtypes)
-    nnx.update(model, trained)
+    nnx.update(model, cast_like(state.master, dtypes))
+    round_to_checkpoint(model)  # evaluate (and train the drafter against) exactly the shipped weights
+    trained = nnx.state(model, nnx.Param)
     t0 = time.time()
     held = _mean_metrics([evaluate(trained, rest, jnp.asarray(b)) for b in evals])
     held.update(windows=len(evals) * cfg.eval_windows, eval_s=time.time() - t0)
@@ -153,8 +154,9 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadl
             eval_every_s=cfg.drafter.eval_every_s, checkpointer=ckpt, ckpt_every_s=cfg.drafter.ckpt_every_s,
             save_meta=lambda: dict(sampler=dict(epoch=sampler.epoch, cursor=sampler.cursor)))
     ckpt.close()
-    trained = cast_like(state.master, dtypes)
-    nnx.update(model, trained)
+    nnx.update(model, cast_like(state.master, dtypes))
+    round_to_checkpoint(model)
+    trained = nnx.state(model, drafter_lib.DRAFT_PARAMS)
 
     t0 = time.time()
     metrics, blocks = [], []
