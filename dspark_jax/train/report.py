@@ -20,7 +20,8 @@ def _f(x, nd=3) -> str:
 def summarize(log: dict) -> str:
     c, t, d, s = log["corpus"], log["target"], log["drafter"], log["sts"]
     tp, dp = t["phase"], d["phase"]
-    tim = log["timings"]
+    tim, n = log["timings"], log["parameters"]
+    bits_per_byte = t["heldout"]["loss"] / math.log(2) / c["bytes_per_token"]  # train-split bytes per token
     lines = [
         "### Run",
         "",
@@ -33,7 +34,7 @@ def summarize(log: dict) -> str:
         f"Corpus: {c['train_files']} train / {c['heldout_files']} held-out files of `{c['root']}` "
         f"({c['train_bytes'] / 1e6:.1f} MB / {c['heldout_bytes'] / 1e6:.2f} MB), {c['train_tokens']:,} train tokens, "
         f"{c['bytes_per_token']:.2f} bytes per token, vocabulary {c['tokenizer_vocab']}.",
-        f"Parameters: target {log['parameters']['target'] / 1e6:.2f} M, drafter {log['parameters']['drafter'] / 1e6:.2f} M; "
+        f"Parameters: target {n['target'] / 1e6:.2f} M, drafter {n['drafter'] / 1e6:.2f} M; "
         f"files {log['total_mib']:.2f} MiB: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in log["files"].items()),
         "",
         "### Training",
@@ -42,8 +43,8 @@ def summarize(log: dict) -> str:
         _row("---", "---", "---", "---", "---", "---", "---"),
         _row("target", tp["steps"], tp["batch_size"], f"{tp['tokens']:,}", _f(tp["epochs"], 2),
              f"{tp['tokens_per_s']:,.0f}",
-             f"loss {t['heldout']['loss']:.3f} nats/token ({t['heldout']['loss'] / math.log(2) / c['bytes_per_token']:.3f}"
-             f" bits/byte), accuracy {t['heldout']['accuracy']:.3f}"),
+             f"loss {t['heldout']['loss']:.3f} nats/token ({bits_per_byte:.3f} bits/byte), "
+             f"accuracy {t['heldout']['accuracy']:.3f}"),
         _row("drafter", dp["steps"], dp["batch_size"], f"{dp['tokens']:,}", _f(dp["epochs"], 2),
              f"{dp['tokens_per_s']:,.0f}",
              f"tau_greedy {d['heldout']['tau_greedy']:.3f}, tau_prob {d['heldout']['tau_prob']:.3f} (teacher-forced)"),
@@ -65,8 +66,9 @@ def summarize(log: dict) -> str:
         _row("---", "---", "---", "---", "---", "---"),
     ]
     for k in range(len(s["ece_before_per_position"])):
-        lines.append(_row(k + 1, _f(s["temperatures"][k]), _f(s["ece_before_per_position"][k], 4), _f(s["ece_after_per_position"][k], 4),
-                          _f(s["auc_before_per_position"][k]), _f(s["auc_after_per_position"][k])))
+        lines.append(_row(k + 1, _f(s["temperatures"][k]), _f(s["ece_before_per_position"][k], 4),
+                          _f(s["ece_after_per_position"][k], 4), _f(s["auc_before_per_position"][k]),
+                          _f(s["auc_after_per_position"][k])))
     lines += ["", f"Mean ECE on the evaluation half of the held-out blocks: {s['ece_before']:.4f} -> "
                   f"{s['ece_after']:.4f} ({s['blocks']} blocks)."]
     return "\n".join(lines)
