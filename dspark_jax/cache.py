@@ -22,6 +22,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
+from pallas_kernels import kv_fp8
+
+KV_LAYOUTS = ("bf16", "fp8")
+# A pool of 512-d KV latents: a plain array [b, r, d] (the compute dtype) or packed fp8 rows.
+KVPool = Array | kv_fp8.Fp8Rows
 
 
 @jax.tree_util.register_dataclass
@@ -29,13 +34,13 @@ from dspark_jax.config import ModelConfig
 class CompressorState:
     kv: Float[Array, "b rc cw"]  # projected kv of recent tokens (fp32)
     score: Float[Array, "b rc cw"]  # projected gate scores of recent tokens (fp32, without ape)
-    entries: Float[Array, "b n w"]  # compressed entries by window number
+    entries: KVPool  # compressed entries by window number [b, n, w]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCache:
-    window: Float[Array, "b r d"]
+    window: KVPool  # [b, r, d]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
@@ -52,29 +57,44 @@ class TargetCache:
         return self.lengths.shape[0]
 
 
-def _compressor_state(batch: int, ratio: int, width: int, ring: int, n_entries: int, dtype, fill) -> CompressorState:
+def new_kv_pool(lead: tuple[int, ...], width: int, dtype, layout: str, fill: float = 0.0) -> KVPool:
+    """A pool of KV rows: ``bf16`` = plain rows in the compute dtype, ``fp8`` = packed 640 B rows."""
+    if layout == "fp8":
+        return kv_fp8.quantize(jnp.full((*lead, width), fill, jnp.float32))
+    if layout != "bf16":
+        raise ValueError(f"kv layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    return jnp.full((*lead, width), fill, dtype)
+
+
+def _compressor_state(batch: int, ratio: int, width: int, ring: int, n_entries: int, dtype, fill,
+                      layout: str = "bf16") -> CompressorState:
     coff = 2 if ratio == 4 else 1
     return CompressorState(kv=jnp.full((batch, ring, coff * width), fill, jnp.float32),
                            score=jnp.full((batch, ring, coff * width), fill, jnp.float32),
-                           entries=jnp.full((batch, n_entries, width), fill, dtype))
+                           entries=new_kv_pool((batch, n_entries), width, dtype, layout, fill))
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, fill: float = 0.0) -> TargetCache:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, kv_layout: str = "bf16",
+               fill: float = 0.0) -> TargetCache:
     """Empty caches for ``batch`` requests of up to ``max_len`` tokens each (prompt + generation +
-    one verify block of slack). ``fill`` lets tests poison unwritten storage."""
+    one verify block of slack). ``kv_layout`` = "fp8" stores the window rings and compressed
+    entries as packed fp8 rows (640 B instead of 1024 B; indexer keys stay in ``dtype``).
+    ``fill`` lets tests poison unwritten storage."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     if not 1 <= max_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_len must lie in [1, max_position_embeddings={cfg.max_position_embeddings}], "
                          f"got {max_len}")
     layers = []
     for i, ratio in enumerate(cfg.compress_ratios):
-        window = jnp.full((batch, cfg.window_ring_size, cfg.head_dim), fill, dtype)
+        window = new_kv_pool((batch, cfg.window_ring_size), cfg.head_dim, dtype, kv_layout, fill)
         comp = idx = None
         if ratio:
             n = -(-max_len // ratio)
             ring = cfg.compressor_ring_size(ratio)
-            comp = _compressor_state(batch, ratio, cfg.head_dim, ring, n, dtype, fill)
+            comp = _compressor_state(batch, ratio, cfg.head_dim, ring, n, dtype, fill, kv_layout)
             if ratio == 4:
                 idx = _compressor_state(batch, ratio, cfg.index_head_dim, ring, n, dtype, fill)
         layers.append(LayerCache(window=window, compressor=comp, indexer=idx))
@@ -105,6 +125,22 @@ def scatter_rows(buf: Float[Array, "b r ..."], slots: Int[Array, "b t"], rows: F
     """buf[b, slots[b, t]] = rows[b, t]; out-of-range slots are dropped."""
     b = jnp.arange(buf.shape[0])[:, None]
     return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
+
+
+def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla") -> KVPool:
+    """pool[b, slots[b, t]] = rows[b, t] (out-of-range slots dropped); fp8 pools quantise the rows
+    with the fp8 write kernel (``impl``: "pallas" or "xla")."""
+    if not isinstance(pool, kv_fp8.Fp8Rows):
+        return scatter_rows(pool, slots, rows)
+    b, r = pool.shape[:2]
+    flat = jnp.where(slots < r, jnp.arange(b, dtype=jnp.int32)[:, None] * r + slots, -1).reshape(-1)
+    out = kv_fp8.write(pool.reshape(b * r), flat, rows.reshape(-1, rows.shape[-1]), impl=impl)
+    return out.reshape(b, r)
+
+
+def read_kv(pool: KVPool, dtype) -> Float[Array, "b r d"]:
+    """All rows of a pool in ``dtype`` (fp8 rows dequantised)."""
+    return kv_fp8.dequantize(pool, dtype) if isinstance(pool, kv_fp8.Fp8Rows) else pool
 
 
 def cache_bytes(cache: TargetCache) -> int:

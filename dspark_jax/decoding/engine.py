@@ -68,10 +68,12 @@ class Engine:
     """Compiled prefill / round functions for one model, γ and drafter.
 
     gamma: draft tokens per round (0 = target-only decoding). drafter: None = the model's DSpark
-    drafter; tests pass an oracle with the same signature as ``draft_block``.
+    drafter; tests pass an oracle with the same signature as ``draft_block``. kv_layout: "bf16" or
+    "fp8" target KV pools (the drafter's context rings stay in the compute dtype).
     """
 
-    def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 kv_layout: str = "bf16"):
         cfg = model.config
         if gamma > 0 and drafter is None and cfg.dspark is None:
             raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
@@ -80,7 +82,7 @@ class Engine:
                              f"got {gamma}")
         self.model, self.gamma = model, gamma
         self.drafter = drafter or draft_block
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.kv_layout = prefill_chunk, kv_layout
         self.uses_rings = cfg.dspark is not None and gamma > 0
         self.capture = tuple(cfg.dspark.target_layer_ids) if self.uses_rings else ()
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
@@ -165,7 +167,7 @@ class Engine:
                             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
                             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
                             seed=jnp.asarray(seeds, jnp.uint32).astype(jnp.int32))
-        bs = BatchState(cache=init_cache(cfg, b, max_len, dtype),
+        bs = BatchState(cache=init_cache(cfg, b, max_len, dtype, kv_layout=self.kv_layout),
                         draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
                         anchor=jnp.zeros((b,), jnp.int32), active=jnp.ones((b,), bool),
                         n_generated=jnp.zeros((b,), jnp.int32),

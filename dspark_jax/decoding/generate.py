@@ -59,11 +59,11 @@ def _sharded(model: Model, mesh) -> Model:
     return cache[id(mesh)][1]
 
 
-def _engine(model: Model, gamma: int, drafter) -> Engine:
+def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine:
     cache = model.__dict__.setdefault("_engines", {})
-    key = (gamma, drafter)
+    key = (gamma, drafter, kv_cache)
     if key not in cache:
-        cache[key] = Engine(model, gamma=gamma, drafter=drafter)
+        cache[key] = Engine(model, gamma=gamma, drafter=drafter, kv_layout=kv_cache)
     return cache[key]
 
 
@@ -112,13 +112,16 @@ def _histogram_stats(accept: list[int], gamma: int) -> dict[str, Any]:
 
 
 def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-             speculative: bool = True, mesh=None, seed: int = 0, progress: bool = False, drafter=None) -> list[Result]:
+             speculative: bool = True, mesh=None, seed: int = 0, progress: bool = False, kv_cache: str = "bf16",
+             drafter=None) -> list[Result]:
     """Generate continuations for a batch of prompts.
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
     directory, or None for the shipped default model. sampling: one ``SamplingParams`` for all
     requests or one per request. mesh: a ``jax.sharding.Mesh`` (``dspark_jax.sharding.make_mesh``)
-    to spread the model over; a model loaded with ``mesh=`` already is. speculative: DSpark drafting + lossless verification (False:
+    to spread the model over; a model loaded with ``mesh=`` already is. kv_cache: "bf16" (KV rows
+    in the compute dtype) or "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row: about
+    1.4x the context in the same memory; exact for models run with ``quant_sim``). speculative: DSpark drafting + lossless verification (False:
     target-only decoding). Greedy speculative output equals greedy target-only output token for
     token; sampled output follows the target distribution.
     """
@@ -152,7 +155,9 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     max_len = -(-need // 128) * 128
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
 
-    engine = _engine(model, gamma, drafter)
+    if kv_cache not in ("bf16", "fp8"):
+        raise InputError(f"kv_cache must be 'bf16' or 'fp8', got {kv_cache!r}")
+    engine = _engine(model, gamma, drafter, kv_cache)
     t0 = time.perf_counter()
     bs = engine.init_state(ids, params, seeds, max_len)
     bs, first = engine.prefill(bs, ids)

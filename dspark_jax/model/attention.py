@@ -18,13 +18,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float
 
-from dspark_jax.cache import LayerCache, ring_positions, ring_write_slots, scatter_rows
+from dspark_jax.cache import LayerCache, read_kv, ring_positions, ring_write_slots, write_kv
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.compressor import Compressor
 from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
+from pallas_kernels import attention_metadata
+from pallas_kernels.ragged_attention import ragged_attention
 
 # A key part: (kv [b, k, d] shared by all queries of a request, or [b, t, k, d] per query; mask [b, t, k]).
 KeyPart = tuple[Float[Array, "b k d"] | Float[Array, "b t k d"], Bool[Array, "b t k"]]
@@ -110,25 +112,52 @@ class Attention(nnx.Module):
         pos = chunk.positions
         q, qr = self.project_q(x, pos)
         kv = self.project_kv(x, pos)
-
+        b, t = x.shape[:2]
         ring = cache.window.shape[1]
-        rpos = ring_positions(chunk.start, ring)
-        keys = jnp.concatenate([cache.window, kv.astype(cache.window.dtype)], axis=1)
-        key_pos = jnp.concatenate([rpos, pos], axis=1)
-        key_ok = jnp.concatenate([rpos >= 0, chunk.row_valid], axis=1)
-        parts = [(keys, window_mask(key_pos, key_ok, pos, cfg.sliding_window))]
+        impl = self.num.kernel_impl()
+        slots = ring_write_slots(chunk.start, chunk.n_valid, t, ring)
 
-        new = dict(window=scatter_rows(cache.window, ring_write_slots(chunk.start, chunk.n_valid, x.shape[1], ring), kv))
+        new = {}
+        entries = top = None
         if self.ratio:
             entries, new["compressor"] = self.compressor(x, chunk, cache.compressor)
             if self.ratio == 4:
-                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k]
-                b = x.shape[0]
-                picked = entries[jnp.arange(b)[:, None, None], jnp.maximum(top, 0)]  # [b, t, k, d]
-                parts.append((picked, top >= 0))
-            else:
-                n = entries.shape[1]
-                parts.append((entries, jnp.arange(n)[None, None] < visible_entries(pos, self.ratio)[..., None]))
+                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k], -1 = none
 
-        o = sink_attention(q, parts, self.attn_sink[...], cfg.head_dim**-0.5)
+        if t <= ring - cfg.sliding_window + 1:
+            # Decode / verify: write the rows first; the ring then holds every key of the chunk.
+            new["window"] = write_kv(cache.window, slots, kv, impl=impl)
+            o = self._ragged(q, new["window"], entries, top, chunk, impl)
+        else:
+            # Prefill chunk: keys = the ring before the chunk + the chunk's own rows.
+            rpos = ring_positions(chunk.start, ring)
+            keys = jnp.concatenate([read_kv(cache.window, q.dtype), kv.astype(q.dtype)], axis=1)
+            key_pos = jnp.concatenate([rpos, pos], axis=1)
+            key_ok = jnp.concatenate([rpos >= 0, chunk.row_valid], axis=1)
+            parts = [(keys, window_mask(key_pos, key_ok, pos, cfg.sliding_window))]
+            if self.ratio:
+                ent = read_kv(entries, q.dtype)
+                if self.ratio == 4:
+                    picked = ent[jnp.arange(b)[:, None, None], jnp.maximum(top, 0)]  # [b, t, k, d]
+                    parts.append((picked, top >= 0))
+                else:
+                    n = ent.shape[1]
+                    parts.append((ent, jnp.arange(n)[None, None] < visible_entries(pos, self.ratio)[..., None]))
+            o = sink_attention(q, parts, self.attn_sink[...], cfg.head_dim**-0.5)
+            new["window"] = write_kv(cache.window, slots, kv, impl=impl)
         return self.project_out(o, pos), dataclasses.replace(cache, **new)
+
+    def _ragged(self, q, window, entries, top, chunk: Chunk, impl: str) -> Float[Array, "b t h d"]:
+        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``)."""
+        cfg = self.cfg
+        b, t, h, d = q.shape
+        meta, pos_flat = attention_metadata.verify_dense(chunk.n_valid, chunk.start, width=t,
+                                                        window=cfg.sliding_window)
+        if self.ratio == 4:
+            meta = attention_metadata.with_topk_entries(meta, top.reshape(b * t, -1), pos_flat)
+        elif self.ratio:
+            meta = attention_metadata.with_prefix_entries(meta, pos_flat, ratio=self.ratio,
+                                                          num_slots=entries.shape[1])
+        o = ragged_attention(q.reshape(b * t, h, d), window, entries, self.attn_sink[...], meta,
+                             scale=d**-0.5, impl=impl)
+        return o.reshape(b, t, h, d)

@@ -22,18 +22,32 @@ class Numerics:
     quant_sim: simulate the reference's fp8 activation / KV and fp4 indexer fake-quantisation.
     moe_impl: "dense" (every expert, small models and training), "ragged" (sorted tokens +
         ragged_dot, each selected expert read once) or "auto".
+    kernels: attention / fp8-cache-write implementation for decode and verify chunks: "pallas"
+        (the Pallas kernels: Triton on a GPU, interpret mode on CPU), "xla" (their pure-JAX
+        references) or "auto" (pallas on a GPU, xla elsewhere).
     """
 
     dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.bfloat16
     quant_sim: bool = False
     moe_impl: str = "auto"
+    kernels: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         if self.moe_impl not in ("auto", "dense", "ragged"):
             raise ValueError(f"moe_impl must be 'auto', 'dense' or 'ragged', got {self.moe_impl!r}")
+        if self.kernels not in ("auto", "pallas", "xla"):
+            raise ValueError(f"kernels must be 'auto', 'pallas' or 'xla', got {self.kernels!r}")
+
+    def kernel_impl(self) -> str:
+        """The implementation the kernel dispatchers get (resolved when tracing)."""
+        if self.kernels == "auto":
+            from pallas_kernels.backend import on_gpu
+
+            return "pallas" if on_gpu() else "xla"
+        return self.kernels
 
 
 class Buffer(nnx.Variable):

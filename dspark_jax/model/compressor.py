@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from dspark_jax.cache import CompressorState, ring_write_slots, scatter_rows
+from dspark_jax.cache import CompressorState, KVPool, ring_write_slots, scatter_rows, write_kv
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
@@ -38,7 +38,7 @@ class Compressor(nnx.Module):
         self.cfg, self.num = cfg, num
 
     def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
-                 ) -> tuple[Float[Array, "b n w"], CompressorState]:
+                 ) -> tuple[KVPool, CompressorState]:
         """Compress every window closed inside the chunk; returns all entries and the new state."""
         m, w = self.ratio, self.width
         kv_new, score_new = self.wkv(x), self.wgate(x)  # [b, t, coff*w] fp32
@@ -71,7 +71,7 @@ class Compressor(nnx.Module):
         if self.num.quant_sim:  # without quantisation the indexer's Hadamard rotation cancels in q.k
             c = fp4_sim(hadamard(c), 32) if self.rotate else kv_sim(c, self.cfg.qk_rope_head_dim)
         n = state.entries.shape[1]
-        entries = scatter_rows(state.entries, jnp.where(win_ok, win, n), c)
+        entries = write_kv(state.entries, jnp.where(win_ok, win, n), c, impl=self.num.kernel_impl())
 
         slots = ring_write_slots(start, chunk.n_valid, t, ring)
         return entries, dataclasses.replace(state, kv=scatter_rows(state.kv, slots, kv_new),

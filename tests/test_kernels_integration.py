@@ -1,0 +1,68 @@
+"""The model's decode / verify path through the kernels and fp8 KV pools."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dspark_jax
+from dspark_jax.api import forward_step
+from dspark_jax.cache import commit, init_cache, read_kv
+from dspark_jax.model.quant import kv_sim
+from tests.helpers import perturb
+
+
+def _model(dtype, quant_sim, kernels="xla", seed=5):
+    m = dspark_jax.init(dspark_jax.config.tiny(), seed, dtype=dtype, quant_sim=quant_sim)
+    m = perturb(m, seed)
+    num = dataclasses.replace(m.numerics, kernels=kernels)
+    for _, mod in nnx.iter_modules(m.module):  # numerics are static attributes of the modules
+        if hasattr(mod, "num"):
+            mod.num = num
+    return dspark_jax.Model(m.module)
+
+
+def _decode(m, ids, layout, prefill=40, steps=(6, 1, 6)):
+    cache = init_cache(m.config, ids.shape[0], 96, m.numerics.dtype, kv_layout=layout)
+    n = jnp.full((ids.shape[0],), prefill, jnp.int32)
+    _, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(ids[:, :prefill]), n, cache)
+    cache, pos, out = commit(cache, n), prefill, []
+    for t in steps:
+        n = jnp.full((ids.shape[0],), t, jnp.int32)
+        lg, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(ids[:, pos:pos + t]), n, cache)
+        cache, pos = commit(cache, n), pos + t
+        out.append(np.asarray(lg, np.float32))
+    return np.concatenate(out, axis=1), cache
+
+
+def test_fp8_pools_reproduce_the_reference_kv_fake_quantisation():
+    """With quant_sim, cached KV values are already on the fp8 grid: fp8 pools give the same logits,
+    and every stored row dequantises to exactly kv_sim of itself."""
+    m = _model(jnp.bfloat16, True)
+    ids = np.random.default_rng(0).integers(2, 500, (2, 60)).astype(np.int32)
+    a, cache_bf16 = _decode(m, ids, "bf16")
+    b, cache_fp8 = _decode(m, ids, "fp8")
+    np.testing.assert_array_equal(a, b)
+    for lb, lf in zip(cache_bf16.layers, cache_fp8.layers):
+        deq = read_kv(lf.window, jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(deq, np.float32), np.asarray(lb.window, np.float32))
+        np.testing.assert_array_equal(np.asarray(kv_sim(deq, 64), np.float32), np.asarray(deq, np.float32))
+        if lf.compressor is not None:
+            np.testing.assert_array_equal(np.asarray(read_kv(lf.compressor.entries, jnp.bfloat16), np.float32),
+                                          np.asarray(lb.compressor.entries, np.float32))
+    assert cache_fp8.layers[0].window.nope.dtype == jnp.uint8  # really stored as fp8 rows
+
+
+def test_pallas_kernels_inside_the_model_match_the_xla_path():
+    """Verify chunks through the Pallas kernels (interpret mode here) vs their references, with bf16
+    and fp8 pools (fp32 compute: bf16 activations with fp8 / fp4 fake-quantisation would turn
+    last-bit differences of summation order into rounding flips)."""
+    ids = np.random.default_rng(1).integers(2, 500, (2, 60)).astype(np.int32)
+    # fp8 pools dequantise to bf16 keys, so probabilities are rounded to bf16 before P.V: per key
+    # tile in the kernel's online softmax, once in the reference.
+    for layout, tol in (("bf16", 1e-5), ("fp8", 1e-2)):
+        ref, _ = _decode(_model(jnp.float32, False, "xla"), ids, layout, steps=(6,))
+        ker, _ = _decode(_model(jnp.float32, False, "pallas"), ids, layout, steps=(6,))
+        np.testing.assert_allclose(ker, ref, rtol=0, atol=tol * np.abs(ref).max())
