@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
 from pallas_kernels import kv_fp8
+from pallas_kernels.attention_metadata import ring_positions  # noqa: F401 (slot -> position, re-exported)
 
 KV_LAYOUTS = ("bf16", "fp8")
 # A pool of 512-d KV latents: a plain array [b, r, d] (the compute dtype) or packed fp8 rows.
@@ -104,13 +105,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
 def commit(cache: TargetCache, n_tokens: Int[Array, " b"]) -> TargetCache:
     """Accept ``n_tokens`` more tokens per request (everything written beyond stays tentative)."""
     return dataclasses.replace(cache, lengths=cache.lengths + n_tokens.astype(jnp.int32))
-
-
-def ring_positions(lengths: Int[Array, " b"], ring: int) -> Int[Array, "b r"]:
-    """Absolute position held by each ring slot (the latest committed one), -1 if none yet."""
-    s = jnp.arange(ring, dtype=jnp.int32)[None]
-    last = lengths[:, None] - 1
-    return last - jnp.mod(last - s, ring)
 
 
 def ring_write_slots(lengths: Int[Array, " b"], n_valid: Int[Array, " b"], t: int, ring: int) -> Int[Array, "b t"]:

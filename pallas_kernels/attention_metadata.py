@@ -121,6 +121,14 @@ def check_values(meta: RaggedMeta, *, ring: int | None = None, n_entries: int | 
                              f"(positions [ring_end - {ring}, ring_end))")
 
 
+def ring_positions(ring_end: Int[Array, " s"], ring: int) -> Int[Array, "s r"]:
+    """Position held by each slot of a ring whose newest position is ``ring_end - 1``
+    (slot = position mod ring); negative = never written."""
+    slot = jnp.arange(ring, dtype=jnp.int32)[None]
+    last = ring_end[:, None] - 1
+    return last - jnp.mod(last - slot, ring)
+
+
 def cu_from_lens(q_lens: Int[Array, " s"]) -> Int[Array, " s1"]:
     q_lens = _i32(q_lens)
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])

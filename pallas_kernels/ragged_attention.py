@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend
-from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values
+from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values, ring_positions
 from pallas_kernels.kv_fp8 import BLOCK, Fp8Rows, check_layout, dequantize
 
 if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
@@ -88,13 +88,6 @@ def default_config(num_heads: int, max_q_len: int, num_requests: int = 64, *, ro
 
 
 # ------------------------------------------------------------------------------ shared helpers
-def ring_positions(ring_end: Array, ring: int) -> Array:
-    """[S, R] position held by each ring slot (may be negative = never written)."""
-    slot = jnp.arange(ring, dtype=jnp.int32)[None]
-    last = ring_end[:, None] - 1
-    return last - jnp.mod(last - slot, ring)
-
-
 def _pool_shape(pool: Pool) -> tuple[int, ...]:
     return pool.shape if isinstance(pool, Fp8Rows) else tuple(pool.shape)
 
@@ -136,11 +129,17 @@ def check_inputs(q: Array, window: Pool, entries: Pool | None, sink: Array, meta
 # ------------------------------------------------------------------------------ pure-JAX reference
 def sink_attention(q: Float[Array, "b t h d"], parts: Sequence[tuple[Array, Array]], sink: Float[Array, " h"],
                    scale: float) -> Float[Array, "b t h d"]:
-    """Softmax over the union of key parts ``(kv [b, k, d], mask [b, t, k])`` with the sink logit in
-    the denominator only. Same math as ``dspark_jax.model.attention.sink_attention``."""
+    """Softmax attention over the union of key parts with a sink logit in the denominator only.
+
+    A part is (kv [b, k, d] shared by the queries of a request, or [b, t, k, d] per query;
+    mask [b, t, k]). Logits and sums in fp32; probabilities are cast to the kv dtype before the
+    P.V product (bf16 in the DeepSeek-V4 reference), accumulation in fp32. A query without keys
+    gets 0. This is the math every attention path of the project reduces to.
+    """
     logits = []
     for kv, mask in parts:
-        s = jnp.einsum("bthd,bkd->bthk", q, kv.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+        eq = "bthd,bkd->bthk" if kv.ndim == 3 else "bthd,btkd->bthk"
+        s = jnp.einsum(eq, q, kv.astype(q.dtype), preferred_element_type=jnp.float32) * scale
         logits.append(jnp.where(mask[:, :, None, :], s, -jnp.inf))
     s = jnp.concatenate(logits, axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -150,8 +149,8 @@ def sink_attention(q: Float[Array, "b t h d"], parts: Sequence[tuple[Array, Arra
     out, k0 = 0.0, 0
     for kv, _ in parts:
         k1 = k0 + kv.shape[-2]
-        out = out + jnp.einsum("bthk,bkd->bthd", p[..., k0:k1].astype(kv.dtype), kv,
-                               preferred_element_type=jnp.float32)
+        eq = "bthk,bkd->bthd" if kv.ndim == 3 else "bthk,btkd->bthd"
+        out = out + jnp.einsum(eq, p[..., k0:k1].astype(kv.dtype), kv, preferred_element_type=jnp.float32)
         k0 = k1
     return (out / denom).astype(q.dtype)
 

@@ -213,26 +213,6 @@ def test_reference_matches_drafter_key_sets():
     np.testing.assert_allclose(np.asarray(got), np.asarray(expect).reshape(b * g, H, D), rtol=1e-5, atol=1e-5)
 
 
-def test_sink_attention_is_the_models():
-    rng = np.random.default_rng(6)
-    q, kv = _rand(rng, (2, 3, H, D), jnp.bfloat16), _rand(rng, (2, 7, D), jnp.bfloat16)
-    mask = jnp.asarray(rng.random((2, 3, 7)) < 0.6)
-    sink = _rand(rng, (H,))
-    a = ra.sink_attention(q, [(kv, mask)], sink, 0.1)
-    b = model_attention.sink_attention(q, [(kv, mask)], sink, 0.1)
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-# ------------------------------------------------------------------ metadata
-def test_default_config():
-    flash = ra.default_config(64, 6, 64)  # 64 requests x 6 verify tokens: enough programs, no split
-    assert (flash.block_t, flash.block_h, flash.kv_splits) == (1, 32, 1)
-    assert ra.default_config(64, 6, 1).kv_splits == 8  # one request: spread its keys
-    tiny = ra.default_config(4, 1, 64)
-    assert tiny.block_t * tiny.block_h >= 16
-    tiny.check()
-
-
 def test_topk_union_and_membership():
     rng = np.random.default_rng(7)
     q_lens, k = [3, 1, 4], 4

@@ -11,7 +11,6 @@ and projected by the grouped low-rank wo_a / wo_b.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,37 +25,7 @@ from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from pallas_kernels import attention_metadata
-from pallas_kernels.ragged_attention import ragged_attention
-
-# A key part: (kv [b, k, d] shared by all queries of a request, or [b, t, k, d] per query; mask [b, t, k]).
-KeyPart = tuple[Float[Array, "b k d"] | Float[Array, "b t k d"], Bool[Array, "b t k"]]
-
-
-def sink_attention(q: Float[Array, "b t h d"], parts: Sequence[KeyPart], sink: Float[Array, " h"],
-                   scale: float) -> Float[Array, "b t h d"]:
-    """Softmax attention over the union of key parts with a sink logit in the denominator only.
-
-    Pure-XLA reference of the ragged attention kernel. Logits and sums in fp32; probabilities are
-    cast to the kv dtype before the P.V product (bf16 in the reference), accumulation in fp32.
-    """
-    logits = []
-    for kv, mask in parts:
-        eq = "bthd,bkd->bthk" if kv.ndim == 3 else "bthd,btkd->bthk"
-        s = jnp.einsum(eq, q, kv.astype(q.dtype), preferred_element_type=jnp.float32) * scale
-        logits.append(jnp.where(mask[:, :, None, :], s, -jnp.inf))
-    s = jnp.concatenate(logits, axis=-1)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
-    out, k0 = 0.0, 0
-    for kv, _ in parts:
-        k1 = k0 + kv.shape[-2]
-        eq = "bthk,bkd->bthd" if kv.ndim == 3 else "bthk,btkd->bthd"
-        out = out + jnp.einsum(eq, p[..., k0:k1].astype(kv.dtype), kv, preferred_element_type=jnp.float32)
-        k0 = k1
-    return (out / denom).astype(q.dtype)
-
+from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
