@@ -4,6 +4,7 @@ and ``Model.logits`` (one-shot scoring of token sequences)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any, Sequence
 
@@ -123,4 +124,16 @@ def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     module = hf.load_module(path, dtype=dtype, param_dtype=param_dtype, quant_sim=quant_sim, moe_impl=moe_impl,
                             mesh=mesh, dspark=dspark, progress=progress)
-    return Model(module, tokenizer=load_tokenizer(path), path=path)
+    return Model(module, tokenizer=load_tokenizer(path), sts_temperatures=read_sts(path, module.cfg), path=path)
+
+
+def read_sts(path: str, config: ModelConfig) -> tuple[float, ...] | None:
+    """Per-position confidence temperatures from ``sts.json`` (written by STS calibration), if any."""
+    file = os.path.join(path, "sts.json")
+    if not os.path.exists(file) or config.dspark is None:
+        return None
+    with open(file) as f:
+        temps = json.load(f).get("temperatures")
+    if temps is None or len(temps) != config.dspark.block_size or any(t <= 0 for t in temps):
+        raise hf.CheckpointError(f"{file}: expected {config.dspark.block_size} positive temperatures, got {temps}")
+    return tuple(float(t) for t in temps)

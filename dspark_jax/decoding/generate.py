@@ -99,6 +99,15 @@ def _stop_token_ids(model: Model, params: SamplingParams) -> SamplingParams:
     return params
 
 
+def _confidence_stats(conf: list[np.ndarray], temps) -> dict[str, Any]:
+    """Mean calibrated confidence sigmoid(c_k / T_k) of the drafts at each block position."""
+    if not conf:
+        return {}
+    c = np.stack(conf)  # [rounds, γ] raw logits
+    t = np.asarray(temps if temps is not None else np.ones(c.shape[1]), np.float64)
+    return {"mean_confidence": (1 / (1 + np.exp(-c / t))).mean(0).tolist()}
+
+
 def _histogram_stats(accept: list[int], gamma: int) -> dict[str, Any]:
     rounds = len(accept)
     lengths = np.asarray(accept, np.int64) + 1  # accepted drafts + bonus
@@ -166,6 +175,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     b = len(ids)
     out = [[int(first[i])] for i in range(b)]
     accepts: list[list[int]] = [[] for _ in range(b)]
+    confs: list[list[np.ndarray]] = [[] for _ in range(b)]
     done = [False] * b
     reason = ["length"] * b
     finish_time = [0.0] * b
@@ -209,13 +219,16 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         else:
             res = None
         if pending is not None:
-            toks, n_new, acc = jax.device_get((pending.tokens, pending.n_new, pending.accepted))
+            toks, n_new, acc, conf = jax.device_get((pending.tokens, pending.n_new, pending.accepted,
+                                                     pending.confidence))
             now = time.perf_counter() - t_decode
             for i in range(b):
                 if done[i] or n_new[i] == 0:
                     continue
                 out[i].extend(int(t) for t in toks[i, :n_new[i]])
                 accepts[i].append(int(acc[i]))
+                if gamma and drafter is None:
+                    confs[i].append(conf[i])
                 bar.update(int(n_new[i]))
                 if finish(i):
                     done[i], finish_time[i] = True, now
@@ -227,6 +240,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     results = []
     for i in range(b):
         stats = _histogram_stats(accepts[i], gamma)
+        stats.update(_confidence_stats(confs[i], model.sts_temperatures))
         stats.update(new_tokens=len(out[i]), prompt_tokens=int(len(ids[i])), prefill_s=t_prefill,
                      decode_s=finish_time[i], gamma=gamma,
                      tokens_per_s=len(out[i]) / finish_time[i] if finish_time[i] > 0 else float("nan"))
