@@ -21,13 +21,14 @@ def greedy_truth(tiny_f32):
     """Target-only greedy continuations of two prompts of different lengths (shared by tests)."""
     rng = np.random.default_rng(10)
     prompts = [rng.integers(2, 500, 23).tolist(), rng.integers(2, 500, 70).tolist()]
-    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=320), speculative=False)
+    sp = SamplingParams(max_new_tokens=320, ignore_eos=True)
+    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=sp, speculative=False)
     return prompts, [r.tokens for r in res]
 
 
 def test_greedy_speculative_equals_target_only(tiny_f32, greedy_truth):
     prompts, truth = greedy_truth
-    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=60))
+    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=60, ignore_eos=True))
     for r, t in zip(res, truth):
         assert r.tokens == t[:60]
         assert r.stats["rounds"] >= 1 and r.stats["gamma"] == GAMMA
@@ -45,7 +46,8 @@ def test_oracle_drafter_exercises_every_accept_length(tiny_f32, greedy_truth):
     for i, f in enumerate(full):
         table[i, :len(f)] = f
     oracle = OracleDrafter(table, wrong, GAMMA, tiny_f32.config.vocab_size)
-    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=320), drafter=oracle)
+    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=320, ignore_eos=True),
+                              drafter=oracle)
     for r, t in zip(res, truth):
         assert r.tokens == t
         hist = r.stats["accept_length_histogram"]
@@ -61,7 +63,7 @@ def test_draft_rings_after_rounds_equal_fresh_prefill(tiny_f32, greedy_truth):
     wrong = np.random.default_rng(12).random((1, len(full))) < 0.3
     oracle = OracleDrafter(full[None], wrong, GAMMA, tiny_f32.config.vocab_size)
     eng = Engine(tiny_f32, gamma=GAMMA, drafter=oracle)
-    sp = [SamplingParams(max_new_tokens=100)]
+    sp = [SamplingParams(max_new_tokens=100, ignore_eos=True)]
     bs = eng.init_state([np.asarray(prompts[0])], sp, [0], 256)
     bs, _ = eng.prefill(bs, [np.asarray(prompts[0])])
     for _ in range(12):
@@ -78,13 +80,14 @@ def test_batch_mixing_equals_alone(tiny_f32):
     """Prompt lengths, greedy and sampled requests, early stops: each request as if alone."""
     rng = np.random.default_rng(13)
     prompts = [rng.integers(2, 500, n).tolist() for n in (5, 16, 9, 13)]  # one prefill chunk size
-    alone_greedy = dspark_jax.generate(prompts[0], model=tiny_f32, sampling=SamplingParams(max_new_tokens=30))[0]
+    alone_greedy = dspark_jax.generate(prompts[0], model=tiny_f32,
+                                       sampling=SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     stop_tok = alone_greedy.tokens[7]
     params = [
-        SamplingParams(max_new_tokens=30, stop=[stop_tok]),  # stops early on a token
-        SamplingParams(max_new_tokens=25, temperature=1.0, seed=7),
-        SamplingParams(max_new_tokens=9),  # stops early on length
-        SamplingParams(max_new_tokens=28, temperature=0.8, top_k=50, top_p=0.9, seed=3),
+        SamplingParams(max_new_tokens=30, stop=[stop_tok], ignore_eos=True),  # stops early on a token
+        SamplingParams(max_new_tokens=25, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, ignore_eos=True),  # stops early on length
+        SamplingParams(max_new_tokens=28, temperature=0.8, top_k=50, top_p=0.9, seed=3, ignore_eos=True),
     ]
     batch = dspark_jax.generate(prompts, model=tiny_f32, sampling=params)
     for p, sp, r in zip(prompts, params, batch):
@@ -108,7 +111,7 @@ def test_no_recompilation_across_rounds(tiny_f32, greedy_truth):
         table[i, :len(f)] = f
     rng = np.random.default_rng(14)
     oracle = OracleDrafter(table, rng.random((2, n)) < 0.3, GAMMA, tiny_f32.config.vocab_size)
-    sp = SamplingParams(max_new_tokens=40)
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
     dspark_jax.generate(prompts, model=tiny_f32, sampling=sp, drafter=oracle)  # warm-up
     eng = _engine(tiny_f32, GAMMA, oracle)
     before = (eng.compilations(), eng._prefill._cache_size())
@@ -149,6 +152,17 @@ def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
     prompts, truth = greedy_truth
     assert len(jax.devices()) == 8
     mesh = make_mesh(data=2)  # 2 x 4: requests over data, heads / experts / vocab over model
-    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=12), mesh=mesh)
+    res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=12, ignore_eos=True),
+                              mesh=mesh)
     for r, t in zip(res, truth):
         assert r.tokens == t[:12]
+
+
+def test_stops_default_to_eos(tiny_f32):
+    from dspark_jax.decoding.generate import _with_stops
+
+    eos = tiny_f32.config.eos_token_id
+    assert _with_stops(tiny_f32, SamplingParams(stop=[7])).stop == (7, eos)
+    assert _with_stops(tiny_f32, SamplingParams(stop=[7], ignore_eos=True)).stop == (7,)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        _with_stops(tiny_f32, SamplingParams(stop=[10**6]))

@@ -99,7 +99,7 @@ def test_engine_sampling_matches_target_distribution(params):
     m = perturb(dspark_jax.init(cfg, 3, dtype=jnp.float32), 3, scale=3.0)
     prompt = [0, 3, 5, 2, 6, 4]
     n = 2048
-    res = dspark_jax.generate([prompt] * n, model=m, sampling=[SamplingParams(max_new_tokens=2, seed=i, **params)
+    res = dspark_jax.generate([prompt] * n, model=m, sampling=[SamplingParams(max_new_tokens=2, seed=i, ignore_eos=True, **params)
                                                               for i in range(n)])
     samples = np.array([r.tokens for r in res])
     assert np.mean([r.stats["mean_accept_length"] for r in res]) > 1.05  # drafts do get accepted

@@ -87,16 +87,24 @@ def _prompt_ids(model: Model, prompt) -> np.ndarray:
     return model.check_ids(ids, "prompt token ids")
 
 
-def _stop_token_ids(model: Model, params: SamplingParams) -> SamplingParams:
-    """Resolve string stops that are single special tokens of the tokenizer into token ids."""
-    if model.tokenizer is None:
-        if any(isinstance(s, str) for s in params.stop):
-            raise InputError("string stop sequences need a model with a tokenizer")
-        return params
-    for s in params.stop:
+def _with_stops(model: Model, params: SamplingParams) -> SamplingParams:
+    """Check the stops, add EOS (unless ignore_eos), and turn strings that are one special token
+    of the tokenizer into token ids (token ids also stop the request on the device)."""
+    stops = list(params.stop)
+    if not params.ignore_eos:
+        stops.append(model.config.eos_token_id)
+    out = []
+    for s in stops:
+        if isinstance(s, str):
+            if model.tokenizer is None:
+                raise InputError("string stop sequences need a model with a tokenizer")
+            tid = model.tokenizer.token_to_id(s)
+            s = tid if tid is not None else s
         if isinstance(s, int) and not 0 <= s < model.config.vocab_size:
             raise InputError(f"stop token id {s} is outside the vocabulary")
-    return params
+        if s not in out:
+            out.append(s)
+    return dataclasses.replace(params, stop=tuple(out))
 
 
 def _confidence_stats(conf: list[np.ndarray], temps) -> dict[str, Any]:
@@ -149,7 +157,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     if len(params) != len(ids):
         raise InputError(f"got {len(params)} SamplingParams for {len(ids)} prompts")
     params = [p if isinstance(p, SamplingParams) else SamplingParams(**p) for p in params]
-    params = [_stop_token_ids(model, p) for p in params]
+    params = [_with_stops(model, p) for p in params]
     cfg = model.config
     gamma = 0
     if speculative:

@@ -29,7 +29,8 @@ class SamplingParams:
     """How one request is decoded.
 
     temperature: 0 = greedy; top_k: 0 = off; top_p: 1.0 = off; stop: token ids and/or strings that
-    end the request (the stop itself is not returned); seed: None = derived from generate()'s seed.
+    end the request (the stop itself is not returned); the model's EOS token also ends it unless
+    ignore_eos; seed: None = derived from generate()'s seed.
     """
 
     temperature: float = 0.0
@@ -38,6 +39,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: Sequence[int | str] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         from dspark_jax.api import InputError
@@ -52,6 +54,7 @@ class SamplingParams:
             raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
         if isinstance(self.stop, (str, int)):
             object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
         for s in self.stop:
             if not isinstance(s, (str, int)) or (isinstance(s, str) and not s):
                 raise InputError(f"stop entries must be token ids or non-empty strings, got {s!r}")
