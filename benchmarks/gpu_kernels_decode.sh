@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: kernel benchmark, then the decode benchmark; logs and results under $OUT.
+# One GPU run: kernel benchmark, then the decode benchmark; logs and results under $OUT.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OUT=${OUT:-out}
 mkdir -p "$OUT"
