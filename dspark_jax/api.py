@@ -63,11 +63,12 @@ class Model:
             raise InputError(f"{what} contain ids outside [0, {self.config.vocab_size}): {np.unique(ids[bad])[:10]}")
         return ids.astype(np.int32)
 
-    def logits(self, token_ids: Any, *, chunk_size: int | None = None) -> jax.Array:
+    def logits(self, token_ids: Any, *, chunk_size: int | None = None, kv_cache: str = "bf16") -> jax.Array:
         """fp32 logits [batch, seq, vocab] of every position by prefill from an empty cache.
 
         token_ids: [seq] or [batch, seq] integers. chunk_size: prefill in chunks of this many
-        tokens (default: the whole sequence at once).
+        tokens (default: the whole sequence at once; chunks of up to 17 tokens take the decode /
+        verify attention path). kv_cache: "bf16" or "fp8" target KV pools, as in ``generate``.
         """
         ids = self.check_ids(token_ids)
         if ids.ndim == 1:
@@ -81,7 +82,7 @@ class Model:
         step = t if chunk_size is None else int(chunk_size)
         if step < 1:
             raise InputError(f"chunk_size must be positive, got {chunk_size}")
-        cache = init_cache(self.config, b, t, self.numerics.dtype)
+        cache = init_cache(self.config, b, t, self.numerics.dtype, kv_layout=kv_cache)
         out = []
         for s in range(0, t, step):
             part = jnp.asarray(ids[:, s:s + step])

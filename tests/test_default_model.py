@@ -41,14 +41,30 @@ def test_greedy_speculative_equals_target_only_on_heldout(heldout_prompts):
 
 
 def test_fp8_kv_pools_track_bf16_pools(heldout_prompts):
-    """Greedy decoding with fp8 target KV pools against bf16 pools over a long run: tokens agree
-    position by position (the report prints the agreement and the first divergence)."""
-    sp = SamplingParams(max_new_tokens=192)
+    """fp8 target KV pools against bf16 pools over a long greedy run (192 tokens per request).
+
+    Per-token agreement is measured teacher-forced: both layouts score the same bf16-pool
+    generation in verify-sized chunks, and their greedy next tokens are compared at every
+    generated position (a free-running comparison stops meaning anything after the first
+    divergence; it is printed too)."""
+    m = default_model()
+    sp = SamplingParams(max_new_tokens=192, ignore_eos=True)
     a = dspark_jax.generate(heldout_prompts, sampling=sp, kv_cache="bf16")
     b = dspark_jax.generate(heldout_prompts, sampling=sp, kv_cache="fp8")
-    same = [np.mean(np.asarray(x.tokens) == np.asarray(y.tokens)) for x, y in zip(a, b)]
     first = [next((i for i, (u, v) in enumerate(zip(x.tokens, y.tokens)) if u != v), len(x.tokens))
              for x, y in zip(a, b)]
-    print(f"fp8 vs bf16 KV: token agreement {np.mean(same):.3f} per request {np.round(same, 3).tolist()}, "
-          f"first divergence {first}")
-    assert np.mean(same) >= 0.95
+    chunk = m.config.dspark.block_size + 1
+    prompts = [[m.config.bos_token_id] + m.tokenizer.encode(p).ids for p in heldout_prompts]
+    seqs = [p + r.tokens for p, r in zip(prompts, a)]
+    width = max(map(len, seqs))
+    batch = np.asarray([s + [m.config.eos_token_id] * (width - len(s)) for s in seqs], np.int32)  # causal: tail padding is inert
+    bf16 = np.argmax(np.asarray(m.logits(batch, chunk_size=chunk, kv_cache="bf16")), -1)
+    fp8 = np.argmax(np.asarray(m.logits(batch, chunk_size=chunk, kv_cache="fp8")), -1)
+    agree, n = 0, 0
+    for i, (p, r) in enumerate(zip(prompts, a)):
+        gen = slice(len(p) - 1, len(p) - 1 + len(r.tokens))  # positions whose next token was generated
+        assert np.array_equal(bf16[i, gen], r.tokens)  # teacher forcing reproduces the generation
+        agree, n = agree + int(np.sum(fp8[i, gen] == bf16[i, gen])), n + len(r.tokens)
+    print(f"fp8 vs bf16 KV over {n} tokens: teacher-forced agreement {agree / n:.4f}; free-running "
+          f"first divergence per request {first} of {[len(r.tokens) for r in a]}")
+    assert agree / n >= 0.95

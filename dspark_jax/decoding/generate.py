@@ -146,7 +146,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     if mesh is not None and model_mesh(model) is not mesh:
         model = _sharded(model, mesh)
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
-                                    and np.isscalar(prompts[0])):
+                                    and isinstance(prompts[0], (int, np.integer))):  # one token-id list
         prompts = [prompts]
     if len(prompts) == 0:
         raise InputError("no prompts given")
