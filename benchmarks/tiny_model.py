@@ -1,6 +1,7 @@
 """The shipped tiny DeepSeek-V4 + DSpark pair on held-out code: accept length τ at γ = 5,
 per-position conditional acceptance, confidence calibration (ECE / AUC) before and after STS,
-and DSpark vs target-only tokens/s measured in the same run. Writes tiny_model.json / .png
+and DSpark vs target-only tokens/s measured in the same run (all prompts as one batch, and one
+request at a time). Writes tiny_model.json / .png
 under $OUT.
 
     python benchmarks/tiny_model.py --prompts 8 --new-tokens 128
@@ -31,7 +32,7 @@ def heldout_prompts(n: int, lines: int = 12) -> list[str]:
         rows = text.splitlines(keepends=True)
         if len(rows) < 3 * lines:
             continue
-        out.append("".join(rows[len(rows) // 3:len(rows) // 3 + lines]))
+        out.append("".join(rows[len(rows) // 3:len(rows) // 3 + lines]).rstrip("\n"))  # see examples/quickstart.py
         if len(out) == n:
             break
     return out
@@ -77,8 +78,16 @@ def main():
                        "ece_per_position": [sts.ece(surv[:, k], labels[:, k]) for k in range(g)],
                        "auc_per_position": [sts.auc(surv[:, k], labels[:, k]) for k in range(g)]}
 
-    speed = speed_comparison(model, prompts, SamplingParams(max_new_tokens=args.new_tokens), repeats=args.repeats)
+    sp = SamplingParams(max_new_tokens=args.new_tokens)
+    speed = speed_comparison(model, prompts, sp, repeats=args.repeats)
     same = all(x.tokens == y.tokens for x, y in zip(speed["dspark"]["results"], speed["target_only"]["results"]))
+    single = [speed_comparison(model, [p], sp, repeats=args.repeats) for p in prompts]  # one request at a time
+    speed_b1 = {k: {"seconds": sum(r[k]["seconds"] for r in single), "tokens": sum(r[k]["tokens"] for r in single)}
+                for k in ("target_only", "dspark")}
+    for v in speed_b1.values():
+        v["tokens_per_s"] = v["tokens"] / v["seconds"]
+    speed_b1["speedup"] = speed_b1["dspark"]["tokens_per_s"] / speed_b1["target_only"]["tokens_per_s"]
+    same = same and all(r["dspark"]["results"][0].tokens == r["target_only"]["results"][0].tokens for r in single)
     result = {
         "env": environment(), "prompts": len(prompts), "new_tokens": args.new_tokens, "gamma": g,
         "rounds": int(len(a)), "tau": float(lengths.mean()),
@@ -86,6 +95,7 @@ def main():
         "per_position_conditional_acceptance": per_pos, "calibration": calib,
         "speed": {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict) else v
                   for k, v in speed.items()},
+        "speed_batch1": speed_b1,
         "greedy_speculative_equals_target_only": same,
     }
     print(result)

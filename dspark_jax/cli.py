@@ -57,8 +57,8 @@ def speed_comparison(model, prompts, sampling, repeats: int = 1) -> dict:
         t = sorted(times)[len(times) // 2]
         n = sum(len(r.tokens) for r in res)
         out[name] = {"seconds": t, "tokens": n, "tokens_per_s": n / t, "results": res,
-                     "mean_accept_length": sum(r.stats["mean_accept_length"] * r.stats["rounds"] for r in res)
-                     / max(1, sum(r.stats["rounds"] for r in res))}
+                     "mean_accept_length": sum(r.stats["mean_accept_length"] * r.stats["rounds"] for r in res
+                                               if r.stats["rounds"]) / max(1, sum(r.stats["rounds"] for r in res))}
     out["speedup"] = out["dspark"]["tokens_per_s"] / out["target_only"]["tokens_per_s"]
     return out
 

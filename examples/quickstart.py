@@ -7,7 +7,9 @@ from dspark_jax.decoding.generate import default_model
 
 model = default_model()
 print(model)
-prompts = ["def binary_search(items, target):\n", "class LRUCache:\n    def __init__(self, capacity):\n"]
+# Prompts end where a line ends, before its newline: the tokenizer merges a newline with the
+# indentation that follows it, so a prompt that ends in "\n" leaves the model an unusual split.
+prompts = ["import os\nimport sys\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
 sampling = dspark_jax.SamplingParams(max_new_tokens=96)  # greedy
 
 run = speed_comparison(model, prompts, sampling, repeats=3)

@@ -39,7 +39,7 @@ def plot_training(log: dict, path: str) -> None:
     ax[0].plot(s, v, alpha=0.3, color="C0")
     ax[0].plot(s, _ema(v), color="C0", label="train (EMA)")
     s, v = _series(tgt["evals"], "loss")
-    ax[0].plot(s, v, "o-", color="C3", label="held-out")
+    ax[0].plot(s, v, "o-", color="C3", label="held-out (first eval batch)")
     ax[0].set(title="target: next-token cross-entropy", xlabel="step", ylabel="nats / token")
     for i, key in enumerate(("loss", "ce", "l1", "conf")):
         s, v = _series(dr["history"], key)
@@ -48,7 +48,7 @@ def plot_training(log: dict, path: str) -> None:
         s, v = _series(dr["evals"], key)
         if len(v):
             ax[1].plot(s, v, "o", color=f"C{i}", ms=4)
-    ax[1].set(title="drafter: 0.1 CE + 0.9 L1 + 1.0 BCE (dots: held-out)", xlabel="step", yscale="log")
+    ax[1].set(title="drafter: 0.1 CE + 0.9 L1 + 1.0 BCE (dots: first held-out batch)", xlabel="step", yscale="log")
     for i, key in enumerate(("tau_greedy", "tau_prob")):
         s, v = _series(dr["history"], key)
         if len(v):
@@ -62,7 +62,7 @@ def plot_training(log: dict, path: str) -> None:
     ax[3].plot(k, ev["conditional_accept_greedy"], "o-", label="greedy: P(accept k | accepted < k)")
     ax[3].plot(k, ev["accept_prob"], "s-", label="sampling (T=1): mean c*_k")
     ax[3].set(xlabel="draft position k", ylabel="acceptance", ylim=(0, 1.02), xticks=k,
-              title=f"held-out: tau_greedy {ev['tau_greedy']:.2f}, tau_prob {ev['tau_prob']:.2f}")
+              title=f"all held-out batches: tau_greedy {ev['tau_greedy']:.2f}, tau_prob {ev['tau_prob']:.2f}")
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
