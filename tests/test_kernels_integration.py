@@ -66,3 +66,37 @@ def test_pallas_kernels_inside_the_model_match_the_xla_path():
         ref, _ = _decode(_model(jnp.float32, False, "xla"), ids, layout, steps=(6,))
         ker, _ = _decode(_model(jnp.float32, False, "pallas"), ids, layout, steps=(6,))
         np.testing.assert_allclose(ker, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
+def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
+    """The drafter's block rows attend to the last ``window`` committed context rows plus the whole
+    block. Inference takes the ragged dispatcher (Pallas kernel in interpret mode, or its reference);
+    training takes the dense math with an explicit visibility mask: all three agree, including a
+    request whose ring has wrapped, and whole draft blocks agree between kernel and reference."""
+    from dspark_jax.cache import ring_positions
+    from dspark_jax.model.dspark import DraftCache, draft_block
+
+    rng = np.random.default_rng(3)
+    cfg = dspark_jax.config.tiny()
+    b, g, r, w = 3, cfg.dspark.block_size, cfg.window_ring_size, cfg.sliding_window
+    lengths = jnp.asarray([0, 9, 3 * r + 5], jnp.int32)
+    rings = tuple(jnp.asarray(rng.standard_normal((b, r, cfg.head_dim)), jnp.float32)
+                  for _ in range(cfg.dspark.num_stages))
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, g)), jnp.int32)
+    pos = lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
+    rpos = ring_positions(lengths, r)
+    visible = (rpos >= 0) & (rpos >= lengths[:, None] - w)
+    assert bool(visible[2].sum() == w) and not bool(visible[0].any())  # a full window, and none
+
+    drafts = {}
+    for kernels in ("xla", "pallas"):
+        m = _model(jnp.float32, False, kernels)
+        stage, x = m.module.mtp[0], m.module.embed_streams(ids)
+        dense = stage.draft_layer(x, ids, pos, rings[0], visible)
+        ragged = stage.draft_layer(x, ids, pos, rings[0], lengths=lengths)
+        np.testing.assert_allclose(np.asarray(ragged), np.asarray(dense), rtol=2e-5, atol=2e-5)
+        out = draft_block(m.module, DraftCache(rings=rings), ids[:, 0], lengths, lambda lg, k: jnp.argmax(lg, -1))
+        drafts[kernels] = out
+    np.testing.assert_array_equal(np.asarray(drafts["pallas"].tokens), np.asarray(drafts["xla"].tokens))
+    np.testing.assert_allclose(np.asarray(drafts["pallas"].logits), np.asarray(drafts["xla"].logits),
+                               rtol=1e-4, atol=1e-4)

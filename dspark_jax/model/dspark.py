@@ -21,15 +21,16 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from dspark_jax.cache import ring_positions, ring_write_slots, scatter_rows
+from dspark_jax.cache import ring_write_slots, scatter_rows
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.attention import sink_attention
+from dspark_jax.model.attention import ragged_attention, sink_attention
 from dspark_jax.model.block import Block
 from dspark_jax.model.common import Linear, Numerics, normal_init
 from dspark_jax.model.hyper import hc_head, hc_post, hc_unit_params
 from dspark_jax.model.norms_rope import RMSNorm
+from pallas_kernels import attention_metadata
 
 
 class MarkovHead(nnx.Module):
@@ -65,15 +66,30 @@ class DSparkStage(Block):
                                                compute_dtype=jnp.float32)
 
     def draft_layer(self, x: Float[Array, "b g n d"], ids: Int[Array, "b g"], pos: Int[Array, "b g"],
-                    ring: Float[Array, "b r d"], ring_visible: Array) -> Float[Array, "b g n d"]:
-        """The block rows through this stage: keys = visible context ring rows + all block rows."""
+                    ring: Float[Array, "b r d"], ring_visible: Bool[Array, "b r"] | None = None, *,
+                    lengths: Int[Array, " b"] | None = None) -> Float[Array, "b g n d"]:
+        """The block rows through this stage: keys = visible context rows + all block rows.
+
+        Inference passes ``lengths`` (committed tokens; the block sits at positions lengths ..
+        lengths + g - 1) with the stage's context ``ring``: the block rows are written into a copy
+        of the ring and the ragged attention dispatcher (Pallas kernel or its reference, by
+        ``Numerics.kernels``) sees the last ``window`` committed positions plus the block. Training
+        passes gathered context rows with ``ring_visible`` and takes the dense math (it needs
+        gradients)."""
         y, post, comb = self.attn_in(x)
         q, _ = self.attn.project_q(y, pos)
-        kv = self.attn.project_kv(y, pos)
-        g = ids.shape[1]
-        parts = [(ring, jnp.broadcast_to(ring_visible[:, None, :], (*ids.shape, ring.shape[1]))),
-                 (kv.astype(ring.dtype), jnp.ones((*ids.shape, g), bool))]
-        o = sink_attention(q, parts, self.attn.attn_sink[...], self.cfg.head_dim**-0.5)
+        kv = self.attn.project_kv(y, pos).astype(ring.dtype)
+        b, g, h, d = q.shape
+        sink, scale = self.attn.attn_sink[...], self.cfg.head_dim**-0.5
+        if lengths is None:
+            parts = [(ring, jnp.broadcast_to(ring_visible[:, None, :], (b, g, ring.shape[1]))),
+                     (kv, jnp.ones((b, g, g), bool))]
+            o = sink_attention(q, parts, sink, scale)
+        else:
+            slots = ring_write_slots(lengths, jnp.full((b,), g, jnp.int32), g, ring.shape[1])
+            meta = attention_metadata.draft(lengths, block=g, window=self.cfg.sliding_window)
+            o = ragged_attention(q.reshape(b * g, h, d), scatter_rows(ring, slots, kv), None, sink, meta,
+                                 scale=scale, impl=self.attn.num.kernel_impl()).reshape(b, g, h, d)
         x = hc_post(self.attn.project_out(o, pos), x, post, comb)
         return self.ffn_residual(x, ids)
 
@@ -126,12 +142,9 @@ def draft_block(model, cache: DraftCache, anchor: Int[Array, " b"], lengths: Int
     b, g = anchor.shape[0], ds.block_size
     ids = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), ds.noise_token_id, jnp.int32)], axis=1)
     pos = lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
-    rpos = ring_positions(lengths, cache.rings[0].shape[1])
-    visible = (rpos >= 0) & (rpos >= lengths[:, None] - cfg.sliding_window)
-
     x = model.embed_streams(ids)
     for stage, ring in zip(stages, cache.rings):
-        x = stage.draft_layer(x, ids, pos, ring, visible)
+        x = stage.draft_layer(x, ids, pos, ring, lengths=lengths)
     last = stages[-1]
     z = hc_head(x, last.hc_head_fn[...], last.hc_head_base[...], last.hc_head_scale[...], hc_eps=cfg.hc_eps,
                 norm_eps=cfg.rms_norm_eps)  # pre-norm hidden Z [b, g, d]
