@@ -36,6 +36,18 @@ def test_sinkhorn_is_doubly_stochastic():
         ref = ref / (ref.sum(-1, keepdims=True) + 1e-6)
         ref = ref / (ref.sum(-2, keepdims=True) + 1e-6)
     np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-6)
+    for unroll in (True, False):  # both forms of the iterations compute the same thing
+        np.testing.assert_allclose(np.asarray(sinkhorn(logits, 20, 1e-6, unroll=unroll)), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_numerics_sinkhorn_choice():
+    from dspark_jax.model.common import Numerics
+
+    assert Numerics(sinkhorn="loop").sinkhorn_unroll() is False
+    assert Numerics(sinkhorn="unrolled").sinkhorn_unroll() is True
+    assert Numerics().sinkhorn_unroll() is None
+    with pytest.raises(ValueError, match="sinkhorn must be"):
+        Numerics(sinkhorn="scan")
 
 
 def test_hc_pre_post_reference():

@@ -26,12 +26,12 @@ class Block(nnx.Module):
         self.ffn = MoE(cfg, hash_routing, num, rngs=rngs)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_unit_params(rngs, n, d, (2 + n) * n)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_unit_params(rngs, n, d, (2 + n) * n)
-        self.cfg = cfg
+        self.cfg, self.num = cfg, num
 
     def _pre(self, x, fn, base, scale):
         c = self.cfg
         return hc_pre(x, fn[...], base[...], scale[...], iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-                      norm_eps=c.rms_norm_eps)
+                      norm_eps=c.rms_norm_eps, unroll=self.num.sinkhorn_unroll())
 
     def attn_in(self, x: Float[Array, "b t n d"]):
         """Collapsed, normalised attention input and the mHC weights to expand its output."""

@@ -25,6 +25,8 @@ class Numerics:
     kernels: attention / fp8-cache-write implementation for decode and verify chunks: "pallas"
         (the Pallas kernels: Triton on a GPU, interpret mode on CPU), "xla" (their pure-JAX
         references) or "auto" (pallas on a GPU, xla elsewhere).
+    sinkhorn: mHC's Sinkhorn iterations as a "loop" (fast to compile; training uses it) or
+        "unrolled" (no per-iteration loop overhead), or "auto" (unrolled on accelerators).
     """
 
     dtype: jnp.dtype = jnp.bfloat16
@@ -32,6 +34,7 @@ class Numerics:
     quant_sim: bool = False
     moe_impl: str = "auto"
     kernels: str = "auto"
+    sinkhorn: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -40,6 +43,12 @@ class Numerics:
             raise ValueError(f"moe_impl must be 'auto', 'dense' or 'ragged', got {self.moe_impl!r}")
         if self.kernels not in ("auto", "pallas", "xla"):
             raise ValueError(f"kernels must be 'auto', 'pallas' or 'xla', got {self.kernels!r}")
+        if self.sinkhorn not in ("auto", "loop", "unrolled"):
+            raise ValueError(f"sinkhorn must be 'auto', 'loop' or 'unrolled', got {self.sinkhorn!r}")
+
+    def sinkhorn_unroll(self) -> bool | None:
+        """``unroll`` for ``hyper.sinkhorn`` (None: chosen by backend when tracing)."""
+        return None if self.sinkhorn == "auto" else self.sinkhorn == "unrolled"
 
     def kernel_impl(self) -> str:
         """The implementation the kernel dispatchers get (resolved when tracing)."""

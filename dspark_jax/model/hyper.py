@@ -46,14 +46,16 @@ def _mixes(x: Float[Array, "b t n d"], fn: Array, eps: float) -> Float[Array, "b
 
 
 def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, iters: int, hc_eps: float,
-           norm_eps: float) -> tuple[Float[Array, "b t d"], Float[Array, "b t n"], Float[Array, "b t n n"]]:
-    """Collapse the streams for a sub-block; returns (block input, post weights, mixing matrix C)."""
+           norm_eps: float, unroll: bool | None = None
+           ) -> tuple[Float[Array, "b t d"], Float[Array, "b t n"], Float[Array, "b t n n"]]:
+    """Collapse the streams for a sub-block; returns (block input, post weights, mixing matrix C).
+    ``unroll``: see ``sinkhorn``."""
     n = x.shape[-2]
     mix = _mixes(x, fn, norm_eps)
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mix.shape[:-1], n, n)
-    comb = sinkhorn(comb, iters, hc_eps)
+    comb = sinkhorn(comb, iters, hc_eps, unroll=unroll)
     y = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2)
     return y.astype(x.dtype), post, comb
 

@@ -225,7 +225,10 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
          f"tokens ({c['bytes_per_token']:.2f} bytes/token), {len(train_w)} windows of {cfg.seq_len}")
 
     dtype = jnp.dtype(cfg.dtype)
-    model = DeepSeekV4(cfg.model, Numerics(dtype=dtype, param_dtype=dtype, quant_sim=False, moe_impl="dense"),
+    # Sinkhorn as a loop: unrolled, its backward doubles the optimised HLO of the train step
+    # (benchmarks/compile_probe.py) for no measurable gain at these sizes.
+    model = DeepSeekV4(cfg.model, Numerics(dtype=dtype, param_dtype=dtype, quant_sim=False, moe_impl="dense",
+                                           sinkhorn="loop"),
                        rngs=nnx.Rngs(cfg.seed))
     init_hash_routes(model, jax.random.key(cfg.seed))
     log["parameters"] = count_parameters(model)
