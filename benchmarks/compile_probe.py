@@ -4,6 +4,7 @@ process with a time limit, and writes compile_probe.json under $OUT.
 
     python benchmarks/compile_probe.py                     # all variants, 150 s each
     python benchmarks/compile_probe.py --batch 2 --seq 256 --limit 60
+    python benchmarks/compile_probe.py --only as_trained,sinkhorn_unrolled
 
 Variants: the step as trained (Sinkhorn as a loop); Sinkhorn unrolled; without C4 layers; without C128
 layers; window-only layers; 2 layers; the forward pass alone; and on a GPU, XLA autotuning off
@@ -74,6 +75,7 @@ def main():
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--limit", type=float, default=150.0, help="seconds per variant")
+    ap.add_argument("--only", default=None, help="comma-separated variants (default: all)")
     args = ap.parse_args()
     if args.variant:
         print("RESULT " + json.dumps(probe(args.variant, args.batch, args.seq)), flush=True)
@@ -86,6 +88,8 @@ def main():
     runs = [(v, "") for v in CONFIG_CHANGES]
     if jax.default_backend() == "gpu":
         runs += [(f"as_trained+{k}", flag) for k, flag in GPU_FLAGS.items()]
+    if args.only:
+        runs = [r for r in runs if r[0] in args.only.split(",")]
     results = []
     for name, flag in runs:
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
