@@ -40,16 +40,15 @@ def probe(variant: str, batch: int, seq: int) -> dict:
     from flax import nnx
 
     from dspark_jax import config as model_config
-    from dspark_jax.model.common import Numerics
     from dspark_jax.model.deepseek_v4 import DeepSeekV4
     from dspark_jax.train.config import shipped
     from dspark_jax.train.optim import init_state, make_optimizer
+    from dspark_jax.train.run import training_numerics
     from dspark_jax.train.target import make_target_eval, make_target_step
 
     cfg = model_config.shipped(dspark=False).replace(**CONFIG_CHANGES.get(variant, {}))
     run = shipped()
-    num = Numerics(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, quant_sim=False, moe_impl="dense",
-                   sinkhorn="unrolled" if variant == "sinkhorn_unrolled" else "loop")  # training: loop
+    num = training_numerics(jnp.bfloat16, **({"sinkhorn": "unrolled"} if variant == "sinkhorn_unrolled" else {}))
     model = DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ids = jnp.zeros((batch, seq), jnp.int32)

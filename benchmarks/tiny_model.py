@@ -19,7 +19,7 @@ from benchmarks.common import environment, out_dir, write_json
 from dspark_jax import SamplingParams
 from dspark_jax.cli import speed_comparison
 from dspark_jax.decoding.engine import Engine
-from dspark_jax.decoding.generate import default_model
+from dspark_jax.decoding.generate import default_model, prompt_ids
 from dspark_jax.train import sts
 from dspark_jax.train.corpus import CorpusConfig, build_corpus
 
@@ -41,7 +41,7 @@ def heldout_prompts(n: int, lines: int = 12) -> list[str]:
 def round_records(model, prompts: list[str], new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(accepted drafts a [rounds], raw confidence logits [rounds, γ]) of every active round."""
     eng = Engine(model, gamma=model.config.dspark.block_size)
-    ids = [np.asarray([model.config.bos_token_id] + model.tokenizer.encode(p).ids, np.int32) for p in prompts]
+    ids = [prompt_ids(model, p) for p in prompts]
     params = [SamplingParams(max_new_tokens=new_tokens)] * len(ids)
     max_len = -(-(max(len(i) for i in ids) + new_tokens + 32) // 128) * 128
     bs = eng.init_state(ids, params, list(range(len(ids))), max_len)

@@ -6,7 +6,7 @@ import pytest
 
 import dspark_jax
 from dspark_jax import SamplingParams
-from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, default_model
+from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, default_model, prompt_ids
 from dspark_jax.train.corpus import CorpusConfig, build_corpus
 
 
@@ -54,7 +54,7 @@ def test_fp8_kv_pools_track_bf16_pools(heldout_prompts):
     first = [next((i for i, (u, v) in enumerate(zip(x.tokens, y.tokens)) if u != v), len(x.tokens))
              for x, y in zip(a, b)]
     chunk = m.config.dspark.block_size + 1
-    prompts = [[m.config.bos_token_id] + m.tokenizer.encode(p).ids for p in heldout_prompts]
+    prompts = [prompt_ids(m, p).tolist() for p in heldout_prompts]
     seqs = [p + r.tokens for p, r in zip(prompts, a)]
     width = max(map(len, seqs))
     batch = np.asarray([s + [m.config.eos_token_id] * (width - len(s)) for s in seqs], np.int32)  # causal: tail padding is inert

@@ -67,7 +67,8 @@ def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine
     return cache[key]
 
 
-def _prompt_ids(model: Model, prompt) -> np.ndarray:
+def prompt_ids(model: Model, prompt) -> np.ndarray:
+    """Token ids of one prompt as ``generate`` feeds them (strings: tokenized, BOS prepended)."""
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise InputError("string prompts need a model with a tokenizer; pass token ids instead")
@@ -150,7 +151,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         prompts = [prompts]
     if len(prompts) == 0:
         raise InputError("no prompts given")
-    ids = [_prompt_ids(model, p) for p in prompts]
+    ids = [prompt_ids(model, p) for p in prompts]
     if sampling is None:
         sampling = SamplingParams()
     params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)

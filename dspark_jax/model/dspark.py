@@ -89,7 +89,7 @@ class DSparkStage(Block):
             slots = ring_write_slots(lengths, jnp.full((b,), g, jnp.int32), g, ring.shape[1])
             meta = attention_metadata.draft(lengths, block=g, window=self.cfg.sliding_window)
             o = ragged_attention(q.reshape(b * g, h, d), scatter_rows(ring, slots, kv), None, sink, meta,
-                                 scale=scale, impl=self.attn.num.kernel_impl()).reshape(b, g, h, d)
+                                 scale=scale, impl=self.num.kernel_impl()).reshape(b, g, h, d)
         x = hc_post(self.attn.project_out(o, pos), x, post, comb)
         return self.ffn_residual(x, ids)
 

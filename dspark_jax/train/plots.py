@@ -26,6 +26,17 @@ def _series(history: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return s, v
 
 
+def _train_and_eval(ax, phase: dict, keys: tuple[str, ...]) -> None:
+    """Per key: the training history as an EMA line and the periodic evaluations as dots."""
+    for i, key in enumerate(keys):
+        s, v = _series(phase["history"], key)
+        if len(v):
+            ax.plot(s, _ema(v), color=f"C{i}", label=f"{key} (train EMA)")
+        s, v = _series(phase["evals"], key)
+        if len(v):
+            ax.plot(s, v, "o", color=f"C{i}", ms=4)
+
+
 def plot_training(log: dict, path: str) -> None:
     """One figure: target loss, drafter loss terms, teacher-forced accept length during training,
     and held-out acceptance by draft position."""
@@ -41,21 +52,9 @@ def plot_training(log: dict, path: str) -> None:
     s, v = _series(tgt["evals"], "loss")
     ax[0].plot(s, v, "o-", color="C3", label="held-out (first eval batch)")
     ax[0].set(title="target: next-token cross-entropy", xlabel="step", ylabel="nats / token")
-    for i, key in enumerate(("loss", "ce", "l1", "conf")):
-        s, v = _series(dr["history"], key)
-        if len(v):
-            ax[1].plot(s, _ema(v), color=f"C{i}", label=f"{key} (train EMA)")
-        s, v = _series(dr["evals"], key)
-        if len(v):
-            ax[1].plot(s, v, "o", color=f"C{i}", ms=4)
+    _train_and_eval(ax[1], dr, ("loss", "ce", "l1", "conf"))
     ax[1].set(title="drafter: 0.1 CE + 0.9 L1 + 1.0 BCE (dots: first held-out batch)", xlabel="step", yscale="log")
-    for i, key in enumerate(("tau_greedy", "tau_prob")):
-        s, v = _series(dr["history"], key)
-        if len(v):
-            ax[2].plot(s, _ema(v), color=f"C{i}", label=f"{key} (train EMA)")
-        s, v = _series(dr["evals"], key)
-        if len(v):
-            ax[2].plot(s, v, "o", color=f"C{i}", ms=4)
+    _train_and_eval(ax[2], dr, ("tau_greedy", "tau_prob"))
     ax[2].set(title="drafter: teacher-forced expected accept length", xlabel="step")
     ev = log["drafter"]["heldout"]
     k = np.arange(1, len(ev["match"]) + 1)

@@ -14,6 +14,7 @@ Output directory layout::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -204,6 +205,13 @@ def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
 
 
 # ---------------------------------------------------------------------------- pipeline
+def training_numerics(dtype, **changes) -> Numerics:
+    """How both phases compute: unquantised, every expert densely, Sinkhorn as a loop (unrolled,
+    its backward doubles the optimised program of the train step: benchmarks/compile_probe.py)."""
+    num = Numerics(dtype=dtype, param_dtype=dtype, quant_sim=False, moe_impl="dense", sinkhorn="loop")
+    return dataclasses.replace(num, **changes)
+
+
 def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resume: bool = True) -> dict:
     """Run everything within ``cfg.minutes``; returns the log written to ``<out>/train_log.json``.
 
@@ -224,12 +232,7 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
     _say(f"[data] {c['train_files']} train / {c['heldout_files']} held-out files, {c['train_tokens']:,} train "
          f"tokens ({c['bytes_per_token']:.2f} bytes/token), {len(train_w)} windows of {cfg.seq_len}")
 
-    dtype = jnp.dtype(cfg.dtype)
-    # Sinkhorn as a loop: unrolled, its backward doubles the optimised HLO of the train step
-    # (benchmarks/compile_probe.py) for no measurable gain at these sizes.
-    model = DeepSeekV4(cfg.model, Numerics(dtype=dtype, param_dtype=dtype, quant_sim=False, moe_impl="dense",
-                                           sinkhorn="loop"),
-                       rngs=nnx.Rngs(cfg.seed))
+    model = DeepSeekV4(cfg.model, training_numerics(cfg.dtype), rngs=nnx.Rngs(cfg.seed))
     init_hash_routes(model, jax.random.key(cfg.seed))
     log["parameters"] = count_parameters(model)
 
