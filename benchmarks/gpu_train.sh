@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # GPU runs for the shipped model, one device call each (logs and results under $OUT):
-#   STEP=probe  compile time of the target train step (as trained vs Sinkhorn unrolled)
+#   STEP=probe  compile time of the target train step (ONLY=variants, LIMIT=s each)
 #   STEP=train  the one-command training (python -m dspark_jax.train, 7 minutes) -> $OUT/run/model
-#   STEP=speed  benchmarks/tiny_model.py on the GPU with the shipped model (tau, calibration, tokens/s)
+#   STEP=speed  benchmarks/tiny_model.py on the GPU with the shipped model (tau, calibration, tokens/s,
+#               where speculative and target-only outputs part), TF32 and float32 matmuls
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 case "${STEP:-probe}" in
-  probe) timeout 560 python3 benchmarks/compile_probe.py --only as_trained,sinkhorn_unrolled --limit 270 \
+  probe) timeout 560 python3 benchmarks/compile_probe.py --only "${ONLY:-as_trained,sinkhorn_unrolled}" --limit "${LIMIT:-270}" \
            2>&1 | tail -n 50 > "$OUT/probe.log"; echo "probe rc=$?"; cat "$OUT/probe.log" ;;
   train) timeout 580 python3 -m dspark_jax.train "$OUT/run" --minutes "${MINUTES:-7}" --work-dir /tmp/dspark_work \
-           2>&1 | tr '\r' '\n' | grep -v '^drafter:\|^target:' | tail -n 80 > "$OUT/train.log"; echo "train rc=$?"
-         tail -n 30 "$OUT/train.log" ;;
-  speed) timeout 560 python3 benchmarks/tiny_model.py --prompts 8 --new-tokens 128 2>&1 | tail -n 20 > "$OUT/speed.log"
-         echo "speed rc=$?"; tail -c 3000 "$OUT/speed.log" ;;
+           2>&1 | tr '\r' '\n' | grep -v '^drafter:\|^target:' | tail -n 80 > /tmp/train.log; echo "train rc=$?"
+         tail -n 30 /tmp/train.log ;;  # $OUT keeps its 8 files for the model, log and plot
+  speed) # default (TF32) and full-float32 matmuls: does greedy DSpark == target-only hold on the GPU?
+         for prec in "" float32; do
+           d="$OUT/speed${prec:+_$prec}"; mkdir -p "$d"
+           OUT="$d" timeout "${SPEED_LIMIT:-280}" python3 benchmarks/tiny_model.py --prompts 8 --new-tokens 128 \
+             --single "${SINGLE:-2}" ${prec:+--matmul-precision $prec} 2>&1 | grep -v Warning | tee "$d/speed.log"
+         done ;;
 esac

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import jax
 import numpy as np
@@ -19,7 +20,7 @@ from benchmarks.common import environment, out_dir, write_json
 from dspark_jax import SamplingParams
 from dspark_jax.cli import speed_comparison
 from dspark_jax.decoding.engine import Engine
-from dspark_jax.decoding.generate import default_model, prompt_ids
+from dspark_jax.decoding.generate import _engine, cache_length, default_model, prompt_ids
 from dspark_jax.train import sts
 from dspark_jax.train.corpus import CorpusConfig, build_corpus
 
@@ -39,12 +40,12 @@ def heldout_prompts(n: int, lines: int = 12) -> list[str]:
 
 
 def round_records(model, prompts: list[str], new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(accepted drafts a [rounds], raw confidence logits [rounds, γ]) of every active round."""
-    eng = Engine(model, gamma=model.config.dspark.block_size)
+    """(accepted drafts a [rounds], raw confidence logits [rounds, γ]) of every active round, on the
+    engine (and cache length) that ``generate`` uses, so nothing compiles twice."""
+    eng = _engine(model, model.config.dspark.block_size, None)
     ids = [prompt_ids(model, p) for p in prompts]
     params = [SamplingParams(max_new_tokens=new_tokens)] * len(ids)
-    max_len = -(-(max(len(i) for i in ids) + new_tokens + 32) // 128) * 128
-    bs = eng.init_state(ids, params, list(range(len(ids))), max_len)
+    bs = eng.init_state(ids, params, list(range(len(ids))), cache_length(ids, params))
     bs, _ = eng.prefill(bs, ids)
     accepted, conf = [], []
     while bool(np.any(np.asarray(bs.active))):
@@ -56,16 +57,82 @@ def round_records(model, prompts: list[str], new_tokens: int) -> tuple[np.ndarra
     return np.concatenate(accepted), np.concatenate(conf)
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (None when equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def mismatches(model, prompts: list[str], spec: list, base: list) -> list[dict]:
+    """Where speculative and target-only greedy outputs part, and how close the target's top two
+    logits are there (teacher-forced over prompt + target-only output): a tie within rounding
+    points at shape-dependent arithmetic, a wide margin at a bug."""
+    out = []
+    for i, (p, x, y) in enumerate(zip(prompts, spec, base)):
+        j = first_difference(x.tokens, y.tokens)
+        if j is None:
+            continue
+        ids = np.concatenate([prompt_ids(model, p), np.asarray(y.tokens[:j], np.int32)])
+        top2 = np.sort(np.asarray(model.logits(ids))[0, -1])[-2:]
+        out.append({"request": i, "token": j, "target_top2_margin": float(top2[1] - top2[0])})
+    return out
+
+
+def _say(t0: float, msg: str) -> None:
+    print(f"[tiny_model {time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--single", type=int, default=None,
+                    help="prompts also measured one request at a time (default: all)")
+    ap.add_argument("--matmul-precision", default=None,
+                    help="jax_default_matmul_precision for the whole run, e.g. float32 (GPUs default to TF32 "
+                         "for float32 matmuls)")
     args = ap.parse_args()
+    if args.matmul_precision:
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
 
+    t0 = time.perf_counter()
     model = default_model()
     g = model.config.dspark.block_size
     prompts = heldout_prompts(args.prompts)
+    sp = SamplingParams(max_new_tokens=args.new_tokens)
+    result = {"env": environment(), "prompts": len(prompts), "new_tokens": args.new_tokens, "gamma": g,
+              "matmul_precision": args.matmul_precision}
+    _say(t0, f"{len(prompts)} held-out prompts on {result['env']['device']}")
+
+    # every stage writes what it has measured so far: a run cut short still reports
+    speed = speed_comparison(model, prompts, sp, repeats=args.repeats)
+    same = all(x.tokens == y.tokens for x, y in zip(speed["dspark"]["results"], speed["target_only"]["results"]))
+    result["speed"] = {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict) else v
+                       for k, v in speed.items()}
+    result["greedy_speculative_equals_target_only"] = same
+    result["mismatches"] = mismatches(model, prompts, speed["dspark"]["results"], speed["target_only"]["results"])
+    write_json("tiny_model.json", result)
+    _say(t0, f"batch of {len(prompts)}: speed-up {speed['speedup']:.2f}x, tau {speed['dspark']['mean_accept_length']:.2f}")
+
+    single, batch_invariant = [], True
+    for i, p in enumerate(prompts[:args.single]):  # one request at a time
+        single.append(speed_comparison(model, [p], sp, repeats=args.repeats))
+        same = same and single[-1]["dspark"]["results"][0].tokens == single[-1]["target_only"]["results"][0].tokens
+        # is target-only decoding itself independent of the batch it runs in?
+        batch_invariant &= single[-1]["target_only"]["results"][0].tokens == speed["target_only"]["results"][i].tokens
+        speed_b1 = {k: {"seconds": sum(r[k]["seconds"] for r in single), "tokens": sum(r[k]["tokens"] for r in single)}
+                    for k in ("target_only", "dspark")}
+        for v in speed_b1.values():
+            v["tokens_per_s"] = v["tokens"] / v["seconds"]
+        speed_b1["speedup"] = speed_b1["dspark"]["tokens_per_s"] / speed_b1["target_only"]["tokens_per_s"]
+        result.update(speed_batch1=dict(speed_b1, requests=len(single)), greedy_speculative_equals_target_only=same,
+                      target_only_batch_equals_single=batch_invariant)
+        write_json("tiny_model.json", result)
+        _say(t0, f"{len(single)} single requests: speed-up {speed_b1['speedup']:.2f}x")
+
     a, c = round_records(model, prompts, args.new_tokens)
     lengths = a + 1
     labels = (a[:, None] > np.arange(g)[None]).astype(np.int64)  # draft k+1 accepted
@@ -77,29 +144,12 @@ def main():
         calib[name] = {"temperatures": temps.tolist(), "ece": sts.ece(surv, labels),
                        "ece_per_position": [sts.ece(surv[:, k], labels[:, k]) for k in range(g)],
                        "auc_per_position": [sts.auc(surv[:, k], labels[:, k]) for k in range(g)]}
-
-    sp = SamplingParams(max_new_tokens=args.new_tokens)
-    speed = speed_comparison(model, prompts, sp, repeats=args.repeats)
-    same = all(x.tokens == y.tokens for x, y in zip(speed["dspark"]["results"], speed["target_only"]["results"]))
-    single = [speed_comparison(model, [p], sp, repeats=args.repeats) for p in prompts]  # one request at a time
-    speed_b1 = {k: {"seconds": sum(r[k]["seconds"] for r in single), "tokens": sum(r[k]["tokens"] for r in single)}
-                for k in ("target_only", "dspark")}
-    for v in speed_b1.values():
-        v["tokens_per_s"] = v["tokens"] / v["seconds"]
-    speed_b1["speedup"] = speed_b1["dspark"]["tokens_per_s"] / speed_b1["target_only"]["tokens_per_s"]
-    same = same and all(r["dspark"]["results"][0].tokens == r["target_only"]["results"][0].tokens for r in single)
-    result = {
-        "env": environment(), "prompts": len(prompts), "new_tokens": args.new_tokens, "gamma": g,
-        "rounds": int(len(a)), "tau": float(lengths.mean()),
-        "accept_length_histogram": np.bincount(lengths, minlength=g + 2)[1:].tolist(),
-        "per_position_conditional_acceptance": per_pos, "calibration": calib,
-        "speed": {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict) else v
-                  for k, v in speed.items()},
-        "speed_batch1": speed_b1,
-        "greedy_speculative_equals_target_only": same,
-    }
-    print(result)
+    result.update(rounds=int(len(a)), tau=float(lengths.mean()),
+                  accept_length_histogram=np.bincount(lengths, minlength=g + 2)[1:].tolist(),
+                  per_position_conditional_acceptance=per_pos, calibration=calib)
     write_json("tiny_model.json", result)
+    _say(t0, f"tau {result['tau']:.2f} over {len(a)} rounds; done")
+    print(result)
 
     import matplotlib
     matplotlib.use("Agg")
