@@ -24,6 +24,16 @@ class InputError(ValueError):
     """Bad user input (token ids, lengths, sampling parameters, ...)."""
 
 
+KV_CACHE_LAYOUTS = ("bf16", "fp8")
+
+
+def check_kv_cache(kv_cache: str) -> str:
+    """The ``kv_cache`` argument of ``generate`` and ``Model.logits``: target KV pool layout."""
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        raise InputError(f"kv_cache must be one of {KV_CACHE_LAYOUTS}, got {kv_cache!r}")
+    return kv_cache
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "capture", "logits"), donate_argnames=("cache",))
 def forward_step(graphdef, state, ids, n_valid, cache, *, capture=(), logits="all"):
     """Jitted ``DeepSeekV4.forward`` on split (graphdef, state)."""
@@ -70,6 +80,7 @@ class Model:
         tokens (default: the whole sequence at once; chunks of up to 17 tokens take the decode /
         verify attention path). kv_cache: "bf16" or "fp8" target KV pools, as in ``generate``.
         """
+        check_kv_cache(kv_cache)
         ids = self.check_ids(token_ids)
         if ids.ndim == 1:
             ids = ids[None]

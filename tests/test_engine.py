@@ -140,6 +140,8 @@ def test_bad_inputs(tiny_f32):
         dspark_jax.generate([[1, 2]], model="/no/such/checkpoint")
     with pytest.raises(InputError, match="tokenizer"):
         dspark_jax.generate("hello", model=m)
+    with pytest.raises(InputError, match="kv_cache"):
+        dspark_jax.generate([[1, 2]], model=m, kv_cache="int4")
     no_draft = dspark_jax.init(dspark_jax.config.tiny(dspark=False), 0, dtype=jnp.float32)
     with pytest.raises(InputError, match="no DSpark drafter"):
         dspark_jax.generate([[1, 2]], model=no_draft)

@@ -135,5 +135,7 @@ def test_bad_inputs(tiny_f32):
         m.logits([])
     with pytest.raises(dspark_jax.InputError, match="exceeds the model context"):
         m.logits(np.zeros(m.config.max_position_embeddings + 1, np.int32))
+    with pytest.raises(dspark_jax.InputError, match="kv_cache"):
+        m.logits([1, 2, 3], kv_cache="int4")
     with pytest.raises(ValueError, match="max_len"):
         init_cache(m.config, 1, m.config.max_position_embeddings + 1)

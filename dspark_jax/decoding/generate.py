@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.api import InputError, Model, load
+from dspark_jax.api import InputError, Model, check_kv_cache, load
 from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.sampling import SamplingParams
@@ -179,8 +179,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     max_len = cache_length(ids, params)
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
 
-    if kv_cache not in ("bf16", "fp8"):
-        raise InputError(f"kv_cache must be 'bf16' or 'fp8', got {kv_cache!r}")
+    check_kv_cache(kv_cache)
     engine = _engine(model, gamma, drafter, kv_cache)
     t0 = time.perf_counter()
     bs = engine.init_state(ids, params, seeds, max_len)
