@@ -19,6 +19,7 @@ import numpy as np
 from benchmarks.common import environment, out_dir, write_json
 from dspark_jax import SamplingParams
 from dspark_jax.cli import speed_comparison
+from dspark_jax.compile_cache import enable_compile_cache
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import _engine, cache_length, default_model, prompt_ids
 from dspark_jax.train import sts
@@ -111,6 +112,7 @@ def main():
     if args.matmul_precision:
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
 
+    enable_compile_cache()
     t0 = time.perf_counter()
     model = default_model()
     g = model.config.dspark.block_size

@@ -115,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--minutes", type=float, default=None)
     args = ap.parse_args(argv)
+    if args.cmd in ("generate", "bench"):
+        from dspark_jax.compile_cache import enable_compile_cache
+        enable_compile_cache()
     return {"generate": cmd_generate, "bench": cmd_bench, "convert": cmd_convert, "train": cmd_train}[args.cmd](args)
 
 

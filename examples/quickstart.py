@@ -5,6 +5,7 @@ import dspark_jax
 from dspark_jax.cli import speed_comparison
 from dspark_jax.decoding.generate import default_model
 
+dspark_jax.enable_compile_cache()  # compiled programs are kept on disk: later runs start faster
 model = default_model()
 print(model)
 # Prompts end where a line ends, before its newline: the tokenizer merges a newline with the
