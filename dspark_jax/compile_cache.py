@@ -8,6 +8,7 @@ another directory, or turns the cache off when set to ``off``."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 
@@ -22,13 +23,17 @@ def default_dir() -> str:
 def enable_compile_cache(path: str | os.PathLike | None = None, *, min_compile_s: float = 0.5) -> str | None:
     """Cache every compiled program that took at least ``min_compile_s`` under ``path`` (default:
     ``$DSPARK_JAX_COMPILE_CACHE``, else ``~/.cache/dspark_jax/xla``). Returns the directory, or None
-    when ``DSPARK_JAX_COMPILE_CACHE=off``."""
+    when ``DSPARK_JAX_COMPILE_CACHE=off`` or the directory cannot be created (with a warning)."""
     if path is None:
         path = os.environ.get(ENV) or default_dir()
     if str(path).lower() == "off":
         return None
     path = os.path.abspath(os.fspath(path))
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a read-only home must not stop generation: compile every time instead
+        warnings.warn(f"compilation cache disabled: cannot create {path} ({e})", stacklevel=2)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
     return path

@@ -45,3 +45,12 @@ def test_environment_variable(tmp_path, setting):
         assert out["DIR"].startswith("None")
     else:
         assert out["DIR"].split()[0] == target and os.listdir(target)
+
+
+def test_unwritable_directory_warns_and_leaves_the_cache_off(tmp_path):
+    from dspark_jax.compile_cache import enable_compile_cache
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.warns(UserWarning, match="compilation cache disabled"):
+        assert enable_compile_cache(blocker / "cache") is None
