@@ -14,6 +14,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import environment, out_dir, write_json
@@ -21,7 +22,8 @@ from dspark_jax import SamplingParams
 from dspark_jax.cli import speed_comparison
 from dspark_jax.compile_cache import enable_compile_cache
 from dspark_jax.decoding.engine import Engine
-from dspark_jax.decoding.generate import _engine, cache_length, default_model, prompt_ids
+from dspark_jax import load
+from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, _engine, cache_length, default_model, prompt_ids
 from dspark_jax.train import sts
 from dspark_jax.train.corpus import CorpusConfig, build_corpus
 
@@ -105,16 +107,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--single", type=int, default=None,
                     help="prompts also measured one request at a time (default: all)")
-    ap.add_argument("--matmul-precision", default=None,
-                    help="jax_default_matmul_precision for the whole run, e.g. float32 (GPUs default to TF32 "
-                         "for float32 matmuls)")
+    ap.add_argument("--matmul-precision", default="highest", choices=("highest", "default"),
+                    help="float32 matmuls in true float32 (the library default) or at the backend's default "
+                         "(TF32 on NVIDIA GPUs)")
     args = ap.parse_args()
-    if args.matmul_precision:
-        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
 
     enable_compile_cache()
     t0 = time.perf_counter()
-    model = default_model()
+    model = default_model() if args.matmul_precision == "highest" else \
+        load(DEFAULT_MODEL_DIR, dtype=jnp.float32, progress=False, matmul_precision=args.matmul_precision)
     g = model.config.dspark.block_size
     prompts = heldout_prompts(args.prompts)
     sp = SamplingParams(max_new_tokens=args.new_tokens)

@@ -37,7 +37,9 @@ def check_kv_cache(kv_cache: str) -> str:
 @functools.partial(jax.jit, static_argnames=("graphdef", "capture", "logits"), donate_argnames=("cache",))
 def forward_step(graphdef, state, ids, n_valid, cache, *, capture=(), logits="all"):
     """Jitted ``DeepSeekV4.forward`` on split (graphdef, state)."""
-    return nnx.merge(graphdef, state).forward(ids, n_valid, cache, capture=capture, logits=logits)
+    model = nnx.merge(graphdef, state)
+    with model.num.precision_scope():
+        return model.forward(ids, n_valid, cache, capture=capture, logits=logits)
 
 
 class Model:
@@ -104,22 +106,26 @@ class Model:
         return jnp.concatenate(out, axis=1)
 
 
-def _numerics(dtype, param_dtype, quant_sim, moe_impl) -> Numerics:
+def _numerics(dtype, param_dtype, quant_sim, moe_impl, matmul_precision) -> Numerics:
     dtype = jnp.dtype(dtype)
-    return Numerics(dtype=dtype, param_dtype=jnp.dtype(param_dtype or dtype), quant_sim=quant_sim, moe_impl=moe_impl)
+    return Numerics(dtype=dtype, param_dtype=jnp.dtype(param_dtype or dtype), quant_sim=quant_sim, moe_impl=moe_impl,
+                    matmul_precision=matmul_precision)
 
 
 def init(config: ModelConfig, seed: int = 0, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool = False,
-         moe_impl: str = "auto", tokenizer=None) -> Model:
-    """A randomly initialised model (normal(0, 0.02) matrices, unit norms, zero sinks / ape / bias)."""
+         moe_impl: str = "auto", matmul_precision: str = "highest", tokenizer=None) -> Model:
+    """A randomly initialised model (normal(0, 0.02) matrices, unit norms, zero sinks / ape / bias).
+    ``matmul_precision``: see ``dspark_jax.model.common.Numerics``."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    module = DeepSeekV4(config, _numerics(dtype, param_dtype, quant_sim, moe_impl), rngs=nnx.Rngs(seed))
+    module = DeepSeekV4(config, _numerics(dtype, param_dtype, quant_sim, moe_impl, matmul_precision),
+                        rngs=nnx.Rngs(seed))
     return Model(module, tokenizer=tokenizer)
 
 
 def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
-         moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True) -> Model:
+         moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True,
+         matmul_precision: str = "highest") -> Model:
     """Load an official-layout checkpoint directory (config.json + model.safetensors or a sharded
     model.safetensors.index.json [+ tokenizer.json]); see ``dspark_jax.checkpoint.hf``.
 
@@ -128,6 +134,8 @@ def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant
     quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights (the real checkpoints).
     dspark: None = load the DSpark drafter when present; True = require it; False = target only.
     progress: show a progress bar.
+    matmul_precision: "highest" (float32 matmuls in true float32, as the reference) or "default"
+        (the backend's choice: TF32 on NVIDIA GPUs); see ``dspark_jax.model.common.Numerics``.
     """
     from dspark_jax.checkpoint.tokenizer import load_tokenizer
 
@@ -135,7 +143,7 @@ def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     module = hf.load_module(path, dtype=dtype, param_dtype=param_dtype, quant_sim=quant_sim, moe_impl=moe_impl,
-                            mesh=mesh, dspark=dspark, progress=progress)
+                            mesh=mesh, dspark=dspark, progress=progress, matmul_precision=matmul_precision)
     return Model(module, tokenizer=load_tokenizer(path), sts_temperatures=read_sts(path, module.cfg), path=path)
 
 

@@ -91,3 +91,18 @@ def test_tiny_model_shapes_lower_for_gfx950():
     text = lowering.lower(lambda p, sl, x: kv_fp8.write_kernel(p, sl, x, interpret=False),
                           pool, SD((t,), i32), SD((t, d), jnp.bfloat16))
     assert lowering.count_triton_calls(text) == 1
+
+
+@pytest.mark.parametrize("precision", [None, "highest"])
+def test_float32_queries_lower_for_gfx950(precision):
+    """An fp32 model sends fp32 queries; under matmul_precision="highest" (the library default) the
+    kernel's dots become IEEE float32 dots, which must still lower."""
+    s, t, h, d = 2, 12, 4, 128
+    i32 = jnp.int32
+    meta = RaggedMeta(SD((s + 1,), i32), SD((t,), i32), SD((t,), i32), SD((s,), i32), SD((s, 18), i32),
+                      SD((s,), i32), SD((t, 18), jnp.int8), max_q_len=6)
+    with jax.default_matmul_precision(precision):
+        text = lowering.lower(lambda q, w, e, k, m: ra.kernel(q, w, e, k, m, interpret=False),
+                              SD((t, h, d), jnp.float32), SD((s, 24, d), jnp.bfloat16), SD((s, 40, d), jnp.bfloat16),
+                              SD((h,), jnp.float32), meta)
+    assert lowering.count_triton_calls(text) == 1

@@ -318,8 +318,8 @@ def _stack_experts(reader, sources: list[Source], shape: tuple[int, ...], dtype,
 
 
 def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
-                moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True
-                ) -> DeepSeekV4:
+                moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True,
+                matmul_precision: str = "highest") -> DeepSeekV4:
     """Build a ``DeepSeekV4`` module from an official checkpoint directory, streaming tensor by tensor.
 
     The module is created abstractly (no random init); each parameter is read, dequantised to
@@ -352,7 +352,8 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
     quantized = any(e.dtype == "F8_E4M3" or (e.dtype in ("I8", "U8") and scale_name(n) in used)
                     for n, e in used.items() if n.endswith(".weight"))
     num = Numerics(dtype=dtype, param_dtype=param_dtype or dtype,
-                   quant_sim=quantized if quant_sim is None else bool(quant_sim), moe_impl=moe_impl)
+                   quant_sim=quantized if quant_sim is None else bool(quant_sim), moe_impl=moe_impl,
+                   matmul_precision=matmul_precision)
     abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = _flat_vars(state)

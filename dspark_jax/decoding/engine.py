@@ -85,9 +85,11 @@ class Engine:
         self.prefill_chunk, self.kv_layout = prefill_chunk, kv_layout
         self.uses_rings = cfg.dspark is not None and gamma > 0
         self.capture = tuple(cfg.dspark.target_layer_ids) if self.uses_rings else ()
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._first = jax.jit(self._first_impl, donate_argnums=(1,))
-        self._round = jax.jit(self._round_impl, donate_argnums=(1,), static_argnames=("sampled", "top_k", "top_p"))
+        scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
+        self._prefill = jax.jit(scoped(self._prefill_impl), donate_argnums=(1,))
+        self._first = jax.jit(scoped(self._first_impl), donate_argnums=(1,))
+        self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
+                              static_argnames=("sampled", "top_k", "top_p"))
 
     # ------------------------------------------------------------------ device functions
     def _prefill_impl(self, state, bs: BatchState, ids, n_valid, last_logits, is_last):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -27,6 +29,10 @@ class Numerics:
         references) or "auto" (pallas on a GPU, xla elsewhere).
     sinkhorn: mHC's Sinkhorn iterations as a "loop" (fast to compile; training uses it) or
         "unrolled" (no per-iteration loop overhead), or "auto" (unrolled on accelerators).
+    matmul_precision: float32 matmuls (the lm_head, router and compressor of every model; all of
+        an fp32 model) in true float32 like the PyTorch reference ("highest"), or at the backend's
+        default ("default": TF32 on NVIDIA GPUs). Set by ``precision_scope`` in inference entry
+        points; bf16 matmuls are unaffected.
     """
 
     dtype: jnp.dtype = jnp.bfloat16
@@ -35,6 +41,7 @@ class Numerics:
     moe_impl: str = "auto"
     kernels: str = "auto"
     sinkhorn: str = "auto"
+    matmul_precision: str = "highest"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -45,6 +52,22 @@ class Numerics:
             raise ValueError(f"kernels must be 'auto', 'pallas' or 'xla', got {self.kernels!r}")
         if self.sinkhorn not in ("auto", "loop", "unrolled"):
             raise ValueError(f"sinkhorn must be 'auto', 'loop' or 'unrolled', got {self.sinkhorn!r}")
+        if self.matmul_precision not in ("highest", "default"):
+            raise ValueError(f"matmul_precision must be 'highest' or 'default', got {self.matmul_precision!r}")
+
+    def precision_scope(self):
+        """Context for tracing a computation with this model (see ``matmul_precision``)."""
+        if self.matmul_precision == "default":
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision)
+
+    def scoped(self, fn):
+        """``fn`` traced inside ``precision_scope``."""
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with self.precision_scope():
+                return fn(*args, **kwargs)
+        return wrapped
 
     def sinkhorn_unroll(self) -> bool | None:
         """``unroll`` for ``hyper.sinkhorn`` (None: chosen by backend when tracing)."""
