@@ -48,7 +48,7 @@ def round_records(model, prompts: list[str], new_tokens: int) -> tuple[np.ndarra
     eng = _engine(model, model.config.dspark.block_size, None)
     ids = [prompt_ids(model, p) for p in prompts]
     params = [SamplingParams(max_new_tokens=new_tokens)] * len(ids)
-    bs = eng.init_state(ids, params, list(range(len(ids))), cache_length(ids, params))
+    bs = eng.init_state(ids, params, list(range(len(ids))), cache_length(model.config, ids, params))
     bs, _ = eng.prefill(bs, ids)
     accepted, conf = [], []
     while bool(np.any(np.asarray(bs.active))):

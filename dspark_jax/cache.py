@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from dspark_jax.config import ModelConfig
+from dspark_jax.config import MAX_VERIFY_TOKENS, ModelConfig
 from pallas_kernels import kv_fp8
 from pallas_kernels.attention_metadata import ring_positions  # noqa: F401 (slot -> position, re-exported)
 
@@ -85,9 +85,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
         raise ValueError(f"batch must be >= 1, got {batch}")
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    if not 1 <= max_len <= cfg.max_position_embeddings:
-        raise ValueError(f"max_len must lie in [1, max_position_embeddings={cfg.max_position_embeddings}], "
-                         f"got {max_len}")
+    if not 1 <= max_len <= cfg.max_position_embeddings + MAX_VERIFY_TOKENS:  # verify rows past the context
+        raise ValueError(f"max_len must lie in [1, max_position_embeddings + {MAX_VERIFY_TOKENS} = "
+                         f"{cfg.max_position_embeddings + MAX_VERIFY_TOKENS}], got {max_len}")
     layers = []
     for i, ratio in enumerate(cfg.compress_ratios):
         window = new_kv_pool((batch, cfg.window_ring_size), cfg.head_dim, dtype, kv_layout, fill)

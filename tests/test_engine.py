@@ -168,3 +168,20 @@ def test_stops_default_to_eos(tiny_f32):
     assert _with_stops(tiny_f32, SamplingParams(stop=[7], ignore_eos=True)).stop == (7,)
     with pytest.raises(InputError, match="outside the vocabulary"):
         _with_stops(tiny_f32, SamplingParams(stop=[10**6]))
+
+
+def test_request_filling_the_whole_context():
+    """prompt + max_new_tokens = the model context: the last verify blocks write rows past the
+    context (the cache's verify slack) while whole drafts are accepted; output = target-only."""
+    cfg = dspark_jax.config.tiny().replace(max_position_embeddings=256)
+    m = dspark_jax.init(cfg, 1, dtype=jnp.float32)
+    new = 23
+    prompt = (np.arange(cfg.max_position_embeddings - new) * 7 % 300 + 3).tolist()
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    truth = dspark_jax.generate([prompt], model=m, sampling=sp, speculative=False)[0]
+    assert len(truth.tokens) == new
+    table = np.asarray([prompt + truth.tokens])
+    oracle = OracleDrafter(table, np.zeros(table.shape, bool), GAMMA, cfg.vocab_size)
+    spec = dspark_jax.generate([prompt], model=m, sampling=sp, drafter=oracle)[0]
+    assert spec.tokens == truth.tokens
+    assert spec.stats["accept_length_histogram"][-1] >= 3  # rounds that accepted all γ drafts

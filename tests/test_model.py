@@ -10,6 +10,7 @@ from safetensors.numpy import load_file
 import dspark_jax
 from dspark_jax.api import forward_step
 from dspark_jax.cache import commit, init_cache
+from dspark_jax.config import MAX_VERIFY_TOKENS
 from tests.helpers import perturbed_tiny, run_chunks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_parity")
@@ -137,5 +138,5 @@ def test_bad_inputs(tiny_f32):
         m.logits(np.zeros(m.config.max_position_embeddings + 1, np.int32))
     with pytest.raises(dspark_jax.InputError, match="kv_cache"):
         m.logits([1, 2, 3], kv_cache="int4")
-    with pytest.raises(ValueError, match="max_len"):
-        init_cache(m.config, 1, m.config.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="max_len"):  # the context + one verify block of slack at most
+        init_cache(m.config, 1, m.config.max_position_embeddings + MAX_VERIFY_TOKENS + 1)

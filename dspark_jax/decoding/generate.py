@@ -67,11 +67,12 @@ def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine
     return cache[key]
 
 
-def cache_length(ids: list[np.ndarray], params: list[SamplingParams]) -> int:
+def cache_length(config, ids: list[np.ndarray], params: list[SamplingParams]) -> int:
     """KV-cache length of a batch: its longest prompt + max_new_tokens + one verify block, rounded
-    up to 128 (so batches of similar lengths share one compiled engine)."""
+    up to 128 (so batches of similar lengths share one compiled engine) but never past the model
+    context + one verify block."""
     need = max(len(p) + sp.max_new_tokens for p, sp in zip(ids, params)) + MAX_VERIFY_TOKENS
-    return -(-need // 128) * 128
+    return min(-(-need // 128) * 128, config.max_position_embeddings + MAX_VERIFY_TOKENS)
 
 
 def prompt_ids(model: Model, prompt) -> np.ndarray:
@@ -176,7 +177,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         if len(p) + sp.max_new_tokens > cfg.max_position_embeddings:
             raise InputError(f"request {i}: prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
                              f"the model context of {cfg.max_position_embeddings} tokens")
-    max_len = cache_length(ids, params)
+    max_len = cache_length(cfg, ids, params)
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
 
     check_kv_cache(kv_cache)
