@@ -17,7 +17,7 @@ case "${STEP:-probe}" in
   speed) # float32 matmuls in float32 (the default) and in TF32: does greedy DSpark == target-only hold?
          for prec in highest default; do
            d="$OUT/speed_$prec"; mkdir -p "$d"
-           OUT="$d" timeout "${SPEED_LIMIT:-280}" python3 benchmarks/tiny_model.py --prompts 8 --new-tokens 128 \
+           OUT="$d" timeout "${SPEED_LIMIT:-290}" python3 benchmarks/tiny_model.py --prompts 8 --new-tokens 128 \
              --single "${SINGLE:-2}" --matmul-precision $prec 2>&1 | grep -v Warning | tee "$d/speed.log"
          done ;;
 esac

@@ -96,6 +96,27 @@ def mismatches(spec: list, base: list, margins: list[np.ndarray]) -> list[dict]:
     return out
 
 
+def plot(result: dict, path: str) -> None:
+    """Conditional acceptance by draft position and the accept-length histogram."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g, per_pos = result["gamma"], result["per_position_conditional_acceptance"]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax[0].bar(range(1, g + 1), per_pos)
+    ax[0].set_xlabel("draft position k")
+    ax[0].set_ylabel("P(d_k accepted | d_<k accepted)")
+    ax[0].set_ylim(0, 1)
+    ax[0].set_title(f"τ = {result['tau']:.2f} (γ = {g})")
+    ax[1].bar(range(1, g + 2), result["accept_length_histogram"])
+    ax[1].set_xlabel("tokens per round (accepted + bonus)")
+    ax[1].set_ylabel("rounds")
+    fig.suptitle(f"held-out stdlib code, greedy, {result['env']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _say(t0: float, msg: str) -> None:
     print(f"[tiny_model {time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
@@ -137,22 +158,6 @@ def main():
     write_json("tiny_model.json", result)
     _say(t0, f"batch of {len(prompts)}: speed-up {speed['speedup']:.2f}x, tau {speed['dspark']['mean_accept_length']:.2f}")
 
-    single, batch_invariant = [], True
-    for i, p in enumerate(prompts[:args.single]):  # one request at a time
-        single.append(speed_comparison(model, [p], sp, repeats=args.repeats))
-        same = same and single[-1]["dspark"]["results"][0].tokens == single[-1]["target_only"]["results"][0].tokens
-        # is target-only decoding itself independent of the batch it runs in?
-        batch_invariant &= single[-1]["target_only"]["results"][0].tokens == speed["target_only"]["results"][i].tokens
-        speed_b1 = {k: {"seconds": sum(r[k]["seconds"] for r in single), "tokens": sum(r[k]["tokens"] for r in single)}
-                    for k in ("target_only", "dspark")}
-        for v in speed_b1.values():
-            v["tokens_per_s"] = v["tokens"] / v["seconds"]
-        speed_b1["speedup"] = speed_b1["dspark"]["tokens_per_s"] / speed_b1["target_only"]["tokens_per_s"]
-        result.update(speed_batch1=dict(speed_b1, requests=len(single)), greedy_speculative_equals_target_only=same,
-                      target_only_batch_equals_single=batch_invariant)
-        write_json("tiny_model.json", result)
-        _say(t0, f"{len(single)} single requests: speed-up {speed_b1['speedup']:.2f}x")
-
     a, c = round_records(model, prompts, args.new_tokens)
     lengths = a + 1
     labels = (a[:, None] > np.arange(g)[None]).astype(np.int64)  # draft k+1 accepted
@@ -168,24 +173,27 @@ def main():
                   accept_length_histogram=np.bincount(lengths, minlength=g + 2)[1:].tolist(),
                   per_position_conditional_acceptance=per_pos, calibration=calib)
     write_json("tiny_model.json", result)
-    _say(t0, f"tau {result['tau']:.2f} over {len(a)} rounds; done")
-    print(result)
+    _say(t0, f"tau {result['tau']:.2f} over {len(a)} rounds")
+    plot(result, os.path.join(out_dir(), "tiny_model.png"))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax[0].bar(range(1, g + 1), per_pos)
-    ax[0].set_xlabel("draft position k")
-    ax[0].set_ylabel("P(d_k accepted | d_<k accepted)")
-    ax[0].set_ylim(0, 1)
-    ax[0].set_title(f"τ = {lengths.mean():.2f} (γ = {g})")
-    ax[1].bar(range(1, g + 2), result["accept_length_histogram"])
-    ax[1].set_xlabel("tokens per round (accepted + bonus)")
-    ax[1].set_ylabel("rounds")
-    fig.suptitle(f"held-out stdlib code, greedy, {result['env']['device']}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir(), "tiny_model.png"), dpi=120)
+    single, batch_invariant = [], True  # last: every new prompt length compiles anew
+    for i, p in enumerate(prompts[:args.single]):  # one request at a time
+        single.append(speed_comparison(model, [p], sp, repeats=args.repeats))
+        same = same and single[-1]["dspark"]["results"][0].tokens == single[-1]["target_only"]["results"][0].tokens
+        # is target-only decoding itself independent of the batch it runs in?
+        batch_invariant &= single[-1]["target_only"]["results"][0].tokens == speed["target_only"]["results"][i].tokens
+        speed_b1 = {k: {"seconds": sum(r[k]["seconds"] for r in single), "tokens": sum(r[k]["tokens"] for r in single)}
+                    for k in ("target_only", "dspark")}
+        for v in speed_b1.values():
+            v["tokens_per_s"] = v["tokens"] / v["seconds"]
+        speed_b1["speedup"] = speed_b1["dspark"]["tokens_per_s"] / speed_b1["target_only"]["tokens_per_s"]
+        result.update(speed_batch1=dict(speed_b1, requests=len(single)), greedy_speculative_equals_target_only=same,
+                      target_only_batch_equals_single=batch_invariant)
+        write_json("tiny_model.json", result)
+        _say(t0, f"{len(single)} single requests: speed-up {speed_b1['speedup']:.2f}x")
+
+    _say(t0, "done")
+    print(result)
 
 
 if __name__ == "__main__":
