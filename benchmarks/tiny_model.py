@@ -21,7 +21,6 @@ from benchmarks.common import environment, out_dir, write_json
 from dspark_jax import SamplingParams
 from dspark_jax.cli import speed_comparison
 from dspark_jax.compile_cache import enable_compile_cache
-from dspark_jax.decoding.engine import Engine
 from dspark_jax import load
 from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, _engine, cache_length, default_model, prompt_ids
 from dspark_jax.train import sts

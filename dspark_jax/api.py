@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.cache import commit, init_cache
+from dspark_jax.cache import KV_LAYOUTS, commit, init_cache
 from dspark_jax.checkpoint import hf
 from dspark_jax.config import ModelConfig, from_hf_config
 from dspark_jax.model.common import Numerics
@@ -24,14 +24,10 @@ class InputError(ValueError):
     """Bad user input (token ids, lengths, sampling parameters, ...)."""
 
 
-KV_CACHE_LAYOUTS = ("bf16", "fp8")
-
-
-def check_kv_cache(kv_cache: str) -> str:
-    """The ``kv_cache`` argument of ``generate`` and ``Model.logits``: target KV pool layout."""
-    if kv_cache not in KV_CACHE_LAYOUTS:
-        raise InputError(f"kv_cache must be one of {KV_CACHE_LAYOUTS}, got {kv_cache!r}")
-    return kv_cache
+def check_kv_cache(kv_cache: str) -> None:
+    """The ``kv_cache`` argument of ``generate`` and ``Model.logits``: a target KV pool layout."""
+    if kv_cache not in KV_LAYOUTS:
+        raise InputError(f"kv_cache must be one of {KV_LAYOUTS}, got {kv_cache!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capture", "logits"), donate_argnames=("cache",))
