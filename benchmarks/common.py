@@ -60,3 +60,17 @@ def write_json(name: str, data: dict) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     return path
+
+
+def device_time(fn, x, *args, reps: int = 20, repeat: int = 5) -> float:
+    """Seconds per call of ``fn(x, *args)`` measured as ``reps`` calls inside one jitted loop (so
+    dispatch is paid once per loop, not per call): each call gets x scaled by a loop-dependent
+    factor and the sum of its output feeds the loop carry, so nothing can be hoisted or dropped.
+    Median of ``repeat`` loops."""
+    def loop(x, *args):
+        def body(i, acc):
+            y = fn(x * (1 + i.astype(x.dtype) * 1e-3), *args)
+            return acc + jnp.sum(jnp.asarray(y, jnp.float32))
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.float32))
+
+    return median_time(jax.jit(loop), x, *args, repeat=repeat, warmup=1) / reps

@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--weights", default="official", choices=("official", "dense"),
+                    help="official: FP8 linears and FP4 experts as in the checkpoints; dense: bf16")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     args = ap.parse_args()
 
@@ -87,7 +89,7 @@ def main():
     cfg = dspark_jax.config.flash_slice(args.layers).replace(n_routed_experts=args.experts)
     if args.smoke:
         cfg, args.context, args.batch = dspark_jax.config.tiny(), 64, "2"
-    model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16)
+    model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(model.state))
     results = []
     for b in (int(x) for x in args.batch.split(",")):
@@ -95,7 +97,8 @@ def main():
         print(r, flush=True)
         results.append(r)
     write_json("decode.json", {"env": env, "ceilings": ceil, "config": {
-        "layers": args.layers, "experts": args.experts, "params": n_params, "context": args.context},
+        "layers": args.layers, "experts": args.experts, "params": n_params, "context": args.context,
+        "weights": args.weights, "weight_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(model.state))},
         "results": results})
 
     import matplotlib

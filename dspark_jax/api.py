@@ -102,32 +102,32 @@ class Model:
         return jnp.concatenate(out, axis=1)
 
 
-def _numerics(dtype, param_dtype, quant_sim, moe_impl, matmul_precision) -> Numerics:
-    dtype = jnp.dtype(dtype)
-    return Numerics(dtype=dtype, param_dtype=jnp.dtype(param_dtype or dtype), quant_sim=quant_sim, moe_impl=moe_impl,
-                    matmul_precision=matmul_precision)
-
-
 def init(config: ModelConfig, seed: int = 0, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool = False,
-         moe_impl: str = "auto", matmul_precision: str = "highest", tokenizer=None) -> Model:
+         moe_impl: str = "auto", weight_format: str = "dense", matmul_precision: str = "highest",
+         tokenizer=None) -> Model:
     """A randomly initialised model (normal(0, 0.02) matrices, unit norms, zero sinks / ape / bias).
-    ``matmul_precision``: see ``dspark_jax.model.common.Numerics``."""
+    ``weight_format="official"`` draws the FP8 linears and FP4 experts directly in those formats
+    (random codes of about the same size). See ``dspark_jax.model.common.Numerics`` for the options."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    module = DeepSeekV4(config, _numerics(dtype, param_dtype, quant_sim, moe_impl, matmul_precision),
-                        rngs=nnx.Rngs(seed))
-    return Model(module, tokenizer=tokenizer)
+    dtype = jnp.dtype(dtype)
+    num = Numerics(dtype=dtype, param_dtype=jnp.dtype(param_dtype or dtype), quant_sim=quant_sim, moe_impl=moe_impl,
+                   weight_format=weight_format, matmul_precision=matmul_precision)
+    return Model(DeepSeekV4(config, num, rngs=nnx.Rngs(seed)), tokenizer=tokenizer)
 
 
 def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
-         moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True,
-         matmul_precision: str = "highest") -> Model:
+         weight_format: str | None = None, moe_impl: str = "auto", mesh=None, dspark: bool | None = None,
+         progress: bool = True, matmul_precision: str = "highest") -> Model:
     """Load an official-layout checkpoint directory (config.json + model.safetensors or a sharded
     model.safetensors.index.json [+ tokenizer.json]); see ``dspark_jax.checkpoint.hf``.
 
     mesh: place every parameter on its ``dspark_jax.sharding`` layout while reading (e.g.
         ``dspark_jax.sharding.make_mesh()`` over 8 GPUs); None = the default device.
     quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights (the real checkpoints).
+    weight_format: "official" keeps the FP8 linears and FP4 routed experts as stored (a bf16
+        tensor in their place is quantised while read), "dense" dequantises everything to
+        ``param_dtype``; None = "official" iff the checkpoint stores FP8 / FP4 weights.
     dspark: None = load the DSpark drafter when present; True = require it; False = target only.
     progress: show a progress bar.
     matmul_precision: "highest" (float32 matmuls in true float32, as the reference) or "default"
@@ -138,8 +138,9 @@ def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    module = hf.load_module(path, dtype=dtype, param_dtype=param_dtype, quant_sim=quant_sim, moe_impl=moe_impl,
-                            mesh=mesh, dspark=dspark, progress=progress, matmul_precision=matmul_precision)
+    module = hf.load_module(path, dtype=dtype, param_dtype=param_dtype, quant_sim=quant_sim,
+                            weight_format=weight_format, moe_impl=moe_impl, mesh=mesh, dspark=dspark,
+                            progress=progress, matmul_precision=matmul_precision)
     return Model(module, tokenizer=load_tokenizer(path), sts_temperatures=read_sts(path, module.cfg), path=path)
 
 

@@ -132,7 +132,22 @@ def test_round_trip_official_encoding(tiny_model, tmp_path):
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
 
-    m = dspark_jax.load(path, dtype=jnp.float32, progress=False)
+    # by default FP8 / FP4 tensors stay as stored: the very bytes of the files
+    q = dspark_jax.load(path, dtype=jnp.float32, progress=False)
+    assert q.numerics.weight_format == "official" and q.numerics.quant_sim is True
+    kept = flat_params(q)
+    for name, path_, expert in (("layers.0.attn.wq_a", "layers.0.attn.wq_a.weight", None),
+                                ("mtp.0.main_proj", "mtp.0.main_proj.weight", None),
+                                ("layers.3.ffn.experts.5.w2", "layers.3.ffn.experts.w2", 5)):
+        scale_ = hf.scale_path(path_)
+        have_w, have_s = kept[path_], kept[scale_]
+        if expert is not None:
+            have_w, have_s = have_w[expert], have_s[expert]
+        assert have_w.tobytes() == stored[name + ".weight"][1].tobytes(), name
+        assert have_s.tobytes() == stored[name + ".scale"][1].tobytes(), name
+    assert kept["embed.weight"].dtype == np.float32  # bf16 tensors are unaffected
+
+    m = dspark_jax.load(path, dtype=jnp.float32, weight_format="dense", progress=False)
     assert m.numerics.quant_sim is True  # default for fp8 / fp4 checkpoints
     got = flat_params(m)
     orig = flat_params(tiny_model)
@@ -146,11 +161,11 @@ def test_round_trip_official_encoding(tiny_model, tmp_path):
         assert np.max(np.abs(have - want)) <= tol * np.max(np.abs(want)) + 1e-30, name
     # decoded values are fixed points of the encoding
     hf.save_official(m, str(tmp_path / "again"), encoding="official")
-    m2 = dspark_jax.load(str(tmp_path / "again"), dtype=jnp.float32, progress=False)
+    m2 = dspark_jax.load(str(tmp_path / "again"), dtype=jnp.float32, weight_format="dense", progress=False)
     for k, v in flat_params(m2).items():
         np.testing.assert_array_equal(v, got[k], err_msg=k)
     # the same files load into bf16 parameters exactly (fp8 / fp4 values times powers of two fit bf16)
-    mb = dspark_jax.load(path, dtype=jnp.bfloat16, quant_sim=False, progress=False)
+    mb = dspark_jax.load(path, dtype=jnp.bfloat16, quant_sim=False, weight_format="dense", progress=False)
     assert mb.numerics.quant_sim is False
     for k, v in flat_params(mb).items():
         np.testing.assert_array_equal(v.astype(np.float32), got[k], err_msg=k)

@@ -1,5 +1,6 @@
 """Each mechanism against straightforward reference math."""
 
+import dataclasses
 import math
 
 import jax
@@ -249,22 +250,26 @@ def test_fake_quantisation():
     np.testing.assert_allclose(np.asarray(hadamard(kv)), np.asarray(kv) @ h.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("quant_sim", [False, True])
-def test_moe_ragged_equals_dense(quant_sim):
-    """The grouped-GEMM MoE path (each selected expert read once) equals every-expert compute."""
+@pytest.mark.parametrize("quant_sim,weight_format", [(False, "dense"), (True, "dense"), (True, "official")])
+def test_moe_grouped_equals_dense(quant_sim, weight_format):
+    """The grouped MoE path (each selected expert read once: kernel and loop reference) equals
+    every-expert compute, with bf16 / fp32 weights and with FP4 experts + FP8 shared expert."""
     from dspark_jax.model.moe import MoE
 
-    cfg = config.tiny()
-    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, quant_sim=quant_sim)
+    cfg = config.tiny().replace(n_routed_experts=24, num_experts_per_tok=3)  # top-3 of 24: many empty experts
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, quant_sim=quant_sim, weight_format=weight_format)
     moe = MoE(cfg, False, num, rngs=nnx.Rngs(0))
+    assert moe.impl == "grouped"
     moe.gate.bias[...] = jax.random.normal(jax.random.key(1), moe.gate.bias.shape)
     x = jax.random.normal(jax.random.key(2), (2, 7, cfg.hidden_size))
     ids = jnp.zeros((2, 7), jnp.int32)
     moe.impl = "dense"
     dense = moe(x, ids)
-    moe.impl = "ragged"
-    ragged = moe(x, ids)
-    np.testing.assert_allclose(np.asarray(ragged), np.asarray(dense), rtol=1e-4, atol=1e-5)
+    moe.impl = "grouped"
+    grouped = moe(x, ids)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), rtol=1e-4, atol=1e-5)
+    moe.experts.num = moe.shared_experts.w1.num = dataclasses.replace(num, kernels="pallas")  # interpret mode
+    np.testing.assert_allclose(np.asarray(moe(x, ids)), np.asarray(dense), rtol=1e-4, atol=1e-5)
     # and the dense path equals a per-token loop over the selected experts
     xf = np.asarray(x).reshape(-1, cfg.hidden_size)
     w, idx = moe.gate(x.reshape(-1, cfg.hidden_size), ids.reshape(-1))

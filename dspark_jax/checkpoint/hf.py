@@ -1,7 +1,8 @@
 """The official DeepSeek-V4 / DSpark checkpoint layout: ``config.json`` + safetensors, in and out.
 
 Parameter paths of the NNX model are the official tensor names, except that routed experts are
-stacked: ``layers.{i}.ffn.experts.{e}.w1.weight`` -> ``layers.{i}.ffn.experts.w1[e]``.
+stacked: ``layers.{i}.ffn.experts.{e}.w1.weight`` -> ``layers.{i}.ffn.experts.w1[e]`` (and their
+``.scale`` -> ``layers.{i}.ffn.experts.w1_scale[e]`` when kept quantised).
 
 Storage formats of the official checkpoints (``official_format``):
 - fp8 (F8_E4M3 + ``.scale`` F8_E8M0, 128 x 128 blocks): attention ``wq_a``, ``wq_b``, ``wkv``,
@@ -10,9 +11,10 @@ Storage formats of the official checkpoints (``official_format``):
 - fp32: ``hc_*``, ``attn_sink``, ``ape``, ``gate.bias``; integer: ``gate.tid2eid``;
 - bf16: everything else (embed, head, norms, compressors, ``weights_proj``, router weight,
   Markov and confidence heads).
-The loader accepts any of those encodings (or plain BF16 / F16 / F32) for any float matrix and
-dequantises to the parameter dtype while reading (``wo_a`` included: the model applies it
-dequantised, like the reference).
+The loader accepts any of those encodings (or plain BF16 / F16 / F32) for any float matrix. A
+model with ``weight_format="official"`` keeps FP8 / FP4 tensors as stored (codes and scale bytes,
+no conversion; a tensor stored otherwise is quantised while read); a ``"dense"`` model gets every
+matrix dequantised to its parameter dtype while reading.
 
 MTP tensors: the DSpark drafter lives under ``mtp.{0..S-1}.``; S is the number of such stage
 prefixes in the weights (DSpark checkpoints keep ``num_nextn_predict_layers: 1`` while shipping
@@ -44,7 +46,7 @@ from dspark_jax.config import from_hf_config
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 
-_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 _MTP = re.compile(r"^mtp\.(\d+)\.")
 _LEGACY_MTP = re.compile(r"^mtp\.(\d+)\.(e_proj|h_proj|enorm|hnorm)\.")
 
@@ -74,8 +76,23 @@ def param_path(name: str) -> tuple[str, int | None]:
     """Official tensor name -> (model state path, expert index or None)."""
     m = _EXPERT.match(name)
     if m:
-        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+        return f"{m.group(1)}.{m.group(3)}" + ("_scale" if m.group(4) == "scale" else ""), int(m.group(2))
     return name, None
+
+
+_STACKED = (".experts.w1", ".experts.w2", ".experts.w3")
+
+
+def scale_path(path: str) -> str:
+    """Model path of the scale bytes kept beside a quantised weight."""
+    return path + "_scale" if path.endswith(_STACKED) else path[: -len(".weight")] + ".scale"
+
+
+def stored_format(flat: dict[str, nnx.Variable], path: str) -> str:
+    """How the model holds a weight: "fp8", "fp4" (codes + scale bytes) or "dense"."""
+    if scale_path(path) not in flat or path == scale_path(path):
+        return "dense"
+    return "fp8" if flat[path].dtype == jnp.float8_e4m3fn else "fp4"
 
 
 def _flat_vars(state: nnx.State) -> dict[str, nnx.Variable]:
@@ -83,10 +100,18 @@ def _flat_vars(state: nnx.State) -> dict[str, nnx.Variable]:
 
 
 def _expected(flat: dict[str, nnx.Variable]) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
+    """Official tensor name -> (model path, expert index, logical shape) for every weight; the
+    scale bytes of quantised weights come with their weights and are not listed. The shape is
+    the matrix the tensor holds (a packed fp4 weight [out, in / 2] is an [out, in] matrix)."""
     out = {}
+    scales = {scale_path(p) for p in flat if stored_format(flat, p) != "dense"}
     for path, var in flat.items():
+        if path in scales:
+            continue
         shape = tuple(var.shape)
-        if path.endswith((".experts.w1", ".experts.w2", ".experts.w3")):
+        if stored_format(flat, path) == "fp4":
+            shape = (*shape[:-1], 2 * shape[-1])
+        if path.endswith(_STACKED):
             stem, w = path.rsplit(".", 1)
             for e in range(shape[0]):
                 out[f"{stem}.{e}.{w}.weight"] = (path, e, shape[1:])
@@ -195,7 +220,7 @@ def plan_sources(flat: dict[str, nnx.Variable], entries: dict[str, TensorEntry],
     for name, (path, expert, shape) in expected.items():
         if name not in relevant:
             continue
-        integer = jnp.issubdtype(flat[path].dtype, jnp.integer)
+        integer = stored_format(flat, path) == "dense" and jnp.issubdtype(flat[path].dtype, jnp.integer)
         src = _check_source(name, shape, integer, relevant, problems)
         n_experts = flat[path].shape[0] if expert is not None else 1
         plans.setdefault(path, [None] * n_experts)[expert or 0] = src
@@ -281,45 +306,78 @@ def _place(x: np.ndarray, sharding) -> jax.Array:
     return out
 
 
-def _read_param(reader, path: str, var: nnx.Variable, sources: list[Source], sharding, cfg) -> jax.Array:
-    dtype = np.dtype(var.dtype)
-    if len(sources) == 1 and not path.endswith((".experts.w1", ".experts.w2", ".experts.w3")):
-        if np.issubdtype(dtype, np.integer):
-            return _place(_read_ids(reader, sources[0], dtype, cfg.n_routed_experts), sharding)
-        return _place(read_source(reader, sources[0], tuple(var.shape), dtype), sharding)
-    return _stack_experts(reader, sources, tuple(var.shape), dtype, sharding)
+def read_stored(reader: files.TensorReader, src: Source, shape: tuple[int, ...], fmt: str,
+                dtype) -> tuple[np.ndarray, ...]:
+    """One stored tensor as the model holds it: (values,) decoded to ``dtype`` for "dense", or
+    (codes, scale bytes) for "fp8" / "fp4" — copied as stored when the checkpoint has that
+    format, else quantised from the decoded values."""
+    if fmt == "dense":
+        return (read_source(reader, src, shape, dtype),)
+    if src.fmt == fmt:
+        codes = reader.read(src.weight)
+        codes = codes.view(np.uint8) if fmt == "fp4" else codes.astype(ml_dtypes.float8_e4m3fn, copy=False)
+        scales = reader.read(src.scale)
+        scales = scales.view(np.uint8) if scales.dtype.itemsize == 1 else codecs.float_to_e8m0(scales).view(np.uint8)
+        return codes, scales
+    dense = read_source(reader, src, shape, np.float32)
+    codes, scales = (codecs.encode_fp8 if fmt == "fp8" else codecs.encode_fp4)(dense)
+    return (codes.view(np.uint8) if fmt == "fp4" else codes), scales.view(np.uint8)
 
 
-def _stack_experts(reader, sources: list[Source], shape: tuple[int, ...], dtype, sharding) -> jax.Array:
-    """Routed experts [E, ...] read one expert at a time; each device receives only the experts
-    (and the slices of them) that its shard holds, written in place into its part."""
-    if sharding is None:
-        index_map = {jax.devices()[0]: tuple(slice(None) for _ in shape)}
-    else:
-        index_map = sharding.addressable_devices_indices_map(shape)
-    parts, rows = {}, {}
-    for device, index in index_map.items():
-        rows[device] = range(shape[0])[index[0]]
-        local = tuple(len(range(n)[i]) for n, i in zip(shape, index))
-        parts[device] = _zeros_fn(local, dtype, device)()
+def _read_param(reader, path: str, flat: dict[str, nnx.Variable], sources: list[Source], shardings,
+                cfg) -> list[tuple[str, jax.Array]]:
+    """(model path, array) for a parameter and, when kept quantised, its scale bytes."""
+    var, fmt = flat[path], stored_format(flat, path)
+    paths = [path] if fmt == "dense" else [path, scale_path(path)]
+    targets = [(p, tuple(flat[p].shape), np.dtype(flat[p].dtype), shardings.get(p)) for p in paths]
+    if len(sources) == 1 and not path.endswith(_STACKED):
+        if np.issubdtype(var.dtype, np.integer):
+            return [(path, _place(_read_ids(reader, sources[0], np.dtype(var.dtype), cfg.n_routed_experts),
+                                  shardings.get(path)))]
+        shape = tuple(var.shape) if fmt != "fp4" else (*var.shape[:-1], 2 * var.shape[-1])
+        arrays = read_stored(reader, sources[0], shape, fmt, targets[0][2])
+        return [(p, _place(a, sh)) for (p, _, _, sh), a in zip(targets, arrays)]
+    shape = tuple(var.shape[1:]) if fmt != "fp4" else (*var.shape[1:-1], 2 * var.shape[-1])
+    arrays = _stack_experts(lambda src: read_stored(reader, src, shape, fmt, targets[0][2]), sources,
+                            [t[1:] for t in targets])
+    return [(p, a) for (p, *_), a in zip(targets, arrays)]
+
+
+def _stack_experts(read, sources: list[Source], targets: list[tuple[tuple[int, ...], np.dtype, object]]
+                   ) -> list[jax.Array]:
+    """Routed experts [E, ...] read one expert at a time (``read(source)`` gives one array per
+    target: the weights, and their scale bytes when kept quantised); each device receives only
+    the experts (and the slices of them) that its shard holds, written in place into its part."""
+    stacks = []
+    for shape, dtype, sharding in targets:
+        if sharding is None:
+            index_map = {jax.devices()[0]: tuple(slice(None) for _ in shape)}
+        else:
+            index_map = sharding.addressable_devices_indices_map(shape)
+        parts = {d: _zeros_fn(tuple(len(range(n)[i]) for n, i in zip(shape, index)), dtype, d)()
+                 for d, index in index_map.items()}
+        rows = {d: range(shape[0])[index[0]] for d, index in index_map.items()}
+        stacks.append((index_map, parts, rows))
     for e, src in enumerate(sources):
-        arr = read_source(reader, src, shape[1:], dtype)
-        for device, index in index_map.items():
-            if e in rows[device]:
-                piece = jax.device_put(np.ascontiguousarray(arr[index[1:]]), device)
-                parts[device] = _set_row(parts[device], piece, np.int32(rows[device].index(e)))
-        del arr
-    for part in parts.values():
-        part.block_until_ready()
+        for arr, (index_map, parts, rows) in zip(read(src), stacks):
+            for device, index in index_map.items():
+                if e in rows[device]:
+                    piece = jax.device_put(np.ascontiguousarray(arr[index[1:]]), device)
+                    parts[device] = _set_row(parts[device], piece, np.int32(rows[device].index(e)))
+            del arr
+    out = []
+    for (shape, _, sharding), (_, parts, _) in zip(targets, stacks):
+        for part in parts.values():
+            part.block_until_ready()
+        out.append(next(iter(parts.values())) if sharding is None else
+                   jax.make_array_from_single_device_arrays(shape, sharding, list(parts.values())))
     _release_host_buffers()
-    if sharding is None:
-        return next(iter(parts.values()))
-    return jax.make_array_from_single_device_arrays(shape, sharding, list(parts.values()))
+    return out
 
 
 def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
-                moe_impl: str = "auto", mesh=None, dspark: bool | None = None, progress: bool = True,
-                matmul_precision: str = "highest") -> DeepSeekV4:
+                weight_format: str | None = None, moe_impl: str = "auto", mesh=None, dspark: bool | None = None,
+                progress: bool = True, matmul_precision: str = "highest") -> DeepSeekV4:
     """Build a ``DeepSeekV4`` module from an official checkpoint directory, streaming tensor by tensor.
 
     The module is created abstractly (no random init); each parameter is read, dequantised to
@@ -327,6 +385,8 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
     before the next one is read.
 
     quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights.
+    weight_format: "official" (FP8 / FP4 kept as stored) or "dense"; None = "official" iff the
+        checkpoint stores FP8 / FP4 weights.
     dspark: None = load the DSpark drafter if the checkpoint has one; True = require it (error
         for a DSpark-less checkpoint); False = target model only (``mtp.*`` tensors ignored).
     """
@@ -353,6 +413,7 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
                     for n, e in used.items() if n.endswith(".weight"))
     num = Numerics(dtype=dtype, param_dtype=param_dtype or dtype,
                    quant_sim=quantized if quant_sim is None else bool(quant_sim), moe_impl=moe_impl,
+                   weight_format=weight_format or ("official" if quantized else "dense"),
                    matmul_precision=matmul_precision)
     abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -365,20 +426,30 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
     with files.TensorReader() as reader, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                                               desc=f"loading {os.path.basename(os.path.normpath(path))}") as bar:
         for p in order:
-            flat[p].set_value(_read_param(reader, p, flat[p], plans[p], shardings.get(p), cfg))
+            for q, value in _read_param(reader, p, flat, plans[p], shardings, cfg):
+                flat[q].set_value(value)
             bar.update(sum(s.nbytes for s in plans[p]))
     return nnx.merge(graphdef, state)
 
 
 # ---------------------------------------------------------------------------- writing
 def official_tensors(model: nnx.Module):
-    """Yield (official name, numpy array) for every parameter, experts unstacked, in name order."""
+    """Yield (official name, numpy array) for every parameter, experts unstacked, in name order
+    (weights kept quantised are yielded dequantised, in float32)."""
     flat = _flat_vars(nnx.state(model))
     for name, (path, expert, _) in sorted(_expected(flat).items()):
-        value = flat[path][...]
+        value = np.asarray(flat[path][...])
+        fmt = stored_format(flat, path)
+        if fmt != "dense":
+            scale = np.asarray(flat[scale_path(path)][...])
+            if expert is not None:
+                value, scale = value[expert], scale[expert]
+            decode = codecs.decode_fp8 if fmt == "fp8" else codecs.decode_fp4
+            yield name, decode(value if fmt == "fp8" else value.view(np.int8), scale)
+            continue
         if expert is not None:
             value = value[expert]
-        yield name, np.asarray(value)
+        yield name, value
 
 
 def encode_tensor(name: str, value: np.ndarray, encoding: str = "bf16") -> list[tuple[str, np.ndarray]]:

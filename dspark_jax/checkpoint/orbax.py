@@ -50,7 +50,7 @@ def save(model, path: str | os.PathLike, *, force: bool = False) -> None:
     cfg = model.config
     num = model.numerics
     meta = {"format": FORMAT, "param_dtype": jnp.dtype(num.param_dtype).name, "dtype": jnp.dtype(num.dtype).name,
-            "quant_sim": bool(num.quant_sim), "dspark_stages": cfg.dspark.num_stages if cfg.dspark is not None else 0}
+            "quant_sim": bool(num.quant_sim), "weight_format": num.weight_format, "dspark_stages": cfg.dspark.num_stages if cfg.dspark is not None else 0}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2)
     with open(os.path.join(path, META_FILE), "w") as f:
@@ -86,7 +86,8 @@ def restore(path: str | os.PathLike, *, mesh=None, dtype=None, quant_sim: bool |
     if not meta["dspark_stages"]:
         cfg = cfg.replace(dspark=None)
     num = Numerics(dtype=jnp.dtype(meta["dtype"] if dtype is None else dtype), param_dtype=jnp.dtype(meta["param_dtype"]),
-                   quant_sim=meta["quant_sim"] if quant_sim is None else bool(quant_sim), moe_impl=moe_impl)
+                   quant_sim=meta["quant_sim"] if quant_sim is None else bool(quant_sim), moe_impl=moe_impl,
+                   weight_format=meta.get("weight_format", "dense"))
     abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = _flat(state)

@@ -25,6 +25,7 @@ from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from pallas_kernels import attention_metadata
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
@@ -42,7 +43,7 @@ class Attention(nnx.Module):
         self.wkv = Linear(cfg.hidden_size, d, num, rngs=rngs)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
         # fp8 in the checkpoint but applied dequantised in bf16 without activation quantisation.
-        self.wo_a = Linear(h * d // g, g * cfg.o_lora_rank, num, rngs=rngs, fp8_act=False)
+        self.wo_a = Linear(h * d // g, g * cfg.o_lora_rank, num, rngs=rngs, fp8_act=False, fp8_weight=True)
         self.wo_b = Linear(g * cfg.o_lora_rank, cfg.hidden_size, num, rngs=rngs)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
         if ratio:
@@ -70,9 +71,14 @@ class Attention(nnx.Module):
     def project_out(self, o: Float[Array, "b t h d"], pos: Array) -> Float[Array, "b t D"]:
         cfg = self.cfg
         b, t = o.shape[:2]
-        o = apply_rope(o, pos, self.inv_freq, inverse=True).reshape(b, t, cfg.o_groups, -1)
-        wo_a = self.wo_a.weight[...].reshape(cfg.o_groups, cfg.o_lora_rank, -1).astype(o.dtype)
-        z = jnp.einsum("btgi,gri->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        g = cfg.o_groups
+        o = apply_rope(o, pos, self.inv_freq, inverse=True).reshape(b, t, g, -1)
+        if self.wo_a.quantized and self.num.kernel_impl() == "pallas" and self.wo_a.groups_fit(g):
+            og = o.reshape(b * t, g, -1).transpose(1, 0, 2)  # [g, bt, i]
+            z = gm.batched_matmul(og, self.wo_a.grouped_weights(g), impl="pallas").transpose(1, 0, 2)
+        else:
+            wo_a = self.wo_a.dense_weight(o.dtype).reshape(g, cfg.o_lora_rank, -1)
+            z = jnp.einsum("btgi,gri->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
         return self.wo_b(z.reshape(b, t, -1))
 
     def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache

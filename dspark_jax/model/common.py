@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -13,6 +14,11 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.model.quant import fp8_sim
+from pallas_kernels import grouped_matmul as gm
+
+
+MOE_IMPLS = ("auto", "dense", "grouped")
+WEIGHT_FORMATS = ("dense", "official")
 
 
 @dataclass(frozen=True)
@@ -22,8 +28,12 @@ class Numerics:
     dtype: activation / residual dtype (bf16 like the reference, or fp32 for tests).
     param_dtype: storage dtype of matrices (norms, mHC, sinks, ape and router bias stay fp32).
     quant_sim: simulate the reference's fp8 activation / KV and fp4 indexer fake-quantisation.
-    moe_impl: "dense" (every expert, small models and training), "ragged" (sorted tokens +
-        ragged_dot, each selected expert read once) or "auto".
+    moe_impl: "dense" (every expert on every token: small models and training), "grouped"
+        (tokens sorted by expert, a grouped matmul reading each selected expert once: the Pallas
+        kernel or its loop-over-tiles reference, by ``kernels``) or "auto" (grouped above 16 experts).
+    weight_format: "dense" (every matrix in ``param_dtype``) or "official" (FP8 linears and FP4
+        routed experts kept as the official checkpoints store them, dequantised inside the matmuls
+        to exactly the checkpoint's values: 2-4x fewer bytes to hold and to read).
     kernels: attention / fp8-cache-write implementation for decode and verify chunks: "pallas"
         (the Pallas kernels: Triton on a GPU, interpret mode on CPU), "xla" (their pure-JAX
         references) or "auto" (pallas on a GPU, xla elsewhere).
@@ -39,6 +49,7 @@ class Numerics:
     param_dtype: jnp.dtype = jnp.bfloat16
     quant_sim: bool = False
     moe_impl: str = "auto"
+    weight_format: str = "dense"
     kernels: str = "auto"
     sinkhorn: str = "auto"
     matmul_precision: str = "highest"
@@ -46,8 +57,10 @@ class Numerics:
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
-        if self.moe_impl not in ("auto", "dense", "ragged"):
-            raise ValueError(f"moe_impl must be 'auto', 'dense' or 'ragged', got {self.moe_impl!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.kernels not in ("auto", "pallas", "xla"):
             raise ValueError(f"kernels must be 'auto', 'pallas' or 'xla', got {self.kernels!r}")
         if self.sinkhorn not in ("auto", "loop", "unrolled"):
@@ -90,28 +103,81 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+_FP4_RMS = math.sqrt(sum(v * v for v in gm.FP4_VALUES[:8]) / 8)  # of uniformly random e2m1 codes
+
+
+def random_fp8(rngs: nnx.Rngs, shape: tuple[int, int], std: float = 0.02) -> tuple[Array, Array]:
+    """Random fp8 weights [out, in] of about ``std``: (e4m3 codes, e8m0 scale bytes per 128 x 128 block)."""
+    e = round(math.log2(std))
+    codes = (std * 2.0**-e * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(jnp.float8_e4m3fn)
+    blocks = tuple(-(-n // gm.FP8_BLOCK) for n in shape)
+    return codes, jnp.full(blocks, 127 + e, jnp.uint8)
+
+
+def random_fp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = 0.02) -> tuple[Array, Array]:
+    """Random fp4 weights [..., out, in] of about ``std``: (packed e2m1 code pairs [..., out, in / 2],
+    e8m0 scale bytes per 32 inputs [..., out, in / 32])."""
+    e = round(math.log2(std / _FP4_RMS))
+    packed = jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8)
+    return packed, jnp.full((*shape[:-1], shape[-1] // gm.FP4_BLOCK), 127 + e, jnp.uint8)
+
+
 class Linear(nnx.Module):
     """y = x @ W.T with W stored as ``weight [out, in]`` (the official layout and name).
 
     fp8_act: this is an FP8 / FP4 GEMM in the reference, whose input is fake-quantised per 128
         elements when ``quant_sim`` is on.
+    fp8_weight: the official checkpoints store this weight in FP8 (default: ``fp8_act``). With
+        ``Numerics.weight_format == "official"`` it is kept so: ``weight`` holds e4m3 codes and
+        ``scale`` one e8m0 byte per 128 x 128 block, and the product runs through the grouped
+        matmul (the Pallas kernel on GPUs, dequantise-then-matmul elsewhere: same values).
     compute_dtype: cast the input (and weight) to this dtype first (fp32 for the compressor,
         router and lm_head, which the reference runs in fp32); default: the input dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, num: Numerics, *, rngs: nnx.Rngs,
-                 fp8_act: bool = True, compute_dtype=None, param_dtype=None, std: float = 0.02):
-        self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), param_dtype or num.param_dtype, std))
+                 fp8_act: bool = True, fp8_weight: bool | None = None, compute_dtype=None, param_dtype=None,
+                 std: float = 0.02):
+        fp8_weight = fp8_act if fp8_weight is None else fp8_weight
+        self.quantized = fp8_weight and num.weight_format == "official"
+        if self.quantized:
+            codes, scale = random_fp8(rngs, (out_features, in_features), std)
+            self.weight, self.scale = nnx.Param(codes), Buffer(scale)
+        else:
+            self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), param_dtype or num.param_dtype, std))
         self.fp8_act = fp8_act and num.quant_sim
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        self.num = num
+
+    def grouped_weights(self, groups: int = 1) -> gm.Weights:
+        """The weight as ``groups`` stacked [out / groups, in] matrices for the grouped matmul."""
+        w = self.weight[...]
+        out, inp = w.shape
+        if not self.quantized:
+            return gm.Weights(w.reshape(groups, out // groups, inp), None, "dense")
+        s = self.scale[...]
+        return gm.Weights(w.reshape(groups, out // groups, inp), s.reshape(groups, s.shape[0] // groups, -1), "fp8")
+
+    def dense_weight(self, dtype) -> Float[Array, "o i"]:
+        """The weight as a plain matrix (FP8 dequantised)."""
+        if not self.quantized:
+            return self.weight[...].astype(dtype)
+        return gm.dequantize(self.grouped_weights(), dtype)[0]
+
+    def groups_fit(self, groups: int) -> bool:
+        """Whether the weight splits into ``groups`` row blocks along its scale blocks."""
+        return not self.quantized or (self.weight.shape[0] // groups) % gm.FP8_BLOCK == 0
 
     def __call__(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
         if self.compute_dtype is not None:
             x = x.astype(self.compute_dtype)
         if self.fp8_act:
             x = fp8_sim(x, 128)
-        w = self.weight[...].astype(x.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+        if self.quantized and self.num.kernel_impl() == "pallas":
+            y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), out_dtype=jnp.float32,
+                                  impl="pallas").reshape(*x.shape[:-1], -1)
+        else:
+            y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)
 
 

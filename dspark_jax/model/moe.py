@@ -9,8 +9,11 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.common import Buffer, Linear, Numerics, normal_init
+from dspark_jax.model.common import Buffer, Linear, Numerics, normal_init, random_fp4
 from dspark_jax.model.quant import fp8_sim
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.grouped_matmul import swiglu
+from pallas_kernels.group_metadata import group_tiles
 
 
 def route_scores(logits: Float[Array, "n e"], func: str) -> Float[Array, "n e"]:
@@ -46,14 +49,6 @@ class Gate(nnx.Module):
         return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def swiglu(g: Array, u: Array, limit: float) -> Array:
-    """silu(min(g, limit)) * clamp(u, -limit, limit) in fp32."""
-    g, u = g.astype(jnp.float32), u.astype(jnp.float32)
-    if limit > 0:
-        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-    return jax.nn.silu(g) * u
-
-
 class SharedExpert(nnx.Module):
     def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
         d, i = cfg.hidden_size, cfg.moe_intermediate_size
@@ -69,14 +64,28 @@ class SharedExpert(nnx.Module):
 
 class Experts(nnx.Module):
     """Routed experts stacked on a leading axis: w1, w3 [E, I, D] and w2 [E, D, I]
-    (official ``experts.{e}.w{1,2,3}.weight`` tensors)."""
+    (official ``experts.{e}.w{1,2,3}.weight`` tensors). With ``Numerics.weight_format ==
+    "official"`` they stay FP4 as in the checkpoint: ``w{1,2,3}`` hold packed e2m1 code pairs
+    [E, out, in / 2] (uint8) and ``w{1,2,3}_scale`` one e8m0 byte per 32 inputs [E, out, in / 32]
+    (official ``experts.{e}.w{1,2,3}.scale``)."""
 
     def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.w1 = nnx.Param(normal_init(rngs, (e, i, d), num.param_dtype))
-        self.w2 = nnx.Param(normal_init(rngs, (e, d, i), num.param_dtype))
-        self.w3 = nnx.Param(normal_init(rngs, (e, i, d), num.param_dtype))
+        self.quantized = num.weight_format == "official"
+        for name, shape in (("w1", (e, i, d)), ("w2", (e, d, i)), ("w3", (e, i, d))):
+            if self.quantized:
+                packed, scale = random_fp4(rngs, shape)
+                setattr(self, name, nnx.Param(packed))
+                setattr(self, f"{name}_scale", Buffer(scale))
+            else:
+                setattr(self, name, nnx.Param(normal_init(rngs, shape, num.param_dtype)))
         self.cfg, self.num = cfg, num
+
+    def weights(self, name: str) -> gm.Weights:
+        """``w1`` / ``w2`` / ``w3`` in the grouped matmul's format."""
+        if self.quantized:
+            return gm.Weights(getattr(self, name)[...], getattr(self, f"{name}_scale")[...], "fp4")
+        return gm.Weights(getattr(self, name)[...], None, "dense")
 
     def _act_in(self, x):
         return fp8_sim(x, 128) if self.num.quant_sim else x
@@ -84,35 +93,43 @@ class Experts(nnx.Module):
     def dense(self, x: Float[Array, "n d"], w: Array, idx: Array) -> Float[Array, "n d"]:
         """Every expert on every token, weighted by the (mostly zero) routing weights."""
         cfg, dt = self.cfg, x.dtype
+        w1, w2, w3 = (gm.dequantize(self.weights(n), dt) for n in ("w1", "w2", "w3"))
         gate_w = jnp.zeros((x.shape[0], cfg.n_routed_experts), jnp.float32)
         gate_w = gate_w.at[jnp.arange(x.shape[0])[:, None], idx].add(w)
         xq = self._act_in(x)
-        g = jnp.einsum("nd,eid->nei", xq, self.w1[...].astype(dt), preferred_element_type=jnp.float32).astype(dt)
-        u = jnp.einsum("nd,eid->nei", xq, self.w3[...].astype(dt), preferred_element_type=jnp.float32).astype(dt)
+        g = jnp.einsum("nd,eid->nei", xq, w1, preferred_element_type=jnp.float32).astype(dt)
+        u = jnp.einsum("nd,eid->nei", xq, w3, preferred_element_type=jnp.float32).astype(dt)
         # The routing weight multiplies before w2 (rounded to the activation dtype as in the reference).
         h = swiglu(g, u, cfg.swiglu_limit) * gate_w.astype(dt).astype(jnp.float32)[..., None]
-        y = jnp.einsum("nei,edi->ned", self._act_in(h.astype(dt)), self.w2[...].astype(dt),
-                       preferred_element_type=jnp.float32)
+        y = jnp.einsum("nei,edi->ned", self._act_in(h.astype(dt)), w2, preferred_element_type=jnp.float32)
         return jnp.sum(y.astype(dt).astype(jnp.float32), axis=1)
 
-    def ragged(self, x: Float[Array, "n d"], w: Array, idx: Array) -> Float[Array, "n d"]:
-        """Sort (token, expert) pairs by expert and run grouped GEMMs: each expert's weights are
-        read once however many tokens chose it."""
-        cfg, dt = self.cfg, x.dtype
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // k
-        sizes = jnp.bincount(flat, length=cfg.n_routed_experts).astype(jnp.int32)
-        xs = self._act_in(x)[token]
-        dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
-                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        mm = lambda a, b: jax.lax.ragged_dot_general(a, b.astype(dt), sizes, dims,
-                                                     preferred_element_type=jnp.float32).astype(dt)
-        h = swiglu(mm(xs, self.w1[...]), mm(xs, self.w3[...]), cfg.swiglu_limit)
-        h = h * w.reshape(-1)[order].astype(dt).astype(jnp.float32)[:, None]
-        y = mm(self._act_in(h.astype(dt)), self.w2[...]).astype(jnp.float32)
-        return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y)
+    def grouped(self, x: Float[Array, "n d"], w: Array, idx: Array, **kernel_options) -> Float[Array, "n d"]:
+        """(token, expert) pairs sorted by expert into row tiles and two grouped matmuls (the Pallas
+        kernel on GPUs, its loop-over-tiles reference elsewhere): each chosen expert's weights are
+        read once per tile, unchosen experts never; memory grows with tokens x top-k only."""
+        return grouped_experts(x, w, idx, *(self.weights(n) for n in ("w1", "w2", "w3")),
+                               limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim,
+                               impl=self.num.kernel_impl(), **kernel_options)
+
+
+def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
+                    w2: gm.Weights, w3: gm.Weights, *, limit: float, quant_sim: bool, impl: str,
+                    **kernel_options) -> Float[Array, "n d"]:
+    """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) in fp32 through the grouped matmul (``kernel_options``,
+    e.g. a ``config``, go to both kernels)."""
+    act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
+    n, k = idx.shape
+    bm = gm.block_m_for(n * k)
+    tiles = group_tiles(idx, w1.shape[0], bm)
+    pair = tiles.pair_of_row
+    real = pair >= 0
+    rows = jnp.where(real[:, None], act_in(x)[jnp.maximum(pair, 0) // k], 0)
+    row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
+    meta = dict(tile_group=tiles.tile_group, num_tiles=tiles.num_tiles, block_m=bm, impl=impl, **kernel_options)
+    h = gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)
+    y = gm.grouped_matmul(act_in(h), w2, **meta)
+    return jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
 class MoE(nnx.Module):
@@ -122,7 +139,7 @@ class MoE(nnx.Module):
         self.shared_experts = SharedExpert(cfg, num, rngs=rngs)
         impl = num.moe_impl
         if impl == "auto":
-            impl = "dense" if cfg.n_routed_experts <= 16 else "ragged"
+            impl = "dense" if cfg.n_routed_experts <= 16 else "grouped"
         self.impl = impl
 
     def __call__(self, x: Float[Array, "b t d"], ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:

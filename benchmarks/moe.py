@@ -1,0 +1,189 @@
+"""The DeepSeek-V4-Flash MoE layer on one GPU: the grouped-matmul kernel over FP4 / bf16 experts
+against XLA's ragged dot, and against the byte and FLOP rooflines measured in the same run.
+
+For each token count the routing is drawn at random (top-6 of 256 distinct experts per token, as
+a learned router spreads them) and the script times, as device time (many calls in one jitted
+loop, ``common.device_time``):
+
+- ``routed``: the routed experts alone (sort into tiles, fused SwiGLU kernel, down kernel,
+  combine), FP4 (the checkpoint's format) and bf16 weights;
+- ``xla_ragged_dot``: the same math through ``jax.lax.ragged_dot`` (bf16; what the model used
+  before), where it fits in memory;
+- ``layer``: the whole MoE layer (router, routed experts, FP8 / bf16 shared expert).
+
+Bytes = the distinct chosen experts' weights as stored + activations; FLOPs = 2 x pairs x 3 x D x I.
+``--tune`` also times a few kernel configurations per regime. Writes moe.json and moe.png under
+$OUT and prints a table as it goes.
+
+    python benchmarks/moe.py --tokens 1,6,48,192,1024,8192 --tune
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import ceilings, device_time, environment, out_dir, write_json
+from dspark_jax import config as config_lib
+from dspark_jax.model.common import Numerics
+from dspark_jax.model.moe import MoE, grouped_experts
+from pallas_kernels import grouped_matmul as gm
+
+TUNE = {  # row tile -> configurations tried
+    16: [gm.GemmConfig(64, 256, 4, 4), gm.GemmConfig(32, 256, 4, 4), gm.GemmConfig(128, 128, 4, 3),
+         gm.GemmConfig(64, 512, 4, 3), gm.GemmConfig(64, 128, 4, 4), gm.GemmConfig(32, 512, 2, 4)],
+    32: [gm.GemmConfig(128, 64, 4, 3), gm.GemmConfig(64, 128, 4, 4), gm.GemmConfig(128, 128, 4, 3),
+         gm.GemmConfig(64, 256, 4, 3)],
+    64: [gm.GemmConfig(128, 64, 8, 3), gm.GemmConfig(128, 64, 4, 3), gm.GemmConfig(64, 128, 4, 3),
+         gm.GemmConfig(128, 128, 8, 3)],
+}
+
+
+def ragged_dot_experts(x, w, idx, w1, w2, w3, limit):
+    """The routed experts through XLA's ragged dot (bf16 weights), for comparison."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w1.shape[0]).astype(jnp.int32)
+    xs = x[order // k]
+    mm = lambda a, b: jax.lax.ragged_dot(a, b.transpose(0, 2, 1), sizes, preferred_element_type=jnp.float32)  # noqa: E731
+    h = gm.swiglu(mm(xs, w1).astype(x.dtype), mm(xs, w3).astype(x.dtype), limit)
+    h = (h * w.reshape(-1)[order][:, None]).astype(x.dtype)
+    y = mm(h, w2).astype(x.dtype).astype(jnp.float32)
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+def routing(rng, tokens: int, cfg) -> tuple[np.ndarray, np.ndarray]:
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    w = rng.random((tokens, k)).astype(np.float32)
+    return idx, w / w.sum(1, keepdims=True) * cfg.routed_scaling_factor
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,6,48,192,1024,8192")
+    ap.add_argument("--formats", default="official,dense", help="weight formats: official (FP4 experts) / dense (bf16)")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU: checks the script runs")
+    args = ap.parse_args()
+    t_start = time.time()
+    env = environment()
+    print(env, flush=True)
+    ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
+    print(ceil, flush=True)
+    cfg = config_lib.flash(dspark=False)
+    if args.smoke:
+        cfg = config_lib.tiny(dspark=False).replace(n_routed_experts=32, num_experts_per_tok=6)
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    impl = "xla" if args.smoke else "pallas"
+    results, tuning = [], []
+    rng = np.random.default_rng(0)
+    out = {"env": env, "ceilings": ceil, "config": {"experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok,
+                                                    "hidden": d, "intermediate": i}, "results": results, "tuning": tuning}
+
+    def over_budget():
+        return time.time() - t_start > args.budget_s
+
+    for fmt in args.formats.split(","):
+        num = Numerics(weight_format=fmt, quant_sim=True, kernels=impl)
+        moe = MoE(cfg, False, num, rngs=nnx.Rngs(0))
+        ws = tuple(moe.experts.weights(n) for n in ("w1", "w2", "w3"))
+        expert_bytes = sum(w.nbytes for w in ws) // cfg.n_routed_experts
+        graphdef, state = nnx.split(moe)
+
+        def routed(x, w, idx, ws, **kw):
+            return grouped_experts(x, w, idx, *ws, limit=cfg.swiglu_limit, quant_sim=True, impl=impl, **kw)
+
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x[None], jnp.zeros((1, x.shape[0]), jnp.int32))[0]
+
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            if over_budget():
+                print("budget exhausted", flush=True)
+                break
+            idx_np, w_np = routing(rng, tokens, cfg)
+            idx, w = jnp.asarray(idx_np), jnp.asarray(w_np)
+            x = jax.random.normal(jax.random.key(tokens), (tokens, d), jnp.bfloat16)
+            distinct = len(np.unique(idx_np))
+            pairs = tokens * cfg.num_experts_per_tok
+            nbytes = distinct * expert_bytes + tokens * d * 2 * 2 + pairs * (d + i) * 2 * 2
+            flops = 2 * pairs * 3 * d * i
+            r = {"format": fmt, "tokens": tokens, "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
+                 "block_m": gm.block_m_for(pairs)}
+            t0 = time.time()
+            y = jax.jit(routed)(x, w, idx, ws)
+            r["compile_s"] = time.time() - t0
+            if tokens <= 48:  # the kernel against the loop reference on the GPU
+                ref = jax.jit(lambda *a: grouped_experts(*a, limit=cfg.swiglu_limit, quant_sim=True, impl="xla"))(
+                    x, w, idx, *ws)
+                err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+                r["max_rel_err_vs_reference"] = err
+            r["routed_s"] = device_time(routed, x, w, idx, ws, reps=args.reps)
+            r["pct_copy_bw"] = 100 * nbytes / r["routed_s"] / (ceil["copy_GBps"] * 1e9)
+            r["pct_matmul_peak"] = 100 * flops / r["routed_s"] / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+            r["layer_s"] = device_time(layer, x, state, reps=args.reps)
+            if fmt == "dense" and tokens <= 1024:
+                try:
+                    r["xla_ragged_dot_s"] = device_time(
+                        lambda x, w, idx, ws: ragged_dot_experts(x, w, idx, ws[0].values, ws[1].values, ws[2].values,
+                                                                 cfg.swiglu_limit), x, w, idx, ws, reps=max(2, args.reps // 4))
+                except Exception as e:  # out of memory at the larger sizes
+                    r["xla_ragged_dot_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if not args.smoke:
+                r["peak_GiB"] = jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0) / 2**30
+            print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            results.append(r)
+            if args.tune and fmt == "official" and tokens in (6, 192, 8192) and not over_budget():
+                for c in TUNE[gm.block_m_for(pairs)]:
+                    try:
+                        tt = device_time(lambda x, w, idx, ws: routed(x, w, idx, ws, config=c), x, w, idx, ws,
+                                         reps=args.reps)
+                        tuning.append({"tokens": tokens, "config": c.__dict__, "routed_s": tt})
+                        print("tune", tokens, c, f"{tt * 1e6:.1f} us", flush=True)
+                    except Exception as e:
+                        print("tune", tokens, c, "failed", type(e).__name__, str(e)[:200], flush=True)
+            write_json("moe.json", out)
+        del moe, ws, state
+
+    print("\nformat tokens experts | routed us | %BW %peak | layer us | ragged_dot us")
+    for r in results:
+        rd = r.get("xla_ragged_dot_s")
+        print(f"{r['format']:>8} {r['tokens']:>6} {r['distinct_experts']:>4} | {r['routed_s'] * 1e6:9.1f} | "
+              f"{r['pct_copy_bw']:5.1f} {r['pct_matmul_peak']:5.1f} | {r['layer_s'] * 1e6:8.1f} | "
+              f"{'-' if rd is None else f'{rd * 1e6:.1f}'}")
+    plot(results, env)
+
+
+def plot(results, env):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for fmt in sorted({r["format"] for r in results}):
+        rs = [r for r in results if r["format"] == fmt]
+        ax.plot([r["tokens"] for r in rs], [r["routed_s"] * 1e3 for r in rs], marker="o", label=f"kernel, {fmt}")
+        rd = [r for r in rs if "xla_ragged_dot_s" in r]
+        if rd:
+            ax.plot([r["tokens"] for r in rd], [r["xla_ragged_dot_s"] * 1e3 for r in rd], marker="x", ls="--",
+                    label=f"XLA ragged_dot, {fmt}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("routed experts, ms")
+    ax.set_title(f"DeepSeek-V4-Flash MoE layer (256 experts, top-6)\n{env['device']}, commit {env['commit']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir(), "moe.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

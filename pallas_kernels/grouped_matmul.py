@@ -1,0 +1,396 @@
+"""Grouped matmul over weights kept in the checkpoint's formats: the Pallas kernel and its
+pure-JAX reference (the routed experts of DeepSeek-V4, and its FP8 linear layers as one group).
+
+Rows ``x [M, K]`` come in tiles of ``block_m`` rows (``group_metadata``); tile ``t`` is multiplied
+by the weights of group ``tile_group[t]``: ``out[r] = x[r] @ W[g(r)]^T`` with ``W [G, N, K]`` in the
+official ``[out, in]`` layout. Tiles at or past ``num_tiles`` are unused and get zeros. Only the
+groups named by used tiles are read, each once per tile.
+
+Weight formats (``Weights``), stored as in the checkpoint and dequantised in registers:
+
+- ``dense``: bf16 / fp32 values ``[G, N, K]``;
+- ``fp8``: float8_e4m3fn values ``[G, N, K]`` with one e8m0 scale byte per 128 x 128 block,
+  ``scales [G, ceil(N / 128), ceil(K / 128)]``;
+- ``fp4``: e2m1 codes packed two per byte (element 2i in the low nibble, 2i + 1 in the high one),
+  ``values uint8 [G, N, K / 2]``, one e8m0 scale byte per 32 inputs, ``scales [G, N, K / 32]``.
+
+Dequantised weights are exactly the reference's values (an e4m3 / e2m1 value times a power of
+two is a bf16 number), and the kernel applies each scale to the fp32 partial product of its block
+instead of to every weight (exact: multiplying by a power of two commutes with fp32 rounding).
+FP4 codes are not interleaved in registers: the kernel splits x into even and odd columns and
+multiplies them by the low and high nibbles separately.
+
+``grouped_swiglu`` fuses the expert's first half: ``h = swiglu(x W1^T, x W3^T) * row_weight``
+with the reference's roundings (the products rounded to x's dtype, SwiGLU in fp32, result in x's
+dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend
+from pallas_kernels.group_metadata import dense_tiles
+
+if TYPE_CHECKING:
+    from jaxtyping import Array, Float, Int
+
+FORMATS = ("dense", "fp8", "fp4")
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+# e2m1 code -> value (bit 3 = sign, bits 2..1 = exponent, bit 0 = mantissa)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    """Stacked weights ``[G, N, K]`` of one format (see the module docstring)."""
+
+    values: Array
+    scales: Array | None
+    fmt: str = dataclasses.field(metadata=dict(static=True), default="dense")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        g, n, k = self.values.shape
+        return g, n, 2 * k if self.fmt == "fp4" else k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in (self.values, self.scales) if a is not None)
+
+    def group(self, g) -> "Weights":
+        """The weights of group ``g`` (a traced index) as a 1-group ``Weights``."""
+        pick = lambda a: None if a is None else lax.dynamic_index_in_dim(a, g, keepdims=True)  # noqa: E731
+        return Weights(pick(self.values), pick(self.scales), self.fmt)
+
+
+def check_weights(w: Weights) -> None:
+    if w.fmt not in FORMATS:
+        raise ValueError(f"weight format must be one of {FORMATS}, got {w.fmt!r}")
+    if w.values.ndim != 3:
+        raise ValueError(f"weights must be [G, N, K], got values of shape {w.values.shape}")
+    g, n, k = w.shape
+    if w.fmt == "dense":
+        if w.scales is not None or w.values.dtype not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"dense weights are bf16 / fp32 without scales, got {w.values.dtype}")
+        return
+    want = {"fp8": (jnp.float8_e4m3fn, (g, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))),
+            "fp4": (jnp.uint8, (g, n, k // FP4_BLOCK))}[w.fmt]
+    if w.values.dtype != want[0] or w.scales is None or w.scales.dtype != jnp.uint8 or w.scales.shape != want[1]:
+        raise ValueError(f"{w.fmt} weights need values {jnp.dtype(want[0]).name} and uint8 scales of shape "
+                         f"{want[1]}, got {w.values.dtype} {w.values.shape} and "
+                         f"{None if w.scales is None else (w.scales.dtype, w.scales.shape)}")
+    if w.fmt == "fp4" and k % FP4_BLOCK:
+        raise ValueError(f"fp4 weights need K to be a multiple of {FP4_BLOCK}, got {k}")
+
+
+# ------------------------------------------------------------------------------ pure-JAX reference
+def e8m0_to_float(b: Array) -> Array:
+    """e8m0 scale bytes -> float32 ``2 ** (b - 127)``."""
+    return jnp.ldexp(jnp.ones(b.shape, jnp.float32), b.astype(jnp.int32) - 127)
+
+
+def dequantize(w: Weights, dtype) -> Array:
+    """The weights as ``dtype`` [G, N, K]: codes times their scales, computed in fp32 like the
+    reference's dequantisation (exact in bf16)."""
+    g, n, k = w.shape
+    if w.fmt == "dense":
+        return w.values.astype(dtype)
+    if w.fmt == "fp8":
+        s = e8m0_to_float(w.scales)
+        s = jnp.repeat(jnp.repeat(s, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :n, :k]
+        return (w.values.astype(jnp.float32) * s).astype(dtype)
+    table = jnp.asarray(FP4_VALUES, jnp.float32)
+    b = w.values.astype(jnp.int32)
+    vals = jnp.stack([table[b & 15], table[b >> 4]], axis=-1).reshape(g, n, k)
+    s = jnp.repeat(e8m0_to_float(w.scales), FP4_BLOCK, axis=2)
+    return (vals * s).astype(dtype)
+
+
+def swiglu(g: Array, u: Array, limit: float) -> Array:
+    """silu(min(g, limit)) * clamp(u, -limit, limit) in fp32 (no clamp for limit <= 0)."""
+    g, u = g.astype(jnp.float32), u.astype(jnp.float32)
+    if limit > 0:
+        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, block_m: int) -> Array:
+    """fp32 [T, block_m, N] products, one tile at a time (memory: one group's weights at a time)."""
+    t = tile_group.shape[0]
+    xt = x.reshape(t, block_m, x.shape[-1])
+
+    def one(args):
+        xb, g = args
+        wg = dequantize(w.group(g), x.dtype)[0]
+        return jnp.einsum("mk,nk->mn", xb, wg, preferred_element_type=jnp.float32)
+
+    out = lax.map(one, (xt, tile_group))
+    used = jnp.arange(t) < num_tiles[0]
+    return jnp.where(used[:, None, None], out, 0.0)
+
+
+def reference(x: Float[Array, "m k"], w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
+              block_m: int, out_dtype=None) -> Float[Array, "m n"]:
+    """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups."""
+    check_inputs(x, w, tile_group, block_m)
+    y = _tile_products(x, w, tile_group, num_tiles, block_m)
+    return y.reshape(x.shape[0], -1).astype(out_dtype or x.dtype)
+
+
+def swiglu_reference(x: Float[Array, "m k"], w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
+                     tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int,
+                     limit: float) -> Float[Array, "m n"]:
+    """``swiglu(x W1^T, x W3^T) * row_weight`` per tile, in x's dtype (the reference's roundings)."""
+    check_inputs(x, w1, tile_group, block_m)
+    check_inputs(x, w3, tile_group, block_m)
+    dt = x.dtype
+    g = _tile_products(x, w1, tile_group, num_tiles, block_m).astype(dt)
+    u = _tile_products(x, w3, tile_group, num_tiles, block_m).astype(dt)
+    h = swiglu(g, u, limit).reshape(x.shape[0], -1) * row_weight.astype(dt).astype(jnp.float32)[:, None]
+    return h.astype(dt)
+
+
+def check_inputs(x: Array, w: Weights, tile_group: Array, block_m: int) -> None:
+    check_weights(w)
+    if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be a bf16 / fp32 [M, K] matrix, got {x.dtype} {x.shape}")
+    g, n, k = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns but the weights take K = {k}")
+    if x.shape[0] != tile_group.shape[0] * block_m:
+        raise ValueError(f"x has {x.shape[0]} rows, expected {tile_group.shape[0]} tiles x {block_m} rows")
+
+
+# ------------------------------------------------------------------------------ Pallas kernel
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of the kernel: ``block_n`` output columns per program and ``block_k`` inputs per loop
+    step (powers of two; fp8 weights need both <= 128 so a tile sits in one scale block, fp4 needs
+    block_k >= 32). The row tile ``block_m`` comes with the metadata."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fit(self, n: int, k: int, fmt: str) -> "GemmConfig":
+        """This config with tiles shrunk to divide N and K (and the format's scale blocks)."""
+        bn = _largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
+        bk_cap = min(self.block_k, FP8_BLOCK) if fmt == "fp8" else self.block_k
+        bk = _largest_pow2_divisor(k, bk_cap)
+        if bn < 16 or bk < (FP4_BLOCK if fmt == "fp4" else 16):
+            raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and "
+                             f"K % {FP4_BLOCK if fmt == 'fp4' else 16} == 0")
+        return dataclasses.replace(self, block_n=bn, block_k=bk)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def default_config(num_rows: int, block_m: int) -> GemmConfig:
+    """Few rows (decode / verify): narrow column tiles, many programs streaming weights.
+    Many rows (prefill): wider tiles for reuse."""
+    if block_m <= 16:
+        return GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
+    return GemmConfig(block_n=128, block_k=64, num_warps=8 if block_m >= 64 else 4, num_stages=3)
+
+
+def _scale_f32(b: Array) -> Array:
+    """e8m0 bytes -> fp32 powers of two, built from the exponent bits (byte 0 is 2**-127)."""
+    bits = b.astype(jnp.int32)
+    return lax.bitcast_convert_type(jnp.where(bits == 0, 0x400000, bits << 23), jnp.float32)
+
+
+def _fp4_decode(c: Array, dtype) -> Array:
+    """e2m1 codes (int32, 0..15) -> values, built from the bits of a bf16: for exponent field
+    e >= 1 the code (e, m) is 2**(e - 1) * (1 + m / 2), i.e. bf16 bits (c3 << 6) + 0x3F00;
+    code 1 is 0.5 and code 0 is 0."""
+    c3 = c & 7
+    mag = jnp.where(c3 >= 2, (c3 << 6) + 0x3F00, c3 * 0x3F00)
+    v = lax.bitcast_convert_type(mag.astype(jnp.int16), jnp.bfloat16)
+    return jnp.where((c & 8) != 0, -v, v).astype(dtype)
+
+
+def _dot_t(a: Array, b: Array) -> Array:
+    """a [m, k] @ b [n, k]^T in fp32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: int, bn: int, bk: int, dt) -> Array:
+    """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
+    output columns n0 .. n0 + bn of group g."""
+    if fmt == "dense":
+        (x_ref,), (w_ref,) = x_refs, w_refs
+        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+        w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)]
+        return _dot_t(x, w.astype(dt))
+    if fmt == "fp8":
+        (x_ref,), (w_ref, s_ref) = x_refs, w_refs
+        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+        w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
+        nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        s = _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
+        return _dot_t(x, w) * s
+    (xe_ref, xo_ref), (w_ref, s_ref) = x_refs, w_refs
+    acc = None
+    for j in range(bk // FP4_BLOCK):  # one scale block of 32 inputs = 16 packed bytes
+        c0 = k0 // 2 + j * (FP4_BLOCK // 2)
+        xe = xe_ref[pl.ds(r0, bm), pl.ds(c0, FP4_BLOCK // 2)]
+        xo = xo_ref[pl.ds(r0, bm), pl.ds(c0, FP4_BLOCK // 2)]
+        b = w_ref[pl.ds(g * n + n0, bn), pl.ds(c0, FP4_BLOCK // 2)].astype(jnp.int32)
+        part = _dot_t(xe, _fp4_decode(b & 15, dt)) + _dot_t(xo, _fp4_decode(b >> 4, dt))
+        s = _scale_f32(s_ref[pl.ds(g * n + n0, bn), k0 // FP4_BLOCK + j])
+        part = part * s[None, :]
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def _kernel(*refs, fmt: str, n: int, k: int, bm: int, cfg: GemmConfig, n_weights: int, limit: float | None):
+    tile_group_ref, num_tiles_ref = refs[:2]
+    refs = refs[2:]
+    n_x = 2 if fmt == "fp4" else 1
+    x_refs, refs = refs[:n_x], refs[n_x:]
+    per_w = 1 if fmt == "dense" else 2
+    w_sets = [refs[i * per_w:(i + 1) * per_w] for i in range(n_weights)]
+    refs = refs[n_weights * per_w:]
+    rw_ref = refs[0] if limit is not None else None
+    o_ref = refs[-1]
+
+    bn, bk = cfg.block_n, cfg.block_k
+    t, nb = pl.program_id(0), pl.program_id(1)
+    r0, n0 = t * bm, nb * bn
+    dt = x_refs[0].dtype
+
+    @pl.when(t < num_tiles_ref[0])
+    def _compute():
+        g = tile_group_ref[t]
+
+        def body(step, accs):
+            k0 = step * bk
+            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt)
+                         for a, w in zip(accs, w_sets))
+
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        accs = lax.fori_loop(0, k // bk, body, (zero,) * n_weights)
+        if limit is None:
+            out = accs[0]
+        else:  # the expert's SwiGLU with the reference's roundings, times the routing weight
+            gate, up = (a.astype(dt) for a in accs)
+            out = swiglu(gate, up, limit) * rw_ref[pl.ds(r0, bm)].astype(dt).astype(jnp.float32)[:, None]
+        o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = out.astype(o_ref.dtype)
+
+    @pl.when(t >= num_tiles_ref[0])
+    def _unused():
+        o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = jnp.zeros((bm, bn), o_ref.dtype)
+
+
+def _flat(w: Weights) -> tuple[Array, ...]:
+    vals = w.values.reshape(-1, w.values.shape[-1])
+    return (vals,) if w.fmt == "dense" else (vals, w.scales.reshape(-1, w.scales.shape[-1]))
+
+
+def _x_operands(x: Array, fmt: str) -> tuple[Array, ...]:
+    return (x[:, 0::2], x[:, 1::2]) if fmt == "fp4" else (x,)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "cfg", "limit", "out_dtype", "interpret"))
+def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: GemmConfig, limit, out_dtype,
+            interpret: bool):
+    fmt = ws[0].fmt
+    _, n, k = ws[0].shape
+    cfg = cfg.fit(n, k, fmt)
+    m = x.shape[0]
+    args = [tile_group, num_tiles, *_x_operands(x, fmt)]
+    for w in ws:
+        args += _flat(w)
+    if limit is not None:
+        args.append(row_weight.astype(jnp.float32))
+    kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit)
+    with backend.quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            grid=(tile_group.shape[0], n // cfg.block_n),
+            out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+            compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
+            interpret=interpret,
+            name=f"grouped_matmul_{fmt}" + ("_swiglu" if limit is not None else ""),
+        )(*args)
+
+
+def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"the kernel needs block_m to be a power of two >= 16, got {block_m}")
+    if any(w.fmt != ws[0].fmt or w.shape != ws[0].shape for w in ws):
+        raise ValueError("fused weights must share their format and shape")
+
+
+def kernel(x: Float[Array, "m k"], w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
+           block_m: int, out_dtype=None, config: GemmConfig | None = None,
+           interpret: bool | None = None) -> Float[Array, "m n"]:
+    """The Pallas kernel (same contract as ``reference``)."""
+    check_inputs(x, w, tile_group, block_m)
+    _check_kernel_shapes(x, [w], block_m)
+    cfg = config or default_config(x.shape[0], block_m)
+    return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
+
+
+def swiglu_kernel(x: Float[Array, "m k"], w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
+                  tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int, limit: float,
+                  config: GemmConfig | None = None, interpret: bool | None = None) -> Float[Array, "m n"]:
+    """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
+    check_inputs(x, w1, tile_group, block_m)
+    _check_kernel_shapes(x, [w1, w3], block_m)
+    cfg = config or default_config(x.shape[0], block_m)
+    return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
+                   out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
+
+
+def grouped_matmul(x, w: Weights, tile_group, num_tiles, *, block_m: int, out_dtype=None, impl: str | None = None,
+                   **kernel_options):
+    """Grouped matmul through the backend switch: the Pallas kernel or the XLA reference."""
+    if backend.resolve(impl) == "xla":
+        return reference(x, w, tile_group, num_tiles, block_m=block_m, out_dtype=out_dtype)
+    return kernel(x, w, tile_group, num_tiles, block_m=block_m, out_dtype=out_dtype, **kernel_options)
+
+
+def grouped_swiglu(x, w1: Weights, w3: Weights, row_weight, tile_group, num_tiles, *, block_m: int, limit: float,
+                   impl: str | None = None, **kernel_options):
+    """Fused SwiGLU half of the experts through the backend switch."""
+    if backend.resolve(impl) == "xla":
+        return swiglu_reference(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit)
+    return swiglu_kernel(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit,
+                         **kernel_options)
+
+
+def block_m_for(rows: int) -> int:
+    """Row tile for ``rows`` rows (pairs of a routed layer, or rows of a plain matmul): 16 for
+    decode / verify, where every tile streams its group's weights, larger for prefill."""
+    return 16 if rows <= 256 else 32 if rows <= 2048 else 64
+
+
+def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, out_dtype=None, impl: str | None = None,
+                   **kernel_options) -> Float[Array, "g m n"]:
+    """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
+    rows padded to the row tile, every tile in use."""
+    g, m, k = x.shape
+    bm = block_m_for(m)
+    mp = -(-m // bm) * bm
+    xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
+    tile_group, num_tiles = dense_tiles(mp, g, bm)
+    y = grouped_matmul(xp, w, tile_group, num_tiles, block_m=bm, out_dtype=out_dtype, impl=impl, **kernel_options)
+    return y.reshape(g, mp, -1)[:, :m]

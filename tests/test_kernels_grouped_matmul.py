@@ -1,0 +1,212 @@
+"""Grouped matmul over bf16 / FP8 / FP4 weights: dequantisation, row tiles, kernel vs reference,
+gfx950 lowering, and the memory of a DeepSeek-V4-Flash MoE layer.
+
+Interpret mode fills every kernel output with NaN before the kernel runs
+(``test_kernels_attention.test_interpret_mode_poisons_outputs``), so a finite result means every
+element was written.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import config
+from dspark_jax.checkpoint import codecs
+from dspark_jax.model.common import Numerics
+from dspark_jax.model.moe import Experts
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import group_metadata as md
+from pallas_kernels import lowering
+
+SD = jax.ShapeDtypeStruct
+
+
+def _quantize(w: np.ndarray, fmt: str) -> gm.Weights:
+    """Stacked float weights [G, N, K] encoded like the official checkpoints (numpy codecs)."""
+    if fmt == "dense":
+        return gm.Weights(jnp.asarray(w, jnp.bfloat16), None, "dense")
+    enc = codecs.encode_fp8 if fmt == "fp8" else codecs.encode_fp4
+    pairs = [enc(x) for x in w]
+    codes = np.stack([c for c, _ in pairs])
+    codes = codes.view(np.uint8) if fmt == "fp4" else codes
+    return gm.Weights(jnp.asarray(codes), jnp.asarray(np.stack([s for _, s in pairs]).view(np.uint8)), fmt)
+
+
+def _random_weights(rng, shape, fmt: str) -> gm.Weights:
+    # a spread of magnitudes per row so that scale bytes vary (and fp4 uses all its codes)
+    w = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 1, shape[:-1] + (1,)))
+    return _quantize(w.astype(np.float32), fmt)
+
+
+def test_dequantize_matches_the_checkpoint_codecs_exactly():
+    rng = np.random.default_rng(0)
+    w8 = _random_weights(rng, (2, 200, 300), "fp8")  # partial 128-blocks at both edges
+    for g in range(2):
+        want = codecs.decode_fp8(np.asarray(w8.values[g]), np.asarray(w8.scales[g]))
+        np.testing.assert_array_equal(np.asarray(gm.dequantize(w8.group(g), jnp.float32))[0], want)
+    # fp4: every byte value (both nibbles of every code) under a spread of scale bytes
+    packed = np.tile(np.arange(256, dtype=np.uint8), (3, 1)).reshape(1, 3, 256)
+    scales = rng.integers(100, 150, (1, 3, 16)).astype(np.uint8)
+    w4 = gm.Weights(jnp.asarray(packed), jnp.asarray(scales), "fp4")
+    want = codecs.decode_fp4(packed[0].view(np.int8), scales[0])
+    got = np.asarray(gm.dequantize(w4, jnp.float32))[0]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 kept
+    # and the bf16 values are the same numbers (exactly representable)
+    np.testing.assert_array_equal(np.asarray(gm.dequantize(w4, jnp.bfloat16), np.float32)[0], want)
+
+
+def _check_tiles(ids: np.ndarray, groups: int, bm: int):
+    tiles = md.group_tiles(jnp.asarray(ids), groups, bm)
+    flat = ids.reshape(-1)
+    rop, por = np.asarray(tiles.row_of_pair), np.asarray(tiles.pair_of_row)
+    tg, nt = np.asarray(tiles.tile_group), int(tiles.num_tiles[0])
+    assert tiles.max_tiles == md.max_tiles(flat.size, groups, bm)
+    assert len(set(rop.tolist())) == flat.size  # one row per pair
+    np.testing.assert_array_equal(por[rop], np.arange(flat.size))  # inverse maps
+    assert (por >= 0).sum() == flat.size
+    np.testing.assert_array_equal(tg[rop // bm], flat)  # each pair sits in a tile of its group
+    sizes = np.bincount(flat, minlength=groups)
+    assert nt == sum(-(-s // bm) for s in sizes)  # no tile more than the padding needs
+    assert nt <= tiles.max_tiles
+    assert (por[nt * bm:] == -1).all()  # unused tiles hold no pair
+    assert sorted(set(tg[:nt].tolist())) == sorted(set(flat.tolist()))  # groups without pairs get no tile
+    assert (np.diff(tg[:nt]) >= 0).all()
+    for g in set(flat.tolist()):  # token order kept inside a group
+        assert (np.diff(rop[flat == g]) > 0).all()
+    return tiles
+
+
+@pytest.mark.parametrize("n,k,groups,bm", [(1, 6, 256, 16), (6, 6, 256, 16), (37, 3, 8, 16), (50, 2, 3, 32)])
+def test_group_tiles_on_random_routings(n, k, groups, bm):
+    rng = np.random.default_rng(n)
+    for _ in range(5):
+        ids = np.stack([rng.choice(groups, k, replace=False) for _ in range(n)]).astype(np.int32)
+        _check_tiles(ids, groups, bm)
+
+
+def test_group_tiles_extremes():
+    _check_tiles(np.full((40, 1), 5, np.int32), 8, 16)  # one group takes every row
+    _check_tiles(np.arange(16, dtype=np.int32).reshape(8, 2), 16, 16)  # every group one row
+    tg, nt = md.dense_tiles(32, 3, 16)
+    np.testing.assert_array_equal(np.asarray(tg), [0, 0, 1, 1, 2, 2])
+    assert int(nt[0]) == 6
+
+
+def _oracle(x, w: gm.Weights, tiles) -> np.ndarray:
+    wd = np.asarray(gm.dequantize(w, jnp.float32))
+    g = np.repeat(np.asarray(tiles.tile_group), tiles.block_m)
+    out = np.einsum("mk,mnk->mn", np.asarray(x, np.float32), wd[g])
+    out[np.asarray(tiles.pair_of_row) < 0] = 0.0
+    return out
+
+
+ROUTINGS = {
+    "uneven": lambda rng: rng.choice([0, 0, 0, 0, 2, 3, 3, 5], (11, 2)),  # empty groups 1, 4, 6, 7
+    "one_group": lambda rng: np.full((9, 2), 6),
+}
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_kernel_matches_reference(fmt, routing):
+    rng = np.random.default_rng(7)
+    g, n, k = 8, 64, 256
+    w = _random_weights(rng, (g, n, k), fmt)
+    w3 = _random_weights(rng, (g, n, k), fmt)
+    ids = ROUTINGS[routing](rng).astype(np.int32)
+    tiles = md.group_tiles(jnp.asarray(ids), g, 16)
+    pair = np.asarray(tiles.pair_of_row)
+    x = np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0)
+    x = jnp.asarray(x, jnp.bfloat16)
+    meta = (tiles.tile_group, tiles.num_tiles)
+    cfg = gm.GemmConfig(block_n=32, block_k=64 if fmt != "fp4" else 128)
+    ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
+    ref = np.asarray(gm.reference(x, w, *meta, block_m=16, out_dtype=jnp.float32))
+    want = _oracle(x, w, tiles)
+    assert np.isfinite(ker).all()
+    scale = np.abs(want).max()
+    assert scale > 0.01
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(ker, want, rtol=1e-5, atol=1e-5 * scale)
+    assert (ker[pair < 0] == 0).all()
+
+    rw = jnp.asarray(np.where(pair >= 0, rng.random(pair.size), 0.0), jnp.float32)
+    h_ker = gm.swiglu_kernel(x, w, w3, rw, *meta, block_m=16, limit=1.0, config=cfg, interpret=True)
+    h_ref = gm.swiglu_reference(x, w, w3, rw, *meta, block_m=16, limit=1.0)
+    assert np.isfinite(np.asarray(h_ker, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(h_ker, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
+    # the clamp is active somewhere (limit 1.0 against products of several units)
+    assert np.abs(np.asarray(gm.reference(x, w, *meta, block_m=16))).max() > 1.0
+
+
+def test_batched_matmul_is_a_plain_matmul_per_group():
+    rng = np.random.default_rng(3)
+    w = _random_weights(rng, (3, 128, 256), "fp8")
+    x = jnp.asarray(rng.standard_normal((3, 5, 256)), jnp.bfloat16)
+    want = np.einsum("gmk,gnk->gmn", np.asarray(x, np.float32), np.asarray(gm.dequantize(w, jnp.float32)))
+    for impl in ("xla", "pallas"):
+        got = np.asarray(gm.batched_matmul(x, w, out_dtype=jnp.float32, impl=impl))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+FLASH = dict(e=256, d=4096, i=2048)
+
+
+def _flash_weights(fmt: str, n: int, k: int) -> gm.Weights:
+    e = FLASH["e"]
+    if fmt == "fp4":
+        return gm.Weights(SD((e, n, k // 2), jnp.uint8), SD((e, n, k // 32), jnp.uint8), "fp4")
+    if fmt == "fp8":
+        return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n // 128, k // 128), jnp.uint8), "fp8")
+    return gm.Weights(SD((e, n, k), jnp.bfloat16), None, "dense")
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "dense"])
+@pytest.mark.parametrize("pairs", [36, 12288])  # 6 verify tokens x top-6; 2048 prefill tokens x top-6
+def test_flash_shapes_lower_for_gfx950(fmt, pairs):
+    bm = gm.block_m_for(pairs)
+    t = md.max_tiles(pairs, FLASH["e"], bm)
+    i32 = jnp.int32
+    meta = (SD((t,), i32), SD((1,), i32))
+    x = SD((t * bm, FLASH["d"]), jnp.bfloat16)
+    w13 = _flash_weights(fmt, FLASH["i"], FLASH["d"])
+    text = lowering.lower(lambda x, w, rw, tg, nt: gm.swiglu_kernel(x, w, w, rw, tg, nt, block_m=bm, limit=10.0,
+                                                                     interpret=False),
+                          x, w13, SD((t * bm,), jnp.float32), *meta)
+    assert lowering.count_triton_calls(text) == 1
+    h = SD((t * bm, FLASH["i"]), jnp.bfloat16)
+    text = lowering.lower(lambda h, w, tg, nt: gm.kernel(h, w, tg, nt, block_m=bm, interpret=False),
+                          h, _flash_weights(fmt, FLASH["d"], FLASH["i"]), *meta)
+    assert lowering.count_triton_calls(text) == 1
+
+
+def _flash_experts_temp_bytes(tokens: int) -> int:
+    cfg = config.flash(dspark=False)
+    num = Numerics(weight_format="official", kernels="xla")
+    experts = nnx.eval_shape(lambda: Experts(cfg, num, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(experts)
+    k = cfg.num_experts_per_tok
+
+    def layer(state, x, w, idx):
+        return nnx.merge(graphdef, state).grouped(x, w, idx)
+
+    args = (state, SD((tokens, cfg.hidden_size), jnp.bfloat16), SD((tokens, k), jnp.float32), SD((tokens, k), jnp.int32))
+    compiled = jax.jit(layer).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_flash_moe_layer_memory_grows_with_tokens_times_topk():
+    """A DeepSeek-V4-Flash routed-expert layer (256 FP4 experts, top-6) compiled for the CPU path:
+    temporaries stay under 2 GiB at 2048 tokens and grow by about rows x (D + I) bf16 values per
+    extra routed row, not with experts x tokens (the dense-GEMM expansion needs 2048 x 256 x 2048
+    fp32 values = 4 GiB for one matrix)."""
+    t512, t2048 = _flash_experts_temp_bytes(512), _flash_experts_temp_bytes(2048)
+    assert t2048 < 2 * 2**30, t2048
+    cfg = config.flash()
+    per_row = (cfg.hidden_size + cfg.moe_intermediate_size) * 2  # bf16 x rows and h rows
+    extra_rows = (2048 - 512) * cfg.num_experts_per_tok
+    assert t2048 - t512 < 6 * extra_rows * per_row, (t512, t2048)
