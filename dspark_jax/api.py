@@ -58,7 +58,13 @@ class Model:
     def __repr__(self):
         c = self.config
         return (f"Model(layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
-                f"dspark={c.dspark is not None}, dtype={self.numerics.dtype.name}, quant_sim={self.numerics.quant_sim})")
+                f"dspark={c.dspark is not None}, dtype={self.numerics.dtype.name}, quant_sim={self.numerics.quant_sim}, "
+                f"weights={self.numerics.weight_format} {self.weight_bytes / 2**20:,.1f} MiB)")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and buffer as held in device memory (all devices together)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.state))
 
     def check_ids(self, ids: np.ndarray, what: str = "token ids") -> np.ndarray:
         ids = np.asarray(ids)

@@ -107,6 +107,25 @@ def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: 
                                      compressor_states_per_request=states, draft_rings_per_request=draft_rings))
 
 
+def weight_bytes(cfg: ModelConfig, weight_format: str = "official", param_dtype="bfloat16") -> dict[str, int]:
+    """Bytes of the model's weights by part ("routed_experts", "other"), counted from the abstract
+    model (no memory allocated): ``weight_format`` "official" keeps FP4 experts and FP8 linears as
+    the checkpoints store them, "dense" holds every matrix in ``param_dtype``."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax.model.common import Numerics
+    from dspark_jax.model.deepseek_v4 import DeepSeekV4
+
+    num = Numerics(dtype=param_dtype, param_dtype=param_dtype, weight_format=weight_format)
+    state = nnx.state(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
+    out = {"routed_experts": 0, "other": 0}
+    for key, var in nnx.to_flat_state(state):
+        part = "routed_experts" if "experts" in map(str, key) and "shared_experts" not in map(str, key) else "other"
+        out[part] += math.prod(var.shape) * jax.numpy.dtype(var.dtype).itemsize
+    return out
+
+
 def compare(cfg: ModelConfig, budget_bytes: int, *, seq_len: int = 32768, gamma: int | None = None) -> str:
     """Both layouts side by side with the capacity ratio."""
     bf16 = plan(cfg, budget_bytes, "bf16", seq_len=seq_len, gamma=gamma)
@@ -126,6 +145,10 @@ def main(argv=None) -> None:
     ap.add_argument("--gamma", type=int, default=None)
     args = ap.parse_args(argv)
     cfg = config_lib.PRESETS[args.preset]()
+    for fmt in ("official", "dense"):
+        w = weight_bytes(cfg, fmt)
+        print(f"== {args.preset} weights ({fmt}): {sum(w.values()) / _GiB:,.1f} GiB "
+              f"(routed experts {w['routed_experts'] / _GiB:,.1f}, other {w['other'] / _GiB:,.1f})")
     for n in args.seq_len:
         print(f"== {args.preset}, {n:,}-token requests")
         print(compare(cfg, int(args.budget_gib * _GiB), seq_len=n, gamma=args.gamma))

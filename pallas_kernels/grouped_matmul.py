@@ -16,7 +16,8 @@ Weight formats (``Weights``), stored as in the checkpoint and dequantised in reg
 
 Dequantised weights are exactly the reference's values (an e4m3 / e2m1 value times a power of
 two is a bf16 number), and the kernel applies each scale to the fp32 partial product of its block
-instead of to every weight (exact: multiplying by a power of two commutes with fp32 rounding).
+instead of to every weight (exact: multiplying by a power of two commutes with fp32 rounding);
+FP4 weights are decoded with their per-32 scales (exact in bf16) before one dot per loop step.
 FP4 codes are not interleaved in registers: the kernel splits x into even and odd columns and
 multiplies them by the low and high nibbles separately.
 
@@ -201,11 +202,14 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def default_config(num_rows: int, block_m: int) -> GemmConfig:
-    """Few rows (decode / verify): narrow column tiles, many programs streaming weights.
-    Many rows (prefill): wider tiles for reuse."""
+def default_config(block_m: int, fmt: str) -> GemmConfig:
+    """Few rows (decode / verify): narrow column tiles, many programs streaming weights. Many rows
+    (prefill): wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an
+    H200 (the in-register decoding favours 64 columns); the others as first measured there."""
     if block_m <= 16:
         return GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
+    if fmt == "fp4":
+        return GemmConfig(block_n=64, block_k=256 if block_m <= 32 else 128, num_warps=4, num_stages=3)
     return GemmConfig(block_n=128, block_k=64, num_warps=8 if block_m >= 64 else 4, num_stages=3)
 
 
@@ -213,6 +217,12 @@ def _scale_f32(b: Array) -> Array:
     """e8m0 bytes -> fp32 powers of two, built from the exponent bits (byte 0 is 2**-127)."""
     bits = b.astype(jnp.int32)
     return lax.bitcast_convert_type(jnp.where(bits == 0, 0x400000, bits << 23), jnp.float32)
+
+
+def _scale_bf16(b: Array) -> Array:
+    """e8m0 bytes -> bf16 powers of two from the exponent bits (byte 0 is the subnormal 2**-127)."""
+    bits = b.astype(jnp.int32)
+    return lax.bitcast_convert_type(jnp.where(bits == 0, 0x40, bits << 7).astype(jnp.int16), jnp.bfloat16)
 
 
 def _fp4_decode(c: Array, dtype) -> Array:
@@ -246,17 +256,14 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
         s = _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
         return _dot_t(x, w) * s
     (xe_ref, xo_ref), (w_ref, s_ref) = x_refs, w_refs
-    acc = None
-    for j in range(bk // FP4_BLOCK):  # one scale block of 32 inputs = 16 packed bytes
-        c0 = k0 // 2 + j * (FP4_BLOCK // 2)
-        xe = xe_ref[pl.ds(r0, bm), pl.ds(c0, FP4_BLOCK // 2)]
-        xo = xo_ref[pl.ds(r0, bm), pl.ds(c0, FP4_BLOCK // 2)]
-        b = w_ref[pl.ds(g * n + n0, bn), pl.ds(c0, FP4_BLOCK // 2)].astype(jnp.int32)
-        part = _dot_t(xe, _fp4_decode(b & 15, dt)) + _dot_t(xo, _fp4_decode(b >> 4, dt))
-        s = _scale_f32(s_ref[pl.ds(g * n + n0, bn), k0 // FP4_BLOCK + j])
-        part = part * s[None, :]
-        acc = part if acc is None else acc + part
-    return acc
+    half, nsb = bk // 2, bk // FP4_BLOCK  # packed bytes, scale blocks of this step
+    xe = xe_ref[pl.ds(r0, bm), pl.ds(k0 // 2, half)]
+    xo = xo_ref[pl.ds(r0, bm), pl.ds(k0 // 2, half)]
+    b = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // 2, half)].astype(jnp.int32)
+    sb = s_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // FP4_BLOCK, nsb)]
+    # one scale per 16 packed bytes, spread over them in registers, applied as a bf16 power of two
+    s = jnp.broadcast_to(_scale_bf16(sb)[:, :, None], (bn, nsb, FP4_BLOCK // 2)).reshape(bn, half).astype(dt)
+    return _dot_t(xe, _fp4_decode(b & 15, dt) * s) + _dot_t(xo, _fp4_decode(b >> 4, dt) * s)
 
 
 def _kernel(*refs, fmt: str, n: int, k: int, bm: int, cfg: GemmConfig, n_weights: int, limit: float | None):
@@ -344,7 +351,7 @@ def kernel(x: Float[Array, "m k"], w: Weights, tile_group: Int[Array, " t"], num
     """The Pallas kernel (same contract as ``reference``)."""
     check_inputs(x, w, tile_group, block_m)
     _check_kernel_shapes(x, [w], block_m)
-    cfg = config or default_config(x.shape[0], block_m)
+    cfg = config or default_config(block_m, w.fmt)
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
 
@@ -355,7 +362,7 @@ def swiglu_kernel(x: Float[Array, "m k"], w1: Weights, w3: Weights, row_weight: 
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
-    cfg = config or default_config(x.shape[0], block_m)
+    cfg = config or default_config(block_m, w1.fmt)
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
 

@@ -210,3 +210,21 @@ def test_flash_moe_layer_memory_grows_with_tokens_times_topk():
     per_row = (cfg.hidden_size + cfg.moe_intermediate_size) * 2  # bf16 x rows and h rows
     extra_rows = (2048 - 512) * cfg.num_experts_per_tok
     assert t2048 - t512 < 6 * extra_rows * per_row, (t512, t2048)
+
+
+def test_weight_bytes_of_the_official_formats():
+    """The planner's weight bytes equal a real model's, and Flash's FP4 / FP8 weights take a
+    fraction of bf16 (routed experts 0.5 + 1/32 bytes per weight instead of 2)."""
+    import dspark_jax
+    from dspark_jax import memory
+
+    cfg = config.tiny().replace(n_routed_experts=24)
+    for fmt in ("official", "dense"):
+        model = dspark_jax.init(cfg, 0, weight_format=fmt)
+        assert sum(memory.weight_bytes(cfg, fmt).values()) == model.weight_bytes
+        assert f"weights={fmt}" in repr(model)
+    flash = config.flash()
+    q, d = memory.weight_bytes(flash, "official"), memory.weight_bytes(flash, "dense")
+    assert q["routed_experts"] * 2 / (0.5 + 1 / 32) == d["routed_experts"]
+    assert sum(q.values()) < 0.3 * sum(d.values())
+    assert 150 * 2**30 < sum(q.values()) < 160 * 2**30  # 284 B parameters + 3 DSpark stages
