@@ -69,7 +69,8 @@ def routing(rng, tokens: int, cfg) -> tuple[np.ndarray, np.ndarray]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,6,48,192,1024,8192")
-    ap.add_argument("--formats", default="official,dense", help="weight formats: official (FP4 experts) / dense (bf16)")
+    ap.add_argument("--formats", default="official,fp8,dense",
+                    help="weight formats: official (FP4 experts), fp8 (FP4 values as e4m3 codes), dense (bf16)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--reps", type=int, default=20)
@@ -142,7 +143,7 @@ def main():
                 r["peak_GiB"] = jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0) / 2**30
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             results.append(r)
-            if args.tune and fmt == "official" and tokens in (6, 192, 8192) and not over_budget():
+            if args.tune and fmt != "dense" and tokens in (6, 192, 8192) and not over_budget():
                 for c in TUNE[gm.block_m_for(pairs)]:
                     try:
                         tt = device_time(lambda x, w, idx, ws: routed(x, w, idx, ws, config=c), x, w, idx, ws,

@@ -12,7 +12,10 @@ Weight formats (``Weights``), stored as in the checkpoint and dequantised in reg
 - ``fp8``: float8_e4m3fn values ``[G, N, K]`` with one e8m0 scale byte per 128 x 128 block,
   ``scales [G, ceil(N / 128), ceil(K / 128)]``;
 - ``fp4``: e2m1 codes packed two per byte (element 2i in the low nibble, 2i + 1 in the high one),
-  ``values uint8 [G, N, K / 2]``, one e8m0 scale byte per 32 inputs, ``scales [G, N, K / 32]``.
+  ``values uint8 [G, N, K / 2]``, one e8m0 scale byte per 32 inputs, ``scales [G, N, K / 32]``;
+- ``fp8_k32``: the same FP4 weights widened to one e4m3 code per byte (every e2m1 value is an e4m3
+  value) with the same per-32 scales: twice the bytes of ``fp4``, but decoded by the hardware's
+  fp8 conversion instead of integer arithmetic, which bounds ``fp4`` on GPUs.
 
 Dequantised weights are exactly the reference's values (an e4m3 / e2m1 value times a power of
 two is a bf16 number), and the kernel applies each scale to the fp32 partial product of its block
@@ -43,7 +46,7 @@ from pallas_kernels.group_metadata import dense_tiles
 if TYPE_CHECKING:
     from jaxtyping import Array, Float, Int
 
-FORMATS = ("dense", "fp8", "fp4")
+FORMATS = ("dense", "fp8", "fp4", "fp8_k32")
 FP8_BLOCK = 128
 FP4_BLOCK = 32
 # e2m1 code -> value (bit 3 = sign, bits 2..1 = exponent, bit 0 = mantissa)
@@ -85,12 +88,13 @@ def check_weights(w: Weights) -> None:
             raise ValueError(f"dense weights are bf16 / fp32 without scales, got {w.values.dtype}")
         return
     want = {"fp8": (jnp.float8_e4m3fn, (g, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))),
-            "fp4": (jnp.uint8, (g, n, k // FP4_BLOCK))}[w.fmt]
+            "fp4": (jnp.uint8, (g, n, k // FP4_BLOCK)),
+            "fp8_k32": (jnp.float8_e4m3fn, (g, n, k // FP4_BLOCK))}[w.fmt]
     if w.values.dtype != want[0] or w.scales is None or w.scales.dtype != jnp.uint8 or w.scales.shape != want[1]:
         raise ValueError(f"{w.fmt} weights need values {jnp.dtype(want[0]).name} and uint8 scales of shape "
                          f"{want[1]}, got {w.values.dtype} {w.values.shape} and "
                          f"{None if w.scales is None else (w.scales.dtype, w.scales.shape)}")
-    if w.fmt == "fp4" and k % FP4_BLOCK:
+    if w.fmt in ("fp4", "fp8_k32") and k % FP4_BLOCK:
         raise ValueError(f"fp4 weights need K to be a multiple of {FP4_BLOCK}, got {k}")
 
 
@@ -110,10 +114,12 @@ def dequantize(w: Weights, dtype) -> Array:
         s = e8m0_to_float(w.scales)
         s = jnp.repeat(jnp.repeat(s, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :n, :k]
         return (w.values.astype(jnp.float32) * s).astype(dtype)
+    s = jnp.repeat(e8m0_to_float(w.scales), FP4_BLOCK, axis=2)
+    if w.fmt == "fp8_k32":
+        return (w.values.astype(jnp.float32) * s).astype(dtype)
     table = jnp.asarray(FP4_VALUES, jnp.float32)
     b = w.values.astype(jnp.int32)
     vals = jnp.stack([table[b & 15], table[b >> 4]], axis=-1).reshape(g, n, k)
-    s = jnp.repeat(e8m0_to_float(w.scales), FP4_BLOCK, axis=2)
     return (vals * s).astype(dtype)
 
 
@@ -189,9 +195,9 @@ class GemmConfig:
         bn = _largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
         bk_cap = min(self.block_k, FP8_BLOCK) if fmt == "fp8" else self.block_k
         bk = _largest_pow2_divisor(k, bk_cap)
-        if bn < 16 or bk < (FP4_BLOCK if fmt == "fp4" else 16):
-            raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and "
-                             f"K % {FP4_BLOCK if fmt == 'fp4' else 16} == 0")
+        kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
+        if bn < 16 or bk < kmin:
+            raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
         return dataclasses.replace(self, block_n=bn, block_k=bk)
 
 
@@ -208,7 +214,7 @@ def default_config(block_m: int, fmt: str) -> GemmConfig:
     H200 (the in-register decoding favours 64 columns); the others as first measured there."""
     if block_m <= 16:
         return GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
-    if fmt == "fp4":
+    if fmt in ("fp4", "fp8_k32"):
         return GemmConfig(block_n=64, block_k=256 if block_m <= 32 else 128, num_warps=4, num_stages=3)
     return GemmConfig(block_n=128, block_k=64, num_warps=8 if block_m >= 64 else 4, num_stages=3)
 
@@ -255,6 +261,13 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
         nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
         s = _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
         return _dot_t(x, w) * s
+    if fmt == "fp8_k32":
+        (x_ref,), (w_ref, s_ref) = x_refs, w_refs
+        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+        w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
+        sb = s_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // FP4_BLOCK, bk // FP4_BLOCK)]
+        s = jnp.broadcast_to(_scale_bf16(sb)[:, :, None], (bn, bk // FP4_BLOCK, FP4_BLOCK)).reshape(bn, bk)
+        return _dot_t(x, w * s.astype(dt))
     (xe_ref, xo_ref), (w_ref, s_ref) = x_refs, w_refs
     half, nsb = bk // 2, bk // FP4_BLOCK  # packed bytes, scale blocks of this step
     xe = xe_ref[pl.ds(r0, bm), pl.ds(k0 // 2, half)]

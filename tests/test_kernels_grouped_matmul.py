@@ -31,6 +31,8 @@ def _quantize(w: np.ndarray, fmt: str) -> gm.Weights:
     enc = codecs.encode_fp8 if fmt == "fp8" else codecs.encode_fp4
     pairs = [enc(x) for x in w]
     codes = np.stack([c for c, _ in pairs])
+    if fmt == "fp8_k32":  # the FP4 codes widened to e4m3
+        codes = np.stack([codecs.fp4_to_e4m3(c) for c in codes])
     codes = codes.view(np.uint8) if fmt == "fp4" else codes
     return gm.Weights(jnp.asarray(codes), jnp.asarray(np.stack([s for _, s in pairs]).view(np.uint8)), fmt)
 
@@ -57,6 +59,10 @@ def test_dequantize_matches_the_checkpoint_codecs_exactly():
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 kept
     # and the bf16 values are the same numbers (exactly representable)
     np.testing.assert_array_equal(np.asarray(gm.dequantize(w4, jnp.bfloat16), np.float32)[0], want)
+    # widened to e4m3 codes: the same values
+    w8k = gm.Weights(jnp.asarray(codecs.fp4_to_e4m3(packed[0]))[None], jnp.asarray(scales), "fp8_k32")
+    np.testing.assert_array_equal(np.asarray(gm.dequantize(w8k, jnp.float32))[0], want)
+    np.testing.assert_array_equal(codecs.decode_fp8_k32(np.asarray(w8k.values[0]), scales[0]), want)
 
 
 def _check_tiles(ids: np.ndarray, groups: int, bm: int):
@@ -110,7 +116,7 @@ ROUTINGS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4", "fp8_k32"])
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
 def test_kernel_matches_reference(fmt, routing):
     rng = np.random.default_rng(7)
@@ -123,7 +129,7 @@ def test_kernel_matches_reference(fmt, routing):
     x = np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0)
     x = jnp.asarray(x, jnp.bfloat16)
     meta = (tiles.tile_group, tiles.num_tiles)
-    cfg = gm.GemmConfig(block_n=32, block_k=64 if fmt != "fp4" else 128)
+    cfg = gm.GemmConfig(block_n=32, block_k=64 if fmt in ("dense", "fp8") else 128)
     ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
     ref = np.asarray(gm.reference(x, w, *meta, block_m=16, out_dtype=jnp.float32))
     want = _oracle(x, w, tiles)
@@ -162,10 +168,12 @@ def _flash_weights(fmt: str, n: int, k: int) -> gm.Weights:
         return gm.Weights(SD((e, n, k // 2), jnp.uint8), SD((e, n, k // 32), jnp.uint8), "fp4")
     if fmt == "fp8":
         return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n // 128, k // 128), jnp.uint8), "fp8")
+    if fmt == "fp8_k32":
+        return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n, k // 32), jnp.uint8), "fp8_k32")
     return gm.Weights(SD((e, n, k), jnp.bfloat16), None, "dense")
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "fp8", "dense"])
+@pytest.mark.parametrize("fmt", ["fp4", "fp8_k32", "fp8", "dense"])
 @pytest.mark.parametrize("pairs", [36, 12288])  # 6 verify tokens x top-6; 2048 prefill tokens x top-6
 def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     bm = gm.block_m_for(pairs)
@@ -219,7 +227,7 @@ def test_weight_bytes_of_the_official_formats():
     from dspark_jax import memory
 
     cfg = config.tiny().replace(n_routed_experts=24)
-    for fmt in ("official", "dense"):
+    for fmt in ("official", "fp8", "dense"):
         model = dspark_jax.init(cfg, 0, weight_format=fmt)
         assert sum(memory.weight_bytes(cfg, fmt).values()) == model.weight_bytes
         assert f"weights={fmt}" in repr(model)

@@ -250,7 +250,8 @@ def test_fake_quantisation():
     np.testing.assert_allclose(np.asarray(hadamard(kv)), np.asarray(kv) @ h.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("quant_sim,weight_format", [(False, "dense"), (True, "dense"), (True, "official")])
+@pytest.mark.parametrize("quant_sim,weight_format", [(False, "dense"), (True, "dense"), (True, "official"),
+                                                     (True, "fp8")])
 def test_moe_grouped_equals_dense(quant_sim, weight_format):
     """The grouped MoE path (each selected expert read once: kernel and loop reference) equals
     every-expert compute, with bf16 / fp32 weights and with FP4 experts + FP8 shared expert."""

@@ -169,3 +169,20 @@ def decode_fp4(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.nd
     out = np.empty((rows, 2 * half), dtype)
     decode_fp4_rows(packed, scale, out)
     return out
+
+
+# ---------------------------------------------------------------------------- fp4 widened to e4m3
+def fp4_to_e4m3(packed: np.ndarray) -> np.ndarray:
+    """Packed e2m1 pairs [rows, in / 2] -> one float8_e4m3fn code per value [rows, in] (exact:
+    every e2m1 value is an e4m3 value); the per-32 scales stay as they are."""
+    b = packed.view(np.uint8)
+    vals = np.empty((b.shape[0], 2 * b.shape[1]), np.float32)
+    vals[:, 0::2] = FP4_VALUES[b & 0x0F]
+    vals[:, 1::2] = FP4_VALUES[b >> 4]
+    return vals.astype(ml_dtypes.float8_e4m3fn)
+
+
+def decode_fp8_k32(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """e4m3 codes [rows, in] with e8m0 scales per 32 inputs [rows, in / 32] -> values."""
+    s = np.repeat(scale_to_float(scale), FP4_BLOCK, axis=-1)
+    return (codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * s).astype(dtype)

@@ -89,10 +89,13 @@ def scale_path(path: str) -> str:
 
 
 def stored_format(flat: dict[str, nnx.Variable], path: str) -> str:
-    """How the model holds a weight: "fp8", "fp4" (codes + scale bytes) or "dense"."""
+    """How the model holds a weight: "fp8" (128 x 128 scale blocks), "fp4", "fp8_k32" (FP4 values
+    widened to e4m3; codes + scale bytes per 32 inputs) or "dense"."""
     if scale_path(path) not in flat or path == scale_path(path):
         return "dense"
-    return "fp8" if flat[path].dtype == jnp.float8_e4m3fn else "fp4"
+    if flat[path].dtype != jnp.float8_e4m3fn:
+        return "fp4"
+    return "fp8_k32" if path.endswith(_STACKED) else "fp8"
 
 
 def _flat_vars(state: nnx.State) -> dict[str, nnx.Variable]:
@@ -313,6 +316,9 @@ def read_stored(reader: files.TensorReader, src: Source, shape: tuple[int, ...],
     format, else quantised from the decoded values."""
     if fmt == "dense":
         return (read_source(reader, src, shape, dtype),)
+    if fmt == "fp8_k32":
+        packed, scales = read_stored(reader, src, shape, "fp4", dtype)
+        return codecs.fp4_to_e4m3(packed), scales
     if src.fmt == fmt:
         codes = reader.read(src.weight)
         codes = codes.view(np.uint8) if fmt == "fp4" else codes.astype(ml_dtypes.float8_e4m3fn, copy=False)
@@ -385,8 +391,8 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
     before the next one is read.
 
     quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights.
-    weight_format: "official" (FP8 / FP4 kept as stored) or "dense"; None = "official" iff the
-        checkpoint stores FP8 / FP4 weights.
+    weight_format: "official" (FP8 / FP4 kept as stored), "fp8" (FP4 experts widened to e4m3
+        codes, same values) or "dense"; None = "official" iff the checkpoint stores FP8 / FP4 weights.
     dspark: None = load the DSpark drafter if the checkpoint has one; True = require it (error
         for a DSpark-less checkpoint); False = target model only (``mtp.*`` tensors ignored).
     """
@@ -444,8 +450,8 @@ def official_tensors(model: nnx.Module):
             scale = np.asarray(flat[scale_path(path)][...])
             if expert is not None:
                 value, scale = value[expert], scale[expert]
-            decode = codecs.decode_fp8 if fmt == "fp8" else codecs.decode_fp4
-            yield name, decode(value if fmt == "fp8" else value.view(np.int8), scale)
+            decode = {"fp8": codecs.decode_fp8, "fp4": codecs.decode_fp4, "fp8_k32": codecs.decode_fp8_k32}[fmt]
+            yield name, decode(value.view(np.int8) if fmt == "fp4" else value, scale)
             continue
         if expert is not None:
             value = value[expert]

@@ -67,14 +67,15 @@ class Experts(nnx.Module):
     (official ``experts.{e}.w{1,2,3}.weight`` tensors). With ``Numerics.weight_format ==
     "official"`` they stay FP4 as in the checkpoint: ``w{1,2,3}`` hold packed e2m1 code pairs
     [E, out, in / 2] (uint8) and ``w{1,2,3}_scale`` one e8m0 byte per 32 inputs [E, out, in / 32]
-    (official ``experts.{e}.w{1,2,3}.scale``)."""
+    (official ``experts.{e}.w{1,2,3}.scale``); with "fp8" the codes are widened to e4m3
+    [E, out, in] (same values, same scales)."""
 
     def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.quantized = num.weight_format == "official"
+        self.fmt = {"official": "fp4", "fp8": "fp8_k32"}.get(num.weight_format, "dense")
         for name, shape in (("w1", (e, i, d)), ("w2", (e, d, i)), ("w3", (e, i, d))):
-            if self.quantized:
-                packed, scale = random_fp4(rngs, shape)
+            if self.fmt != "dense":
+                packed, scale = random_fp4(rngs, shape, widened=self.fmt == "fp8_k32")
                 setattr(self, name, nnx.Param(packed))
                 setattr(self, f"{name}_scale", Buffer(scale))
             else:
@@ -83,9 +84,8 @@ class Experts(nnx.Module):
 
     def weights(self, name: str) -> gm.Weights:
         """``w1`` / ``w2`` / ``w3`` in the grouped matmul's format."""
-        if self.quantized:
-            return gm.Weights(getattr(self, name)[...], getattr(self, f"{name}_scale")[...], "fp4")
-        return gm.Weights(getattr(self, name)[...], None, "dense")
+        scale = getattr(self, f"{name}_scale")[...] if self.fmt != "dense" else None
+        return gm.Weights(getattr(self, name)[...], scale, self.fmt)
 
     def _act_in(self, x):
         return fp8_sim(x, 128) if self.num.quant_sim else x
