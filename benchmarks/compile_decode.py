@@ -7,7 +7,7 @@ the round's run time. Writes compile_decode.json under $OUT and prints one line 
 
 Variants: ``shipped`` (the default model as ``generate`` loads it), with XLA autotuning off, with
 Triton GEMM fusion off, with mHC's Sinkhorn as a loop; ``flash4``: 4 layers at Flash dimensions
-with the checkpoint's weight formats.
+with FP8 linears and FP4 experts widened to e4m3 (weight_format="fp8").
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def probe(variant: str, batch: int, rounds: int) -> dict:
     t0 = time.time()
     if "flash_layers" in spec:
         cfg = dspark_jax.config.flash_slice(spec["flash_layers"])
-        model = dspark_jax.init(cfg, 0, weight_format="official", quant_sim=True)
+        model = dspark_jax.init(cfg, 0, weight_format="fp8", quant_sim=True)
         prompt_len = 64
     else:
         model = default_model()

@@ -284,3 +284,26 @@ def test_moe_grouped_equals_dense(quant_sim, weight_format):
                 g = np.minimum(g, 10)
                 expect[n] += w2[e] @ (g / (1 + np.exp(-g)) * u * float(w[n, j]))
         np.testing.assert_allclose(np.asarray(dense).reshape(-1, cfg.hidden_size), expect, rtol=1e-4, atol=1e-5)
+
+
+def test_matmul_f32_with_bf16_weights_is_as_exact_as_upcasting():
+    """fp32 activations times bf16 weights without an fp32 copy of the weights: the three-part split
+    keeps every product exact, so the result is as close to the float64 product as the fp32 GEMM of
+    the upcast weights (and bit-identical to it up to summation order)."""
+    from dspark_jax.model.common import matmul_f32
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 3, 256)) * np.exp(rng.uniform(-8, 8, (5, 3, 1)))).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((300, 256)), jnp.bfloat16)
+    exact = np.einsum("...i,oi->...o", x.astype(np.float64), np.asarray(w, np.float64))
+    with jax.default_matmul_precision("highest"):
+        split = np.asarray(matmul_f32(jnp.asarray(x), w))
+        upcast = np.asarray(jnp.einsum("...i,oi->...o", jnp.asarray(x), w.astype(jnp.float32)))
+    scale = np.abs(exact).max(axis=-1, keepdims=True)
+    err_split, err_upcast = np.abs(split - exact) / scale, np.abs(upcast - exact) / scale
+    assert err_split.max() < 1e-6 and err_split.max() <= 2 * err_upcast.max() + 1e-7
+    # a two-part split would not be exact: the test can tell
+    hi = jnp.asarray(x).astype(jnp.bfloat16)
+    two = np.asarray(jnp.einsum("...i,oi->...o", jnp.stack([hi, (jnp.asarray(x) - hi).astype(jnp.bfloat16)]), w,
+                                preferred_element_type=jnp.float32).sum(0))
+    assert (np.abs(two - exact) / scale).max() > 10 * err_split.max()

@@ -128,6 +128,23 @@ def random_fp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = 0.02, *, wid
     return jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8), scales
 
 
+def matmul_f32(x: Float[Array, "... i"], w: Float[Array, "o i"]) -> Float[Array, "... o"]:
+    """x @ w.T in float32 for fp32 activations. With bf16 weights, x is split exactly into three
+    bf16 parts (hi + mid + lo hold all 24 significand bits) that go through one bf16 GEMM with fp32
+    accumulation: every product is exact, as in an fp32 GEMM of the upcast weight, but the weight
+    is read once as stored instead of being copied to fp32 first (the lm_head and Markov head are
+    the largest matrices of the model). Other weight dtypes: a plain fp32 matmul."""
+    x = x.astype(jnp.float32)
+    if w.dtype != jnp.bfloat16:
+        return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    y = jnp.einsum("p...i,oi->p...o", jnp.stack([hi, mid, lo]), w, preferred_element_type=jnp.float32)
+    return y[0] + (y[1] + y[2])
+
+
 class Linear(nnx.Module):
     """y = x @ W.T with W stored as ``weight [out, in]`` (the official layout and name).
 
@@ -182,6 +199,8 @@ class Linear(nnx.Module):
         if self.quantized and self.num.kernel_impl() == "pallas":
             y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), out_dtype=jnp.float32,
                                   impl="pallas").reshape(*x.shape[:-1], -1)
+        elif x.dtype == jnp.float32 and not self.quantized:
+            y = matmul_f32(x, self.weight[...])
         else:
             y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)

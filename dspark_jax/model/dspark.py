@@ -27,7 +27,7 @@ from dspark_jax.cache import ring_write_slots, scatter_rows
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.attention import ragged_attention, sink_attention
 from dspark_jax.model.block import Block
-from dspark_jax.model.common import Linear, Numerics, normal_init
+from dspark_jax.model.common import Linear, Numerics, matmul_f32, normal_init
 from dspark_jax.model.hyper import hc_head, hc_post, hc_unit_params
 from dspark_jax.model.norms_rope import RMSNorm
 from pallas_kernels import attention_metadata
@@ -47,7 +47,7 @@ class MarkovHead(nnx.Module):
         return jnp.take(self.markov_w1.weight[...], prev, axis=0).astype(jnp.float32)
 
     def bias(self, feature: Float[Array, "... r"]) -> Float[Array, "... v"]:
-        return jnp.einsum("...r,vr->...v", feature, self.markov_w2.weight[...].astype(jnp.float32))
+        return matmul_f32(feature, self.markov_w2.weight[...])
 
 
 class DSparkStage(Block):

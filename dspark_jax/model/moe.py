@@ -9,7 +9,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.common import Buffer, Linear, Numerics, normal_init, random_fp4
+from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal_init, random_fp4
 from dspark_jax.model.quant import fp8_sim
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import swiglu
@@ -37,7 +37,7 @@ class Gate(nnx.Module):
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Int[Array, "n k"]]:
         """Routing weights [n, k] (fp32) and expert indices [n, k]."""
         cfg = self.cfg
-        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        logits = matmul_f32(x, self.weight[...])
         scores = route_scores(logits, cfg.scoring_func)
         if self.hash_routing:
             idx = self.tid2eid[...][ids]
