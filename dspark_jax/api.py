@@ -4,7 +4,6 @@ and ``Model.logits`` (one-shot scoring of token sequences)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 from typing import Any, Sequence
 
@@ -15,6 +14,7 @@ from flax import nnx
 
 from dspark_jax.cache import KV_LAYOUTS, commit, init_cache
 from dspark_jax.checkpoint import hf
+from dspark_jax.checkpoint.files import read_json
 from dspark_jax.config import ModelConfig, from_hf_config
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
@@ -148,8 +148,9 @@ def read_sts(path: str, config: ModelConfig) -> tuple[float, ...] | None:
     file = os.path.join(path, "sts.json")
     if not os.path.exists(file) or config.dspark is None:
         return None
-    with open(file) as f:
-        temps = json.load(f).get("temperatures")
-    if temps is None or len(temps) != config.dspark.block_size or any(t <= 0 for t in temps):
+    content = read_json(file, hf.CheckpointError)
+    temps = content.get("temperatures") if isinstance(content, dict) else None
+    numbers_ok = isinstance(temps, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in temps)
+    if not numbers_ok or len(temps) != config.dspark.block_size or any(t <= 0 for t in temps):
         raise hf.CheckpointError(f"{file}: expected {config.dspark.block_size} positive temperatures, got {temps}")
     return tuple(float(t) for t in temps)
