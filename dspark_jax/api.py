@@ -4,6 +4,8 @@ and ``Model.logits`` (one-shot scoring of token sequences)."""
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 from typing import Any, Sequence
 
@@ -22,6 +24,26 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 
 class InputError(ValueError):
     """Bad user input (token ids, lengths, sampling parameters, ...)."""
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer argument (bools and floats rejected) within [lo, hi), as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi})" if lo is not None else f"< {hi}"
+        raise InputError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def check_float(name: str, value: Any) -> float:
+    """A finite real argument (bools and strings rejected), as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise InputError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def check_kv_cache(kv_cache: str) -> None:
@@ -60,8 +82,11 @@ class Model:
         return (f"Model(layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
                 f"dspark={c.dspark is not None}, dtype={self.numerics.dtype.name}, quant_sim={self.numerics.quant_sim})")
 
-    def check_ids(self, ids: np.ndarray, what: str = "token ids") -> np.ndarray:
-        ids = np.asarray(ids)
+    def check_ids(self, ids: Any, what: str = "token ids") -> np.ndarray:
+        try:
+            ids = np.asarray(ids)
+        except (ValueError, TypeError) as e:  # ragged nested lists
+            raise InputError(f"{what} must form a rectangular array of integers ({e})") from None
         if ids.size == 0:
             raise InputError(f"{what} are empty")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -79,7 +104,7 @@ class Model:
         verify attention path). kv_cache: "bf16" or "fp8" target KV pools, as in ``generate``.
         """
         check_kv_cache(kv_cache)
-        ids = self.check_ids(token_ids)
+        ids = self.check_ids(token_ids, "token_ids")
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2:
@@ -88,9 +113,7 @@ class Model:
         if t > self.config.max_position_embeddings:
             raise InputError(f"sequence of {t} tokens exceeds the model context "
                              f"(max_position_embeddings={self.config.max_position_embeddings})")
-        step = t if chunk_size is None else int(chunk_size)
-        if step < 1:
-            raise InputError(f"chunk_size must be positive, got {chunk_size}")
+        step = t if chunk_size is None else check_int("chunk_size", chunk_size, lo=1)
         cache = init_cache(self.config, b, t, self.numerics.dtype, kv_layout=kv_cache)
         out = []
         for s in range(0, t, step):
