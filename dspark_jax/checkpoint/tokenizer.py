@@ -59,6 +59,12 @@ def load_tokenizer(path: str | os.PathLike):
         raise CheckpointFileError(f"{path}: not a tokenizer file of the tokenizers library ({e})") from None
 
 
+def has_chat_tokens(tokenizer) -> bool:
+    """Whether the tokenizer has the DeepSeek-V4 chat special tokens (the official checkpoints'
+    has them; the shipped tiny model, trained on plain code, has not)."""
+    return all(tokenizer.token_to_id(t) is not None for t in SPECIAL_TOKENS)
+
+
 @dataclass(frozen=True)
 class ChatTokens:
     """Ids of the chat special tokens in one tokenizer."""
