@@ -4,7 +4,8 @@ and ``Model.logits`` (one-shot scoring of token sequences)."""
 from __future__ import annotations
 
 import functools
-import json
+import math
+import numbers
 import os
 from typing import Any, Sequence
 
@@ -15,6 +16,7 @@ from flax import nnx
 
 from dspark_jax.cache import KV_LAYOUTS, commit, init_cache
 from dspark_jax.checkpoint import hf
+from dspark_jax.checkpoint.files import read_json
 from dspark_jax.config import ModelConfig, from_hf_config
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
@@ -22,6 +24,26 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 
 class InputError(ValueError):
     """Bad user input (token ids, lengths, sampling parameters, ...)."""
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer argument (bools and floats rejected) within [lo, hi), as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi})" if lo is not None else f"< {hi}"
+        raise InputError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def check_float(name: str, value: Any) -> float:
+    """A finite real argument (bools and strings rejected), as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise InputError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def check_kv_cache(kv_cache: str) -> None:
@@ -66,8 +88,11 @@ class Model:
         """Bytes of every parameter and buffer as held in device memory (all devices together)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.state))
 
-    def check_ids(self, ids: np.ndarray, what: str = "token ids") -> np.ndarray:
-        ids = np.asarray(ids)
+    def check_ids(self, ids: Any, what: str = "token ids") -> np.ndarray:
+        try:
+            ids = np.asarray(ids)
+        except (ValueError, TypeError) as e:  # ragged nested lists
+            raise InputError(f"{what} must form a rectangular array of integers ({e})") from None
         if ids.size == 0:
             raise InputError(f"{what} are empty")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -85,7 +110,7 @@ class Model:
         verify attention path). kv_cache: "bf16" or "fp8" target KV pools, as in ``generate``.
         """
         check_kv_cache(kv_cache)
-        ids = self.check_ids(token_ids)
+        ids = self.check_ids(token_ids, "token_ids")
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2:
@@ -94,9 +119,7 @@ class Model:
         if t > self.config.max_position_embeddings:
             raise InputError(f"sequence of {t} tokens exceeds the model context "
                              f"(max_position_embeddings={self.config.max_position_embeddings})")
-        step = t if chunk_size is None else int(chunk_size)
-        if step < 1:
-            raise InputError(f"chunk_size must be positive, got {chunk_size}")
+        step = t if chunk_size is None else check_int("chunk_size", chunk_size, lo=1)
         cache = init_cache(self.config, b, t, self.numerics.dtype, kv_layout=kv_cache)
         out = []
         for s in range(0, t, step):
@@ -157,8 +180,9 @@ def read_sts(path: str, config: ModelConfig) -> tuple[float, ...] | None:
     file = os.path.join(path, "sts.json")
     if not os.path.exists(file) or config.dspark is None:
         return None
-    with open(file) as f:
-        temps = json.load(f).get("temperatures")
-    if temps is None or len(temps) != config.dspark.block_size or any(t <= 0 for t in temps):
+    content = read_json(file, hf.CheckpointError)
+    temps = content.get("temperatures") if isinstance(content, dict) else None
+    numbers_ok = isinstance(temps, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in temps)
+    if not numbers_ok or len(temps) != config.dspark.block_size or any(t <= 0 for t in temps):
         raise hf.CheckpointError(f"{file}: expected {config.dspark.block_size} positive temperatures, got {temps}")
     return tuple(float(t) for t in temps)

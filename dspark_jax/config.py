@@ -8,7 +8,6 @@ sizes) are not part of the model config; they are arguments of ``init`` / ``load
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -231,6 +230,8 @@ class ModelConfig:
 # ---------------------------------------------------------------------------- HF config reading
 _HF_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _SUPPORTED_ARCHS = ("DeepseekV4ForCausalLM",)
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "o_groups",
+                  "o_lora_rank", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], *,
@@ -241,18 +242,32 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], *,
     DSpark stages. DSpark checkpoints keep ``num_nextn_predict_layers: 1`` while shipping three
     stages, so the stage count comes from ``num_dspark_stages`` (pass the count of ``mtp.<k>.``
     prefixes found in the weights) or else from the length of the ``compress_ratios`` tail.
+    A malformed file, a missing or mistyped key raises ``ConfigError`` naming the file and the key.
     """
-    if isinstance(path_or_dict, Mapping):
-        raw = dict(path_or_dict)
-    else:
-        path = os.fspath(path_or_dict)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            raw = json.load(f)
+    from dspark_jax.checkpoint.files import read_json
 
+    if isinstance(path_or_dict, Mapping):
+        raw, where = dict(path_or_dict), "config"
+    else:
+        where = os.fspath(path_or_dict)
+        if os.path.isdir(where):
+            where = os.path.join(where, "config.json")
+        if not os.path.exists(where):
+            raise FileNotFoundError(f"no config.json at {where}")
+        raw = read_json(where, ConfigError)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return _from_raw(raw, num_dspark_stages)
+    except KeyError as e:  # a key needed by another present key (dspark_*, rope_scaling, ...)
+        raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: a value has the wrong type ({e})") from None
+
+
+def _from_raw(raw: dict[str, Any], num_dspark_stages: int | None) -> ModelConfig:
     archs = raw.get("architectures") or ["DeepseekV4ForCausalLM"]
     if not any(a in _SUPPORTED_ARCHS for a in archs) or raw.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"unsupported architecture {archs} / model_type {raw.get('model_type')!r}; "
@@ -260,6 +275,12 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], *,
     if raw.get("num_key_value_heads", 1) != 1:
         raise ConfigError(f"DeepSeek-V4 uses a single shared KV latent; num_key_value_heads="
                           f"{raw['num_key_value_heads']} is unsupported")
+    missing = [k for k in _REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise ConfigError(f"missing required keys {missing}")
+    bad = [f"{k}={raw[k]!r}" for k in _REQUIRED_KEYS if isinstance(raw[k], bool) or not isinstance(raw[k], int)]
+    if bad:
+        raise ConfigError(f"these keys must hold integers: {', '.join(bad)}")
 
     n_layers = int(raw["num_hidden_layers"])
     if "compress_ratios" in raw:

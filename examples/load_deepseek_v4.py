@@ -2,6 +2,7 @@
 
     python examples/load_deepseek_v4.py /data/DeepSeek-V4-Flash-DSpark --prompt "Why is the sky blue?"
     python examples/load_deepseek_v4.py /data/DeepSeek-V4-Flash-DSpark --cache /data/flash-orbax --thinking
+    python examples/load_deepseek_v4.py      # the shipped tiny model, on whatever devices there are
 
 The checkpoint directory is the official one: config.json, model.safetensors.index.json with
 its shards (FP8 attention / shared experts, FP4 routed experts, E8M0 scales) and tokenizer.json.
@@ -16,7 +17,9 @@ What happens:
    without the DSpark drafter.
 3. With ``--cache`` the converted parameters are also saved with orbax; later runs restore them
    straight into the sharded layout, skipping the safetensors conversion.
-4. The prompt is encoded with the DeepSeek-V4 chat format and decoded speculatively.
+4. The prompt is encoded with the DeepSeek-V4 chat format and decoded speculatively. A tokenizer
+   without the chat special tokens (the shipped tiny model's: it continues plain code) gets the
+   prompt as plain text.
 
 Memory: Flash in bf16 is about 0.6 TB of parameters (routed experts grow 4x from FP4), i.e.
 about 75 GB per GPU on 8 GPUs of 141 GB (H200) or 288 GB (MI355X). Pro does not fit 8 GPUs in
@@ -33,7 +36,8 @@ import jax
 import dspark_jax
 from dspark_jax import sharding
 from dspark_jax.checkpoint import orbax
-from dspark_jax.checkpoint.tokenizer import encode_chat
+from dspark_jax.checkpoint.tokenizer import encode_chat, has_chat_tokens
+from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, prompt_ids
 
 
 def load_model(checkpoint: str, cache: str | None, mesh) -> dspark_jax.Model:
@@ -46,10 +50,20 @@ def load_model(checkpoint: str, cache: str | None, mesh) -> dspark_jax.Model:
     return model
 
 
+def encode_prompt(model: dspark_jax.Model, text: str, thinking: bool) -> list[int]:
+    """The prompt in the DeepSeek-V4 chat format, or as plain text when the tokenizer has no chat tokens."""
+    if has_chat_tokens(model.tokenizer):
+        return encode_chat([{"role": "user", "content": text}], thinking=thinking, tokenizer=model.tokenizer)
+    print("note: this tokenizer has no DeepSeek-V4 chat tokens; the prompt is plain text")
+    return prompt_ids(model, text).tolist()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint", help="official DeepSeek-V4 DSpark checkpoint directory")
-    ap.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
+    ap.add_argument("checkpoint", nargs="?", default=DEFAULT_MODEL_DIR,
+                    help="official DeepSeek-V4 DSpark checkpoint directory (default: the shipped tiny model)")
+    ap.add_argument("--prompt", default=None,
+                    help="default: a question for chat models, the start of a function for the tiny model")
     ap.add_argument("--thinking", action="store_true", help="thinking mode (the reply starts with <think>)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -65,7 +79,8 @@ def main():
     model = load_model(args.checkpoint, args.cache, mesh)
     print(f"{model} ready in {time.perf_counter() - t0:.0f} s")
 
-    ids = encode_chat([{"role": "user", "content": args.prompt}], thinking=args.thinking, tokenizer=model.tokenizer)
+    default = "Explain speculative decoding in two sentences." if has_chat_tokens(model.tokenizer) else "def fib(n):"
+    ids = encode_prompt(model, args.prompt or default, args.thinking)
     sampling = dspark_jax.SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     (result,) = dspark_jax.generate([ids], model=model, sampling=sampling, speculative=True)
     print(model.tokenizer.decode(result.tokens, skip_special_tokens=False))

@@ -13,13 +13,13 @@ print(model)
 prompts = ["import os\nimport sys\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
 sampling = dspark_jax.SamplingParams(max_new_tokens=96)  # greedy
 
-run = speed_comparison(model, prompts, sampling, repeats=3)
+run = speed_comparison(model, prompts, sampling, repeats=3, progress=True)  # phases on stderr
 for prompt, r in zip(prompts, run["dspark"]["results"]):
     print("-" * 60)
     print(prompt + r.text)
 print("-" * 60)
-same = all(a.tokens == b.tokens for a, b in zip(run["dspark"]["results"], run["target_only"]["results"]))
-print(f"speculative output identical to target-only output: {same}")
+print(f"speculative output identical to target-only output: {run['outputs_identical']} "
+      f"(expected token for token: {run['greedy_exact']}; see README, 'Exact greedy output')")
 print(f"mean accept length (tokens per round, incl. bonus): {run['dspark']['mean_accept_length']:.2f}")
 print(f"target-only: {run['target_only']['tokens_per_s']:.1f} tok/s, "
       f"DSpark: {run['dspark']['tokens_per_s']:.1f} tok/s, speed-up {run['speedup']:.2f}x")

@@ -17,3 +17,25 @@ from tests.helpers import perturbed_tiny  # noqa: E402
 def tiny_f32():
     """The tiny preset in fp32 with every parameter randomised (non-zero sinks, ape, biases)."""
     return perturbed_tiny(jnp.float32)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory):
+    """A one-layer DeepSeek-V4 + one-stage DSpark checkpoint directory with random weights, the
+    shipped tokenizer and an sts.json: quick to load and to compile (for API and CLI tests)."""
+    import json
+
+    from dspark_jax import config
+    from dspark_jax.checkpoint.hf import save_official
+    from dspark_jax.checkpoint.tokenizer import load_tokenizer
+    from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR
+    from tests.checkpoint_helpers import random_model
+
+    ds = config.DSparkConfig(block_size=3, noise_token_id=2, target_layer_ids=(0,), markov_rank=16, num_stages=1)
+    cfg = config.shipped().replace(num_hidden_layers=1, compress_ratios=(0,), num_hash_layers=1, dspark=ds)
+    model = random_model(cfg, tokenizer=load_tokenizer(DEFAULT_MODEL_DIR))
+    path = tmp_path_factory.mktemp("small") / "ckpt"
+    save_official(model, str(path))
+    with open(path / "sts.json", "w") as f:
+        json.dump({"temperatures": [1.5, 1.0, 0.5]}, f)
+    return str(path)

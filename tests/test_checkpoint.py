@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 import dspark_jax
 from dspark_jax import config
 from dspark_jax.checkpoint import codecs, hf
+from dspark_jax.checkpoint.files import CheckpointFileError
 from dspark_jax.checkpoint.hf import CheckpointError
 from dspark_jax.config import ConfigError
 from tests.checkpoint_helpers import (flat_params, random_model, read_safetensors, ref_decode, ref_decode_fp4,
@@ -295,6 +296,59 @@ def test_unsupported_architecture_and_bad_files(tiny_bf16_dir, tmp_path):
         json.dump({"weight_map": {"embed.weight": "model.safetensors"}}, f)
     with pytest.raises(ValueError, match="disagrees with the shard headers"):
         _load(str(tmp_path / "index"))
+
+
+def _drop_key(key):
+    def edit(path):
+        cfg = json.load(open(path))
+        del cfg[key]
+        json.dump(cfg, open(path, "w"))
+    return edit
+
+
+def _set_key(key, value):
+    def edit(path):
+        cfg = json.load(open(path))
+        cfg[key] = value
+        json.dump(cfg, open(path, "w"))
+    return edit
+
+
+def _write(text):
+    def edit(path):
+        with open(path, "w") as f:
+            f.write(text)
+    return edit
+
+
+@pytest.mark.parametrize("file, edit, error, message", [
+    ("config.json", _drop_key("hidden_size"), ConfigError, r"config.json: missing required keys \['hidden_size'\]"),
+    ("config.json", _set_key("hidden_size", "128"), ConfigError,
+     r"config.json: these keys must hold integers: hidden_size='128'"),
+    ("config.json", _drop_key("dspark_markov_rank"), ConfigError, r"config.json: missing key 'dspark_markov_rank'"),
+    ("config.json", _set_key("n_shared_experts", 2), ConfigError, r"config.json: DeepSeek-V4 has exactly one shared"),
+    ("config.json", _write("{not json"), ConfigError, r"config.json: not valid JSON"),
+    ("config.json", _write("[1, 2]"), ConfigError, r"config.json: expected a JSON object, got list"),
+    ("tokenizer.json", _write("{}"), CheckpointFileError, r"tokenizer.json: not a tokenizer file .*Model missing"),
+    ("tokenizer.json", _write("{not json"), CheckpointFileError, r"tokenizer.json: not valid JSON"),
+    ("sts.json", _write("{not json"), CheckpointError, r"sts.json: not valid JSON"),
+    ("sts.json", _write("[1.0, 2.0, 3.0]"), CheckpointError, r"sts.json: expected 3 positive temperatures"),
+    ("sts.json", _write('{"temperatures": ["a", 1, 1]}'), CheckpointError, r"sts.json: expected 3 positive"),
+    ("model.safetensors.index.json", _write("{oops"), CheckpointFileError,
+     r"model.safetensors.index.json: not valid JSON"),
+    ("model.safetensors.index.json", _write('{"weight_map": {"embed.weight": 5}}'), CheckpointFileError,
+     r"model.safetensors.index.json has no weight_map of tensor names to file names"),
+])
+def test_malformed_files_are_named(small_checkpoint, tmp_path, file, edit, error, message):
+    """Each malformed JSON file of a checkpoint gives an error naming the file (and the key)."""
+    path = tmp_path / "bad"
+    shutil.copytree(small_checkpoint, path)
+    if file == "model.safetensors.index.json":  # the small checkpoint is one file: list it in an index
+        with open(path / file, "w") as f:
+            json.dump({"weight_map": {}}, f)
+    edit(str(path / file))
+    with pytest.raises(error, match=message):
+        _load(str(path))
 
 
 # ---------------------------------------------------------------------------- memory

@@ -1,6 +1,8 @@
 """The shipped DeepSeek-V4 + DSpark pair: loads through the official-layout loader, is the default
 model, and decodes losslessly on held-out text; fp8 KV pools track bf16 pools."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -31,13 +33,18 @@ def test_shipped_checkpoint_is_the_default(heldout_prompts):
         dspark_jax.generate(heldout_prompts[0], model=m, sampling=sp)[0].tokens
 
 
-def test_greedy_speculative_equals_target_only_on_heldout(heldout_prompts):
+def test_greedy_speculative_equals_target_only_on_heldout(heldout_prompts, capsys):
     sp = SamplingParams(max_new_tokens=64)
-    spec = dspark_jax.generate(heldout_prompts, sampling=sp)
+    spec = dspark_jax.generate(heldout_prompts, sampling=sp, progress=True)
     base = dspark_jax.generate(heldout_prompts, sampling=sp, speculative=False)
     for s, b in zip(spec, base):
         assert s.tokens == b.tokens and s.text == b.text
+        assert s.stats["greedy_exact"] and b.stats["greedy_exact"]  # float32 on the CPU: the flag says so
     assert np.mean([r.stats["mean_accept_length"] for r in spec]) > 1.5  # the drafter is trained
+    # rounds emit up to γ + 1 tokens, past a request's budget: the bar counts the tokens kept
+    shown = [(int(n), int(t)) for n, t in re.findall(r"\| (\d+)/(\d+) \[", capsys.readouterr().err)]
+    kept = sum(len(r.tokens) for r in spec)
+    assert shown[-1] == (kept, kept) and all(n <= t for n, t in shown), shown
 
 
 def test_fp8_kv_pools_track_bf16_pools(heldout_prompts):

@@ -33,7 +33,7 @@ DTYPES = {
 
 
 class CheckpointFileError(ValueError):
-    """A malformed or inconsistent safetensors file / index."""
+    """A malformed or inconsistent checkpoint file: safetensors file, index, tokenizer."""
 
 
 if sys.byteorder != "little":  # pragma: no cover
@@ -62,6 +62,15 @@ class TensorEntry:
     @property
     def row_bytes(self) -> int:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+
+def read_json(file: str, error: type[Exception] = CheckpointFileError):
+    """The content of a JSON file; a malformed one raises ``error`` naming the file."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{file}: not valid JSON ({e})") from None
 
 
 def read_header(file: str) -> dict[str, TensorEntry]:
@@ -99,10 +108,10 @@ def checkpoint_files(path: str) -> list[str]:
     """The weight files of a checkpoint directory (sharded index or a single file)."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointFileError(f"{index} has no weight_map")
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointFileError(f"{index} has no weight_map of tensor names to file names")
         return [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
     single = os.path.join(path, SINGLE_FILE)
     if os.path.exists(single):
@@ -126,8 +135,7 @@ def inventory(path: str) -> dict[str, TensorEntry]:
             entries[name] = e
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index)["weight_map"]  # checked by checkpoint_files
         wrong = sorted(n for n, file in weight_map.items()
                        if n not in entries or os.path.basename(entries[n].file) != file)
         unlisted = sorted(set(entries) - set(weight_map))

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from dspark_jax.checkpoint.files import CheckpointFileError, read_json
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -41,7 +43,8 @@ class ChatFormatError(ValueError):
 
 def load_tokenizer(path: str | os.PathLike):
     """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` (a file or a checkpoint directory), or
-    None when a checkpoint directory has no tokenizer."""
+    None when a checkpoint directory has no tokenizer. A malformed file raises
+    ``CheckpointFileError`` naming it."""
     from tokenizers import Tokenizer
 
     path = os.fspath(path)
@@ -49,7 +52,17 @@ def load_tokenizer(path: str | os.PathLike):
         path = os.path.join(path, "tokenizer.json")
         if not os.path.exists(path):
             return None
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises a bare Exception ("Model missing", ...)
+        read_json(path)  # malformed JSON: say so
+        raise CheckpointFileError(f"{path}: not a tokenizer file of the tokenizers library ({e})") from None
+
+
+def has_chat_tokens(tokenizer) -> bool:
+    """Whether the tokenizer has the DeepSeek-V4 chat special tokens (the official checkpoints'
+    has them; the shipped tiny model, trained on plain code, has not)."""
+    return all(tokenizer.token_to_id(t) is not None for t in SPECIAL_TOKENS)
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,16 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
-from dspark_jax.api import InputError, Model, check_kv_cache, load
+from dspark_jax.api import InputError, Model, check_int, check_kv_cache, load
 from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine
+from dspark_jax.decoding.progress import CompileWatch, TokenBar
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.sharding import model_mesh, shard_model
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
-_DEFAULT: dict[str, Model] = {}
+_LOADED: dict[tuple, tuple[tuple, Model]] = {}  # (directory, load options) -> (file stamps, model)
 
 
 @dataclasses.dataclass
@@ -30,16 +30,28 @@ class Result:
     stats: dict[str, Any]
 
 
+def cached_load(path: str | os.PathLike, *, progress: bool = True, **options) -> Model:
+    """``load(path, **options)``, kept for the rest of the process: a later call with the same
+    directory and options returns the same ``Model``, with the engines it has compiled, unless a
+    file of the directory changed in between (then it is loaded again)."""
+    real = os.path.realpath(path)
+    key = (real, tuple(sorted(options.items())))
+    stamps = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(real) if e.is_file()))
+    if key not in _LOADED or _LOADED[key][0] != stamps:
+        _LOADED[key] = (stamps, load(path, progress=progress, **options))
+    return _LOADED[key][1]
+
+
 def default_model() -> Model:
-    """The trained tiny DeepSeek-V4 + DSpark pair shipped in ``dspark_jax/assets``."""
-    if "tiny" not in _DEFAULT:
-        if not os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
-            raise FileNotFoundError(f"the default model is missing from {DEFAULT_MODEL_DIR}; pass model=")
-        _DEFAULT["tiny"] = load(DEFAULT_MODEL_DIR, dtype=jnp.float32, progress=False)
-    return _DEFAULT["tiny"]
+    """The trained tiny DeepSeek-V4 + DSpark pair shipped in ``dspark_jax/assets``, in float32."""
+    if not os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+        raise FileNotFoundError(f"the default model is missing from {DEFAULT_MODEL_DIR}; pass model=")
+    return cached_load(DEFAULT_MODEL_DIR, dtype=jnp.float32, progress=False)
 
 
-def resolve_model(model) -> Model:
+def resolve_model(model, progress: bool = False) -> Model:
+    """``generate``'s ``model`` argument as a Model (a directory: ``cached_load`` with the defaults of
+    ``load``)."""
     if model is None:
         return default_model()
     if isinstance(model, Model):
@@ -47,8 +59,34 @@ def resolve_model(model) -> Model:
     if isinstance(model, (str, os.PathLike)):
         if not os.path.isdir(model):
             raise InputError(f"unknown model {model!r}: not a Model and not a checkpoint directory")
-        return load(model)
+        return cached_load(model, progress=progress)
     raise InputError(f"unknown model {model!r}: pass a dspark_jax.Model, a checkpoint directory or None")
+
+
+def greedy_exact(model: Model, kv_cache: str = "bf16") -> bool:
+    """Whether greedy output can be expected not to depend on how the computation is shaped:
+    speculative equal to target-only decoding token for token, a request in a batch equal to the
+    request alone.
+
+    The acceptance rule is exact; what varies is the target's own arithmetic. A verify call holds
+    γ + 1 tokens per request where target-only decoding holds 1, and batches differ in prefill
+    chunks and padding; XLA picks a matmul's reduction order by its shape (on the CPU a one-row
+    product takes a matrix-vector kernel), so the logits of the same token differ between call
+    shapes in every dtype. In float32 the difference is about 1e-5 (the shipped model: at most
+    1.2e-5 between 1-, 6- and 16-token calls), far below the gap between the two largest logits
+    in practice, and greedy outputs agree in every test on the CPU. Rounding intermediates to a
+    short mantissa turns it into differences large enough to flip near-tied argmaxes: bf16
+    computation (up to 0.7 on the shipped model's logits; 1 of 5 prompts changed within 96
+    tokens) and ``quant_sim``'s fp8 activations (a random tiny model: 2 of 3 prompts changed
+    between batched and alone). fp8 KV rows round cached values the same way, rarely enough that
+    no change showed in 8 float32 prompts, which is no guarantee. GPUs have not been verified.
+
+    True only for float32 computation without fake quantisation, with bf16-layout KV pools, on
+    the CPU. Sampling follows the target distribution exactly either way.
+    """
+    platforms = {d.platform for d in jax.tree_util.tree_leaves(model.state)[0].devices()}
+    num = model.numerics
+    return platforms == {"cpu"} and num.dtype == jnp.float32 and not num.quant_sim and kv_cache == "bf16"
 
 
 def _sharded(model: Model, mesh) -> Model:
@@ -85,15 +123,49 @@ def prompt_ids(model: Model, prompt) -> np.ndarray:
         ids = model.tokenizer.encode(prompt).ids
         bos = model.config.bos_token_id
         return np.asarray(([bos] if not ids or ids[0] != bos else []) + ids, np.int32)
-    try:
-        ids = np.asarray(prompt)
-    except Exception as e:  # ragged nested lists and the like
-        raise InputError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from e
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        raise InputError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    ids = model.check_ids(prompt, "prompt token ids")
     if ids.ndim != 1:
         raise InputError(f"a prompt of token ids must be one-dimensional, got shape {ids.shape}")
-    if ids.size == 0:
-        raise InputError("a prompt is empty")
-    return model.check_ids(ids, "prompt token ids")
+    return ids
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s ``prompts`` argument as a list of prompts."""
+    sequence = isinstance(prompts, (list, tuple)) or (isinstance(prompts, np.ndarray) and prompts.ndim > 0)
+    if isinstance(prompts, str) or (sequence and len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
+        return [prompts]  # one prompt
+    if not sequence:
+        raise InputError(f"prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise InputError("no prompts given")
+    return list(prompts)
+
+
+def _sampling_list(sampling, n: int) -> list[SamplingParams]:
+    """``generate``'s ``sampling`` argument as one SamplingParams per prompt."""
+    if sampling is None:
+        sampling = SamplingParams()
+    if isinstance(sampling, (SamplingParams, dict)):
+        sampling = [sampling] * n
+    if not isinstance(sampling, (list, tuple)):
+        raise InputError(f"sampling must be a SamplingParams, a dict of its fields, or a list of them (one per "
+                         f"prompt); got {type(sampling).__name__}")
+    if len(sampling) != n:
+        raise InputError(f"got {len(sampling)} SamplingParams for {n} prompts")
+    out = []
+    for p in sampling:
+        if isinstance(p, dict):
+            try:
+                p = SamplingParams(**p)
+            except TypeError as e:  # an unknown field
+                raise InputError(f"sampling: {e}") from None
+        if not isinstance(p, SamplingParams):
+            raise InputError(f"sampling entries must be SamplingParams or dicts, got {type(p).__name__}")
+        out.append(p)
+    return out
 
 
 def _with_stops(model: Model, params: SamplingParams) -> SamplingParams:
@@ -143,29 +215,41 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     """Generate continuations for a batch of prompts.
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
-    directory, or None for the shipped default model. sampling: one ``SamplingParams`` for all
+    directory (loaded with ``load``'s defaults, bf16, once: later calls with the same directory
+    reuse the model and its compiled programs, see ``cached_load``), or None for the shipped
+    default model (float32). sampling: one ``SamplingParams`` (or dict of its fields) for all
     requests or one per request. mesh: a ``jax.sharding.Mesh`` (``dspark_jax.sharding.make_mesh``)
-    to spread the model over; a model loaded with ``mesh=`` already is. kv_cache: "bf16" (KV rows
-    in the compute dtype) or "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row: about
-    1.4x the context in the same memory; exact for models run with ``quant_sim``). speculative: DSpark drafting + lossless verification (False:
-    target-only decoding). Greedy speculative output equals greedy target-only output token for
-    token; sampled output follows the target distribution.
+    to spread the model over; a model loaded with ``mesh=`` already is. seed: derives the seeds of
+    requests whose SamplingParams have none. kv_cache: "bf16" (KV rows in the compute dtype) or
+    "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row: about 1.4x the context in the
+    same memory; exact for models run with ``quant_sim``). speculative: DSpark drafting + lossless
+    verification (False: target-only decoding). progress: a progress bar on stderr with the
+    phases prefill / compiling / decode.
+
+    Lossless: sampled output follows the target distribution exactly, and greedy output is the
+    argmax of the target's logits at every step. Whether those logits, hence the greedy tokens,
+    are the same as target-only decoding computes them depends on the arithmetic: in float32 on
+    the CPU greedy speculative output equals greedy target-only output (and a request in a batch
+    equals the request alone) token for token; in bf16, with ``quant_sim`` or fp8 KV rows, the
+    target's logits differ slightly between a (γ + 1)-token verify call and a 1-token call and
+    near ties can flip. ``stats["greedy_exact"]`` says which case a result is in; see
+    ``greedy_exact``.
+
+    Each ``Result.stats`` holds: ``new_tokens``, ``prompt_tokens``, ``gamma``, ``rounds``,
+    ``mean_accept_length`` (tokens per round, bonus included), ``accept_length_histogram``,
+    ``per_position_acceptance``, ``mean_confidence`` (DSpark), ``compile_s`` (seconds this call
+    spent tracing and compiling, or loading compiled programs from the disk cache; 0 when every
+    program was compiled by an earlier call), ``prefill_s`` and ``decode_s`` (without compile
+    time), ``tokens_per_s`` (new tokens / decode_s) and ``greedy_exact``.
     """
-    model = resolve_model(model)
+    prompts = _prompt_list(prompts)
+    params = _sampling_list(sampling, len(prompts))
+    seed = check_int("seed", seed)
+    check_kv_cache(kv_cache)
+    model = resolve_model(model, progress)
     if mesh is not None and model_mesh(model) is not mesh:
         model = _sharded(model, mesh)
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
-                                    and isinstance(prompts[0], (int, np.integer))):  # one token-id list
-        prompts = [prompts]
-    if len(prompts) == 0:
-        raise InputError("no prompts given")
     ids = [prompt_ids(model, p) for p in prompts]
-    if sampling is None:
-        sampling = SamplingParams()
-    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)
-    if len(params) != len(ids):
-        raise InputError(f"got {len(params)} SamplingParams for {len(ids)} prompts")
-    params = [p if isinstance(p, SamplingParams) else SamplingParams(**p) for p in params]
     params = [_with_stops(model, p) for p in params]
     cfg = model.config
     gamma = 0
@@ -179,15 +263,46 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
                              f"the model context of {cfg.max_position_embeddings} tokens")
     max_len = cache_length(cfg, ids, params)
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
-
-    check_kv_cache(kv_cache)
     engine = _engine(model, gamma, drafter, kv_cache)
-    t0 = time.perf_counter()
+    with CompileWatch() as watch:
+        bar = TokenBar([sp.max_new_tokens for sp in params], watch, progress)
+        watch.on_start = bar.compiling
+        try:
+            out, accepts, confs, reason, finish_time, t_prefill = _decode(model, engine, ids, params, seeds, max_len,
+                                                                          bar, track_confidence=drafter is None)
+        finally:
+            bar.close()
+    t0, t_decode = bar.t0, bar.t0 + t_prefill
+
+    exact = greedy_exact(model, kv_cache)
+    compile_s = watch.seconds()
+    prefill_s = t_prefill - watch.seconds(t0, t_decode)
+    results = []
+    for i in range(len(ids)):
+        decode_s = finish_time[i] - watch.seconds(t_decode, t_decode + finish_time[i])
+        stats = _histogram_stats(accepts[i], gamma)
+        stats.update(_confidence_stats(confs[i], model.sts_temperatures))
+        stats.update(new_tokens=len(out[i]), prompt_tokens=int(len(ids[i])), compile_s=compile_s, prefill_s=prefill_s,
+                     decode_s=decode_s, gamma=gamma, greedy_exact=exact,
+                     tokens_per_s=len(out[i]) / decode_s if decode_s > 0 else float("nan"))
+        text = model.tokenizer.decode(out[i]) if model.tokenizer is not None else None
+        results.append(Result(tokens=out[i], text=text, finish_reason=reason[i], stats=stats))
+    return results
+
+
+def _decode(model: Model, engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
+            max_len: int, bar: TokenBar, track_confidence: bool):
+    """Prefill and decoding rounds until every request has finished.
+
+    Returns the tokens, accepted drafts per round and draft confidences of each request, its
+    finish reason and finish time (seconds after prefill), and the prefill time (from bar.t0).
+    """
+    b, gamma = len(ids), engine.gamma
     bs = engine.init_state(ids, params, seeds, max_len)
     bs, first = engine.prefill(bs, ids)
-    t_prefill = time.perf_counter() - t0
+    t_decode = time.perf_counter()
+    t_prefill = t_decode - bar.t0
 
-    b = len(ids)
     out = [[int(first[i])] for i in range(b)]
     accepts: list[list[int]] = [[] for _ in range(b)]
     confs: list[list[np.ndarray]] = [[] for _ in range(b)]
@@ -196,7 +311,6 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     finish_time = [0.0] * b
     flags = dict(sampled=any(sp.temperature > 0 for sp in params), top_k=any(sp.top_k > 0 for sp in params),
                  top_p=any(sp.top_p < 1.0 for sp in params))
-    bar = tqdm(total=sum(sp.max_new_tokens for sp in params), disable=not progress, unit="tok")
 
     def finish(i: int) -> bool:
         """Truncate request i at stops / max_new_tokens; True if it is finished."""
@@ -220,11 +334,10 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
             return True
         return False
 
-    t_decode = time.perf_counter()
     for i in range(b):
         done[i] = finish(i)
         finish_time[i] = time.perf_counter() - t_decode
-    bar.update(b)
+    bar.show("decode", [len(o) for o in out], done)
     pending = None
     while True:
         if not all(done):
@@ -242,23 +355,12 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
                     continue
                 out[i].extend(int(t) for t in toks[i, :n_new[i]])
                 accepts[i].append(int(acc[i]))
-                if gamma and drafter is None:
+                if gamma and track_confidence:
                     confs[i].append(conf[i])
-                bar.update(int(n_new[i]))
                 if finish(i):
                     done[i], finish_time[i] = True, now
+            bar.show("decode", [len(o) for o in out], done)
         if res is None:
             break
         pending = res
-    bar.close()
-
-    results = []
-    for i in range(b):
-        stats = _histogram_stats(accepts[i], gamma)
-        stats.update(_confidence_stats(confs[i], model.sts_temperatures))
-        stats.update(new_tokens=len(out[i]), prompt_tokens=int(len(ids[i])), prefill_s=t_prefill,
-                     decode_s=finish_time[i], gamma=gamma,
-                     tokens_per_s=len(out[i]) / finish_time[i] if finish_time[i] > 0 else float("nan"))
-        text = model.tokenizer.decode(out[i]) if model.tokenizer is not None else None
-        results.append(Result(tokens=out[i], text=text, finish_reason=reason[i], stats=stats))
-    return results
+    return out, accepts, confs, reason, finish_time, t_prefill

@@ -11,10 +11,12 @@ tokens then follow the target distribution exactly.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 # Random streams: the randomness deciding the token at absolute position x of a request comes from
@@ -28,9 +30,11 @@ STREAM_DRAFT, STREAM_ACCEPT, STREAM_BONUS = 1, 2, 3
 class SamplingParams:
     """How one request is decoded.
 
-    temperature: 0 = greedy; top_k: 0 = off; top_p: 1.0 = off; stop: token ids and/or strings that
-    end the request (the stop itself is not returned); the model's EOS token also ends it unless
-    ignore_eos; seed: None = derived from generate()'s seed.
+    temperature: 0 = greedy, else a finite positive number; top_k: 0 = off; top_p: in (0, 1],
+    1.0 = off; max_new_tokens: a positive integer; stop: a token id, a string, or a list of them,
+    that end the request (the stop itself is not returned; None = none); the model's EOS token
+    also ends it unless ignore_eos; seed: an integer in [0, 2**32), None = derived from
+    generate()'s seed. Bad values raise ``dspark_jax.InputError`` naming the field.
     """
 
     temperature: float = 0.0
@@ -42,22 +46,37 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        from dspark_jax.api import InputError
+        from dspark_jax.api import InputError, check_float, check_int
 
-        if not (self.temperature >= 0.0):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("temperature", check_float("temperature", self.temperature))
+        if self.temperature < 0.0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        put("top_p", check_float("top_p", self.top_p))
+        if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise InputError(f"top_k must be a non-negative integer, got {self.top_k}")
-        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
-        if isinstance(self.stop, (str, int)):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        for s in self.stop:
-            if not isinstance(s, (str, int)) or (isinstance(s, str) and not s):
-                raise InputError(f"stop entries must be token ids or non-empty strings, got {s!r}")
+        put("top_k", check_int("top_k", self.top_k, lo=0))
+        put("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, lo=1))
+        if self.seed is not None:  # request_keys takes uint32 seeds
+            put("seed", check_int("seed", self.seed, lo=0, hi=2**32))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise InputError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        put("ignore_eos", bool(self.ignore_eos))
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, (str, numbers.Integral)):
+            stop = (stop,)
+        elif not isinstance(stop, (list, tuple, np.ndarray)):
+            raise InputError(f"stop must be a token id, a string, or a list of them; got {type(stop).__name__}")
+        out = []
+        for s in stop:
+            if isinstance(s, str) and not s:
+                raise InputError("stop strings must not be empty")
+            out.append(s if isinstance(s, str) else check_int("a stop token id", s, lo=0))
+        put("stop", tuple(out))
 
 
 @jax.tree_util.register_dataclass
