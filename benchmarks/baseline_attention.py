@@ -288,7 +288,7 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
         lax.fori_loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), step), body, 0)
 
 
-def _flat(pool: Pool) -> tuple[Array, ...]:
+def _flat(pool) -> tuple[Array, ...]:
     if isinstance(pool, Fp8Rows):
         return (pool.nope.reshape(-1, pool.head_dim), pool.rope.reshape(-1, pool.rope_dim))
     return (pool.reshape(-1, pool.shape[-1]),)

@@ -30,7 +30,7 @@ Per case: unique bytes per request (q + output + every distinct KV row the reque
 read), useful FLOPs (4 x heads x head_dim per (token, key) pair), the roofline time
 max(bytes / copy bandwidth, FLOPs / matmul peak) and the fraction of it achieved.
 
-    PYTHONPATH=. OUT=out python benchmarks/kernels.py --device-time --budget-s 540
+    PYTHONPATH=. OUT=out timeout 590 python benchmarks/kernels.py --device-time --budget-s 480
     python benchmarks/kernels.py --smoke          # tiny shapes, any machine (interpret mode on CPU)
     python benchmarks/kernels.py --plot-from out/kernels.json
 """
@@ -39,30 +39,18 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import device_time  # noqa: E402
 
-def _xla_dump_dir(argv) -> str | None:
-    """Ask XLA to dump the modules of the timed kernels (their PTX gives registers and spills).
-    Must happen before JAX starts its backend."""
-    if any(a in argv for a in ("--smoke", "--plot-from", "--no-registers")):
-        return None
-    path = tempfile.mkdtemp(prefix="dspark_xla_dump_")
-    flags = f"--xla_dump_to={path} --xla_dump_hlo_module_re=.*ragged_probe.*"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
-    return path
-
-
-XLA_DUMP = _xla_dump_dir(sys.argv)
+# before JAX starts its backend: XLA dumps the timed kernels' modules (registers / spills from their PTX)
+XLA_DUMP = None if any(a in sys.argv for a in ("--smoke", "--plot-from", "--no-registers")) else \
+    device_time.enable_xla_dump("ragged_probe")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -71,9 +59,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import baseline_attention as before  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks.device_time import DeviceTimer, looped  # noqa: E402
 from pallas_kernels import attention_configs as ac  # noqa: E402
 from pallas_kernels import attention_metadata as am  # noqa: E402
 from pallas_kernels import backend, kv_fp8  # noqa: E402
@@ -83,42 +71,6 @@ FLASH = dict(heads=64, head_dim=512, window=128, ring=144, topk=512, rope=64, ct
 SMOKE = dict(heads=4, head_dim=128, window=8, ring=24, topk=8, rope=64, ctx=512)
 TABLE_KIND = {"swa": "window", "c128": "prefix", "c4": "topk"}
 LABEL = {"swa": "window only", "c128": "C128", "c4": "C4 (top-512)"}
-
-
-# ------------------------------------------------------------------------------ timing
-class DeviceTimer:
-    """Per-call device time of a function run N times inside one jitted loop (module docstring)."""
-
-    def __init__(self, reps: int = 5):
-        self.reps = reps
-        tiny = jax.jit(lambda x: x + 1)
-        x = jnp.zeros((), jnp.float32)
-        self.dispatch_s = self._median(tiny, (x,), reps=21)
-
-    @staticmethod
-    def _median(fn, args, reps):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    def per_call(self, executable, args, n: int) -> float:
-        total = self._median(executable, args, self.reps)
-        return max(total - self.dispatch_s, 0.0) / n
-
-
-def looped(call, n: int, name: str):
-    """jit(q, *rest) -> (first output, last output) of n chained calls: q_{i+1} = call(q_i, *rest)."""
-    def run(q, *rest):
-        first = call(q, *rest)
-        last = lax.fori_loop(1, n, lambda i, x: call(x, *rest), first)
-        return first, last
-
-    run.__name__ = run.__qualname__ = name
-    return jax.jit(run)
 
 
 def measure_ceilings(smoke: bool) -> dict:
@@ -366,60 +318,6 @@ def update_table(chosen: dict, platform: str, env: dict, path: str, out_path: st
     return table
 
 
-# ------------------------------------------------------------------------------ registers and spills
-def find_ptxas() -> str | None:
-    found = shutil.which("ptxas")
-    if found:
-        return found
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *glob.glob("/usr/local/cuda-*")]
-    roots += [os.path.join(p, "nvidia") for p in sys.path if p.endswith("site-packages")]
-    for root in roots:
-        hits = sorted(glob.glob(os.path.join(root, "**", "bin", "ptxas"), recursive=True)) if root else []
-        if hits:
-            return hits[-1]
-    return None
-
-
-def registers(probes: list[dict], wanted: set[str], budget_s: float) -> dict:
-    """Registers / spills of the Pallas kernels in the PTX that XLA dumped for ``wanted`` probes."""
-    if XLA_DUMP is None:
-        return dict(status="not dumped (--no-registers / --smoke)")
-    ptxas = find_ptxas()
-    if ptxas is None:
-        return dict(status="no ptxas found (PATH, CUDA_HOME, /usr/local/cuda*, site-packages/nvidia)")
-    out, start = dict(status="ok", ptxas=ptxas, kernels={}), time.time()
-    for p in probes:
-        if p["name"] not in wanted:
-            continue
-        if time.time() - start > budget_s:
-            out["status"] = "stopped: time budget"
-            break
-        files = glob.glob(os.path.join(XLA_DUMP, f"*{p['name']}.*ptx")) + glob.glob(
-            os.path.join(XLA_DUMP, f"*{p['name']}*.ptx"))
-        if not files:
-            out["kernels"][p["name"]] = dict(p, error="no PTX dumped for this module")
-            continue
-        path = sorted(set(files))[-1]
-        with open(path) as f:
-            target = re.search(r"^\.target\s+(\S+)", f.read(), re.M)
-        arch = target.group(1).rstrip(",") if target else "sm_90a"
-        try:
-            res = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.devnull], capture_output=True,
-                                 text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            out["kernels"][p["name"]] = dict(p, error="ptxas timed out")
-            continue
-        funcs = {}
-        for m in re.finditer(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                             r"(\d+) bytes spill loads\n(?:.*\n)*?.*Used (\d+) registers", res.stderr + res.stdout):
-            if "ragged" in m.group(1):
-                funcs[m.group(1)] = dict(stack=int(m.group(2)), spill_stores=int(m.group(3)),
-                                         spill_loads=int(m.group(4)), registers=int(m.group(5)))
-        out["kernels"][p["name"]] = dict(p, arch=arch, functions=funcs,
-                                         error=None if funcs else (res.stderr + res.stdout)[-400:])
-    return out
-
-
 # ------------------------------------------------------------------------------ fp8 checks and write
 def fp8_dequant_exact(dims) -> dict:
     """With a one-position window and no sink mass the kernel returns the key row itself: the
@@ -582,7 +480,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device-time", action="store_true", default=True,
                     help="time calls inside one jitted loop (the only method; kept for the documented command)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs anywhere, interpret mode off GPU)")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting new measurements after this")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--no-tune", action="store_true", help="skip the sweep; measure the table as it is")
     ap.add_argument("--no-registers", action="store_true", help="do not dump PTX for registers / spills")
     ap.add_argument("--plot-from", metavar="JSON", help="only redraw kernels.png / kernels.md from a saved kernels.json")
@@ -685,7 +583,7 @@ def main(argv=None) -> int:
     # registers and spills of the timed kernels: the configurations the engine picks, and before
     wanted = {a[k]["probe"] for a in result["attention"] for k in ("after", "before") if a.get(k, {}).get("probe")}
     left = args.budget_s + 60 - (time.time() - start)
-    result["registers"] = registers(runner.probes, wanted, budget_s=max(left, 20))
+    result["registers"] = device_time.ptx_registers(XLA_DUMP, runner.probes, wanted, budget_s=max(left, 20))
     say("registers", status=result["registers"]["status"],
         kernels={k: v.get("functions") or v.get("error") for k, v in result["registers"].get("kernels", {}).items()})
     write_outputs(result, out_dir)

@@ -78,7 +78,8 @@ def gpu_platform() -> str | None:
     """``"cuda"`` or ``"rocm"``: the GPU that kernels are being compiled for, i.e. the abstract
     device of the current abstract mesh (deviceless lowering) if it has one, else the default
     device; None off GPU."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    device = getattr(get_mesh(), "abstract_device", None) if get_mesh is not None else None
     if device is not None:
         platform = getattr(device, "platform", None)
         if platform in ("cuda", "rocm"):

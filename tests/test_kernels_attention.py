@@ -337,3 +337,42 @@ def test_every_tuned_config_in_interpret_mode(index):
     sink = _rand(rng, (H,))
     out = ra.kernel(q, ring, entries, sink, meta, config=config)
     _compare(out, ra.reference(q, ring, entries, sink, meta), "bf16", sum(q_lens))
+
+
+def test_config_selection_by_shape(tmp_path):
+    """The engine's configuration comes from the table by platform, layer kind, pool layout, heads
+    and batch; other batches keep about the tuned number of programs (bounded by the key tiles);
+    shapes without an entry get the default; a malformed table is refused."""
+    entries = attention_configs.table_entries()
+    for e in entries:
+        got = attention_configs.select(e["heads"], e["q_len"], e["batch"], e["kind"], e["pool"] == "fp8",
+                                       platform=e["platform"])
+        assert got == e["config"], e
+    big = next(e for e in entries if e["platform"] == "cuda" and e["kind"] == "prefix" and e["pool"] == "bf16"
+               and e["batch"] == 64)["config"]
+    assert big.kv_splits == 1
+    at8 = attention_configs.select(64, 6, 8, "prefix", False, platform="cuda", n_keys=144 + 256)
+    assert at8.block_h == big.block_h and at8.kv_splits == 8  # 8 x 6 programs -> 8 splits keep 384 programs
+    few_keys = attention_configs.select(64, 6, 8, "prefix", False, platform="cuda", n_keys=2 * big.block_k)
+    assert few_keys.kv_splits == 2  # never more splits than key tiles
+    rocm = attention_configs.select(64, 6, 64, "topk", True, platform="rocm")
+    assert rocm.num_warps * 64 == 256 and rocm.block_t == 1  # 4 wavefronts of 64 lanes
+    tiny = attention_configs.select(4, 6, 2, "topk", False, n_keys=30)
+    assert tiny == attention_configs.default_config(4, 6, 2, kind="topk", n_keys=30) and tiny.block_t == 1
+
+    # the kernel picks the same configuration when none is given (what the model's calls do)
+    q = jnp.zeros((12, 64, 128), jnp.bfloat16)
+    meta, pos = am.verify([6, 6], [40, 50], window=W, num_tokens=12, max_q_len=6)
+    meta = am.with_prefix_entries(meta, pos, ratio=4, num_slots=16)
+    assert ra.select_config(q, jnp.zeros((2, R, 128)), jnp.zeros((2, 16, 128)), meta) == attention_configs.select(
+        64, 6, 2, "prefix", False, platform="cuda", n_keys=R + 16)
+
+    bad = tmp_path / "table.json"
+    bad.write_text('{"entries": [{"platform": "cuda", "kind": "topk", "pool": "bf16", "heads": 64, "q_len": 6, '
+                   '"batch": 64, "config": {"block_t": 2, "block_h": 32}}]}')
+    with pytest.raises(ValueError, match="block_t = 1"):
+        attention_configs.table_entries(str(bad))
+    bad.write_text('{"entries": [{"platform": "cuda", "kind": "prefix", "pool": "bf16", "heads": 64, "q_len": 6, '
+                   '"batch": 64, "config": {"block_k": 24}}]}')
+    with pytest.raises(ValueError, match="power of two"):
+        attention_configs.table_entries(str(bad))
