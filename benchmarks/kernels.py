@@ -1,65 +1,76 @@
-"""GPU benchmark of the Pallas kernels: numerics on the device, speed against measured ceilings.
+"""GPU benchmark and tuner of the Pallas kernels: device time, numerics on the device, roofline.
 
-One run does everything and keeps every array below 2**31 elements:
-1. ceilings measured in the same run: a large device copy (GB/s, bytes read + written) and a
-   large bf16 matmul (TFLOP/s);
-2. a small tile-size sweep of the ragged attention kernel on two representative cases;
-3. ragged verify attention at DeepSeek-V4-Flash sizes (64 heads x 512, window 128 -> ring 144,
-   C4 top-512, C128 at 8k-64k context, batch 1-64, 6 verify tokens, plus decode), bf16 and fp8
-   pools: checked against the XLA reference on the device, then timed (medians) against it;
-4. the fp8 KV write kernel: bit-exact against its reference on the device, then timed.
+One command does everything, most important first, printing each result as it comes and
+rewriting its outputs after every phase (a run stopped by ``--budget-s`` or killed keeps what it
+had):
 
-Per case it reports unique bytes per request (q + output + every distinct KV row the request's
-tokens read), achieved GB/s against the copy ceiling, useful TFLOP/s against the matmul ceiling,
-the roofline fraction (max(bytes / copy BW, flops / matmul peak) / time) and the speedup over XLA.
+1. ceilings in the same run: a large device copy (GB/s, bytes read + written) and a large bf16
+   matmul (TFLOP/s); the host's dispatch time of one jitted call;
+2. fp8 keys dequantised (and folded) bit-exactly inside the attention kernel;
+3. the tuning sweep of the ragged attention kernel (at most ~30 configurations, each compiled
+   once): tiles at batch 64 and key splits at batch 1, for C128 / C4 / window-only layers and
+   bf16 / fp8 pools at DeepSeek-V4-Flash sizes (64 heads x 512, window 128 -> ring 144, top-512,
+   32k context, 6 verify tokens). The winners are written as this GPU platform's entries of the
+   table the engine reads (``$OUT/attention_configs.json`` and ``pallas_kernels/attention_configs.json``);
+4. before / after: per case the kernel with the configuration the engine now picks (the table),
+   the kernel as it was before (``benchmarks/baseline_attention.py``, its old default
+   configuration) and the XLA path, at batch 1 / 8 / 64, 8k-64k context, verify and decode;
+5. registers and spills of the timed kernels, from the PTX that XLA dumps (``ptxas -v``; CUDA
+   only, when a ptxas is found);
+6. the fp8 KV write kernel, bit-exact against its reference, then timed.
 
-    python benchmarks/kernels.py                  # GPU: writes $OUT/kernels.{json,png,md} (OUT=./out)
+Device time: each timed executable runs the call N times inside one ``lax.fori_loop`` whose carry
+is the query (each call's output is the next call's query, so nothing can be hoisted and nothing
+is added between calls); the first call is peeled off and checked against the reference. Per
+call = (wall time of the executable - host dispatch of a trivial call) / N. Calls follow each
+other as in a decode step; at batch 1-8 the keys stay in the GPU's L2 cache between calls (warm),
+which a real step, with other layers in between, would not give.
+
+Per case: unique bytes per request (q + output + every distinct KV row the request's tokens
+read), useful FLOPs (4 x heads x head_dim per (token, key) pair), the roofline time
+max(bytes / copy bandwidth, FLOPs / matmul peak) and the fraction of it achieved.
+
+    PYTHONPATH=. OUT=out timeout 590 python benchmarks/kernels.py --device-time --budget-s 480
     python benchmarks/kernels.py --smoke          # tiny shapes, any machine (interpret mode on CPU)
-    python benchmarks/kernels.py --plot-from out/kernels.json   # redraw the plot elsewhere
-
-Small batches fit in the GPU's L2 cache and are timed warm (back-to-back calls on the same
-inputs), which flatters their GB/s; batch 64 at 32k context moves far more than L2 holds.
+    python benchmarks/kernels.py --plot-from out/kernels.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import time
-import traceback
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import device_time  # noqa: E402
+
+# before JAX starts its backend: XLA dumps the timed kernels' modules (registers / spills from their PTX)
+XLA_DUMP = None if any(a in sys.argv for a in ("--smoke", "--plot-from", "--no-registers")) else \
+    device_time.enable_xla_dump("ragged_probe")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from benchmarks import baseline_attention as before  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks.device_time import DeviceTimer, looped  # noqa: E402
+from pallas_kernels import attention_configs as ac  # noqa: E402
 from pallas_kernels import attention_metadata as am  # noqa: E402
 from pallas_kernels import backend, kv_fp8  # noqa: E402
 from pallas_kernels import ragged_attention as ra  # noqa: E402
 
-FLASH = dict(heads=64, head_dim=512, window=128, ring=144, topk=512, rope=64)
-SMOKE = dict(heads=4, head_dim=128, window=8, ring=24, topk=8, rope=64)
-
-
-# ------------------------------------------------------------------------------ timing and ceilings
-def median_time(fn, *args, inner: int = 10, reps: int = 5) -> float:
-    """Median seconds per call over ``reps`` batches of ``inner`` back-to-back asynchronous calls.
-
-    Unlike ``common.median_time`` (one synchronised call per sample) this keeps the host's
-    per-call synchronisation out of kernels that take only tens of microseconds."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+FLASH = dict(heads=64, head_dim=512, window=128, ring=144, topk=512, rope=64, ctx=32768)
+SMOKE = dict(heads=4, head_dim=128, window=8, ring=24, topk=8, rope=64, ctx=512)
+TABLE_KIND = {"swa": "window", "c128": "prefix", "c4": "topk"}
+LABEL = {"swa": "window only", "c128": "C128", "c4": "C4 (top-512)"}
 
 
 def measure_ceilings(smoke: bool) -> dict:
@@ -89,90 +100,228 @@ def _topk(rng, vis_counts, q_lens, k, shift):
     return np.stack(rows)
 
 
-def build_case(kind, batch, ctx, q_len, layout, dims, seed=0):
-    """Inputs, metadata and byte / flop counts of one attention case (all requests end near ``ctx``)."""
+@dataclasses.dataclass
+class Case:
+    kind: str  # swa | c128 | c4
+    batch: int
+    ctx: int
+    q_len: int
+    layout: str  # bf16 | fp8
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}-{self.layout}-b{self.batch}-{self.ctx // 1024}k-q{self.q_len}"
+
+
+def build_case(case: Case, dims, seed=0):
+    """Inputs (q, window, entries, sink, meta), the old kernel's metadata and the byte / FLOP
+    counts of one case (all requests end near ``ctx``)."""
     rng = np.random.default_rng(seed)
     h, d, w, ring, k = dims["heads"], dims["head_dim"], dims["window"], dims["ring"], dims["topk"]
+    batch, q_len = case.batch, case.q_len
     q_lens = np.full(batch, q_len, np.int32)
-    lengths = np.maximum(ctx - q_len - rng.integers(0, 64, batch), 0).astype(np.int32)
+    lengths = np.maximum(case.ctx - q_len - rng.integers(0, 64, batch), 0).astype(np.int32)
     ends = lengths + q_lens
     t = int(q_lens.sum())
     meta, pos = am.verify(q_lens, lengths, window=w, num_tokens=t, max_q_len=q_len)
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (t, h, d), jnp.float32).astype(jnp.bfloat16)
-    window = _pools(keys[1], batch, ring, dims, layout)
+    window = _pools(keys[1], batch, ring, dims, case.layout)
     sink = jax.random.normal(keys[2], (h,), jnp.float32)
     pos_np = np.asarray(pos)
     win_keys = np.minimum(pos_np + 1, w)  # per token
     win_unique = np.minimum(w + q_lens - 1, ends)  # per request
-    entries, comp_keys, comp_unique = None, np.zeros(t), np.zeros(batch)
-    if kind == "c128":
-        n = max(ctx // 128, 1)
-        meta = am.with_prefix_entries(meta, pos, ratio=128, num_slots=n)
-        entries = _pools(keys[3], batch, n, dims, layout)
+    entries, n_entries, comp_keys, comp_unique = None, 0, np.zeros(t), np.zeros(batch)
+    if case.kind == "c128":
+        n_entries = max(case.ctx // 128, 1)
+        meta = am.with_prefix_entries(meta, pos, ratio=128, num_slots=n_entries)
+        entries = _pools(keys[3], batch, n_entries, dims, case.layout)
         comp_keys, comp_unique = (pos_np + 1) // 128, ends // 128
-    elif kind == "c4":
-        n = max(ctx // 4, 1)
-        shift = max(k // 10, 1)
-        topk = _topk(rng, (lengths + 1) // 4, q_lens, k, shift)  # entries every token of the request may see
+    elif case.kind == "c4":
+        n_entries = max(case.ctx // 4, 1)
+        topk = _topk(rng, (lengths + 1) // 4, q_lens, k, max(k // 10, 1))  # entries every token may see
         meta = am.with_topk_entries(meta, jnp.asarray(topk))
-        entries = _pools(keys[3], batch, n, dims, layout)
-        comp_keys, comp_unique = (topk >= 0).sum(1), np.asarray(meta.comp_len)
-    row = kv_fp8.row_bytes(d, dims["rope"], layout)
+        entries = _pools(keys[3], batch, n_entries, dims, case.layout)
+        comp_keys = (topk >= 0).sum(1)
+        comp_unique = np.array([len(np.unique(r[r >= 0])) for r in np.split(topk, np.cumsum(q_lens)[:-1])])
+    row = kv_fp8.row_bytes(d, dims["rope"], case.layout)
     bytes_req = 2 * q_lens * h * d * 2 + (win_unique + comp_unique) * row
     flops = float(4 * h * d * (win_keys + comp_keys).sum())
-    inputs = (q, window, entries, sink, meta)
-    info = dict(kind=kind, batch=batch, ctx=ctx, q_len=q_len, layout=layout, tokens=t,
-                unique_bytes_per_request=float(bytes_req.mean()), bytes=float(bytes_req.sum()), useful_flops=flops,
-                keys_per_token=float((win_keys + comp_keys).mean()),
+    info = dict(case=case.key, kind=case.kind, batch=batch, ctx=case.ctx, q_len=q_len, layout=case.layout,
+                tokens=t, unique_bytes_per_request=float(bytes_req.mean()), bytes=float(bytes_req.sum()),
+                useful_flops=flops, keys_per_token=float((win_keys + comp_keys).mean()),
                 entries_per_request=float(comp_unique.mean()))
-    return inputs, info
+    old_meta = before.union_meta(meta, n_entries)
+    return (q, window, entries, sink, meta), old_meta, info
 
 
-_KERNEL = jax.jit(ra.kernel, static_argnames=("scale", "config", "interpret"))  # compiled once per shape + config
-_REFERENCE = jax.jit(ra.reference, static_argnames=("scale",))
+def roofline(info, ceil) -> dict:
+    t_mem = info["bytes"] / (ceil["copy_GBps"] * 1e9)
+    t_flop = info["useful_flops"] / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+    return dict(roofline_us=max(t_mem, t_flop) * 1e6, bound="compute" if t_flop > t_mem else "memory")
 
 
-def _attn_fns(config):
-    return (lambda q, w, e, s, m: _KERNEL(q, w, e, s, m, config=config)), _REFERENCE
-
-
-def _check(out, ref) -> dict:
+def compare(out, ref) -> dict:
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     err = float(np.abs(out - ref).max())
     scale = float(np.abs(ref).max())
-    return dict(max_abs_err=err, max_abs_ref=scale, finite=bool(np.isfinite(out).all()),
-                ok=bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1e-3)))
+    ok = bool(np.isfinite(out).all() and err <= 2e-2 * max(scale, 1e-3))
+    return dict(max_abs_err=err, max_abs_ref=scale, ok=ok)
 
 
-def run_attention_case(case, dims, ceil, config, time_xla=True) -> dict:
-    inputs, info = build_case(*case, dims)
-    config = config or ra.default_config(dims["heads"], info["q_len"], info["batch"])
-    kern, ref = _attn_fns(config)
-    r = ref(*inputs)
-    info.update(config=dict(config.__dict__), **_check(kern(*inputs), r))
-    t_k = median_time(kern, *inputs)
-    info.update(kernel_us=t_k * 1e6, kernel_GBps=info["bytes"] / t_k / 1e9,
-                kernel_TFLOPs=info["useful_flops"] / t_k / 1e12)
-    t_mem = info["bytes"] / (ceil["copy_GBps"] * 1e9)
-    t_flop = info["useful_flops"] / (ceil["bf16_matmul_TFLOPs"] * 1e12)
-    info.update(bw_fraction=info["kernel_GBps"] / ceil["copy_GBps"], roofline_fraction=max(t_mem, t_flop) / t_k,
-                bound="compute" if t_flop > t_mem else "memory")
-    if time_xla:
-        t_x = median_time(ref, *inputs)
-        info.update(xla_us=t_x * 1e6, speedup_vs_xla=t_x / t_k)
-    if info["kind"] == "c4":
-        build = jax.jit(lambda m, top: am.with_topk_entries(m, top))
-        m0, _ = am.verify(np.full(info["batch"], info["q_len"]), np.zeros(info["batch"]), window=dims["window"],
-                          num_tokens=info["tokens"], max_q_len=info["q_len"])
-        top = jnp.zeros((info["tokens"], dims["topk"]), jnp.int32)
-        info["topk_union_build_us"] = median_time(build, m0, top) * 1e6
-    return info
+class Runner:
+    """Builds cases once, compiles each (case, implementation, config) once, keeps the results."""
+
+    def __init__(self, dims, ceil, timer: DeviceTimer, smoke: bool):
+        self.dims, self.ceil, self.timer, self.smoke = dims, ceil, timer, smoke
+        self.cases, self.refs, self.results, self.probes = {}, {}, {}, []
+
+    def n_calls(self, case: Case) -> int:
+        return 2 if self.smoke else (16 if case.batch >= 32 else 48)
+
+    def case(self, case: Case):
+        if case.key not in self.cases:
+            self.cases[case.key] = build_case(case, self.dims)
+        return self.cases[case.key]
+
+    def reference(self, case: Case):
+        """The XLA path on the device: first output (the check's reference) and its time."""
+        if case.key not in self.refs:
+            inputs, _, info = self.case(case)
+            n = self.n_calls(case)
+            exe = looped(lambda *a: ra.reference(*a), n, f"xla_loop_{len(self.refs)}")
+            first, _ = exe(*inputs)
+            self.refs[case.key] = dict(out=first, us=self.timer.per_call(exe, inputs, n) * 1e6)
+        return self.refs[case.key]
+
+    def kernel(self, case: Case, config, *, old: bool = False) -> dict:
+        """Device time and check of the kernel (or the old one) with ``config``."""
+        key = (case.key, "before" if old else "after", str(config))
+        if key in self.results:
+            return self.results[key]
+        inputs, old_meta, info = self.case(case)
+        n = self.n_calls(case)
+        name = f"ragged_probe_{len(self.probes)}"
+        self.probes.append(dict(name=name, case=case.key, impl=key[1], config=_cfg_dict(config)))
+        if old:
+            call = lambda q, w, e, s, m: before.kernel(q, w, e, s, m, config=config)  # noqa: E731
+            args = (*inputs[:4], old_meta)
+        else:
+            call = lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, config=config)  # noqa: E731
+            args = inputs
+        ref = self.reference(case)
+        r = dict(config=_cfg_dict(config), probe=name)
+        try:
+            exe = looped(call, n, name)
+            first, _ = exe(*args)
+            r.update(compare(first, ref["out"]))
+            r["us"] = self.timer.per_call(exe, args, n) * 1e6
+        except Exception as e:  # e.g. a configuration Triton cannot compile: record it, go on
+            r.update(ok=False, error=repr(e)[:400])
+            print("  failed:", case.key, key[1], config, traceback.format_exc()[-600:], flush=True)
+        self.results[key] = r
+        return r
 
 
-def fp8_dequant_exact(dims) -> bool:
+def _cfg_dict(config) -> dict | None:
+    return None if config is None else dataclasses.asdict(config)
+
+
+# ------------------------------------------------------------------------------ the tuning sweep
+M64 = dict(block_t=1, block_h=64, num_warps=8, num_stages=2)
+ROWS16 = dict(block_t=1, block_h=16, num_warps=4, num_stages=2)
+ROWS32 = dict(block_t=1, block_h=32, num_warps=8, num_stages=2)
+
+
+def _cfg(**kw) -> ra.BlockConfig:
+    return ra.BlockConfig(**kw)
+
+
+def tile_candidates(layout: str, smoke: bool) -> list[ra.BlockConfig]:
+    """Batch-64 tiles (64 rows = one token's heads; 8 warps keep its 64 x 512 fp32 accumulator in
+    registers), from an offline compilation: bk 32 spills nothing inside the loop, bk 64 halves
+    the per-tile overhead; fp8 tiles are converted in column blocks (block_d) to fit."""
+    if smoke:
+        return [_cfg(block_h=16, block_k=16, num_warps=4), _cfg(block_h=16, block_k=32, num_warps=4, block_d=64)]
+    if layout == "bf16":
+        return [_cfg(**M64, block_k=32), _cfg(**dict(M64, num_stages=3), block_k=32), _cfg(**M64, block_k=64),
+                _cfg(**M64, block_k=64, block_d=256)]
+    return [_cfg(**M64, block_k=32, block_d=256), _cfg(**dict(M64, num_stages=3), block_k=32, block_d=256),
+            _cfg(**M64, block_k=64, block_d=128), _cfg(**M64, block_k=32), _cfg(**M64, block_k=32, fp8_fold=True)]
+
+
+def split_candidates(layout: str, smoke: bool) -> list[ra.BlockConfig]:
+    """Batch-1 programs: 16 / 32 / 64 rows with key splits (C128 at 32k: 12 key tiles of 32)."""
+    if smoke:
+        return [_cfg(block_h=16, block_k=16, num_warps=4, kv_splits=2), _cfg(block_h=16, block_k=16, num_warps=4,
+                                                                            kv_splits=4)]
+    d = 512 if layout == "bf16" else 256
+    cands = [_cfg(**ROWS16, block_k=32, kv_splits=4, block_d=d), _cfg(**ROWS32, block_k=32, kv_splits=8, block_d=d)]
+    if layout == "bf16":
+        cands += [_cfg(**ROWS16, block_k=32, kv_splits=2), _cfg(**M64, block_k=32, kv_splits=12)]
+    return cands
+
+
+def key_tiles(kind: str, dims, block_k: int) -> int:
+    """Key tiles of one verify token at the sweep's context."""
+    entries = {"swa": 0, "c128": dims["ctx"] // 128, "c4": dims["topk"]}[kind]
+    return -(-dims["window"] // block_k) + -(-entries // block_k)
+
+
+def splits_for(kind: str, best: ra.BlockConfig, dims, programs_per_split: int, sms: int) -> list[int]:
+    """Batch-1 splits for another layer kind: as many key tiles per split as the C128 winner,
+    and as many splits as fill one wave of ``sms`` programs."""
+    per = max(1, -(-key_tiles("c128", dims, best.block_k) // best.kv_splits))
+    tiles = key_tiles(kind, dims, best.block_k)
+    return sorted({max(1, min(tiles, -(-tiles // per))), max(1, min(tiles, sms // programs_per_split))})
+
+
+def sweep(runner: Runner, classes, say) -> dict:
+    """Time each candidate of each class; returns {class: best result} (checked results only)."""
+    chosen = {}
+    for cls, cands in classes:
+        kind, batch, layout = cls
+        case = Case(kind, batch, runner.dims["ctx"], 6, layout)
+        results = []
+        for cfg in cands:
+            if runner.over_budget(("sweep", case.key, str(cfg))):
+                break
+            r = runner.kernel(case, cfg)
+            results.append((cfg, r))
+            say("sweep", case=case.key, config=r["config"], us=r.get("us"), ok=r["ok"], err=r.get("max_abs_err"),
+                error=r.get("error"))
+        good = sorted(((r["us"], cfg) for cfg, r in results if r["ok"] and "us" in r), key=lambda x: x[0])
+        if good:
+            chosen[cls] = dict(config=good[0][1], us=good[0][0], ranked=[c for _, c in good])
+    return chosen
+
+
+def update_table(chosen: dict, platform: str, env: dict, path: str, out_path: str) -> dict:
+    """This platform's entries of the table replaced by the measured winners (other entries kept)."""
+    with open(path) as f:
+        table = json.load(f)
+    measured = {(TABLE_KIND[k], layout, b): v for (k, b, layout), v in chosen.items()}
+    entries = [e for e in table["entries"]
+               if not (e["platform"] == platform and (e["kind"], e["pool"], e["batch"]) in measured)]
+    for (kind, pool, batch), v in sorted(measured.items()):
+        entries.append(dict(platform=platform, kind=kind, pool=pool, heads=64, q_len=6, batch=batch,
+                            config=dataclasses.asdict(v["config"]),
+                            source=dict(device=env["device"], date=env["date"], commit=env["commit"],
+                                        us=round(v["us"], 2))))
+    table["entries"] = sorted(entries, key=lambda e: (e["platform"], ac.KINDS.index(e["kind"]), e["pool"],
+                                                      -e["batch"]))
+    for p in (out_path, path):
+        with open(p, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+    ac._read.cache_clear()
+    return table
+
+
+# ------------------------------------------------------------------------------ fp8 checks and write
+def fp8_dequant_exact(dims) -> dict:
     """With a one-position window and no sink mass the kernel returns the key row itself: the
-    device's dequantised fp8 keys must equal the XLA dequantisation bit for bit."""
+    device's dequantised (or folded) fp8 keys must equal the XLA dequantisation bit for bit."""
     s, ring, d, h = 8, dims["ring"], dims["head_dim"], dims["heads"]
     key = jax.random.key(11)
     rows = (jax.random.normal(key, (s, ring, d)) * jnp.exp(jax.random.uniform(key, (s, ring, 1), minval=-8,
@@ -182,47 +331,97 @@ def fp8_dequant_exact(dims) -> bool:
     q = jax.random.normal(jax.random.key(12), (3 * s, h, d), jnp.float32).astype(jnp.bfloat16)
     sink = jnp.full((h,), -1e30, jnp.float32)
     pool = kv_fp8.quantize(rows, dims["rope"])
-    out = jax.jit(lambda *a: ra.kernel(*a))(q, pool, None, sink, meta)
-    ref = jax.jit(lambda *a: ra.reference(*a))(q, pool, None, sink, meta)
-    return bool(np.array_equal(np.asarray(out).view(np.uint16), np.asarray(ref).view(np.uint16)))
+    ref = np.asarray(jax.jit(lambda *a: ra.reference(*a))(q, pool, None, sink, meta)).view(np.uint16)
+    res = {}
+    rows_cfg = dict(block_t=1, block_h=min(64, max(16, h)), num_warps=8 if h >= 64 else 4)
+    for name, cfg in (("dequantised", ra.BlockConfig(**rows_cfg, block_d=256)),
+                      ("folded", ra.BlockConfig(**rows_cfg, fp8_fold=True, kv_splits=2))):
+        try:
+            out = jax.jit(lambda *a, c=cfg: ra.kernel(*a, config=c))(q, pool, None, sink, meta)
+            res[name] = bool(np.array_equal(np.asarray(out).view(np.uint16), ref))
+        except Exception as e:
+            res[name] = f"failed: {e!r}"[:300]
+    return res
 
 
-# ------------------------------------------------------------------------------ fp8 write
-def run_fp8_write_case(n_rows, pool_rows, dims, ceil, block_rows=16, time_xla=True) -> dict:
+def run_fp8_write_case(n_rows, pool_rows, dims, ceil, timer: DeviceTimer, block_rows=16, n=20) -> dict:
     d = dims["head_dim"]
     rows = jax.random.normal(jax.random.key(7), (n_rows, d), jnp.float32).astype(jnp.bfloat16)
     slots = jax.random.permutation(jax.random.key(8), pool_rows)[:n_rows].astype(jnp.int32)
     slots = slots.at[::17].set(-1)  # a few skipped rows
-    pool = kv_fp8.zeros((pool_rows,), d, dims["rope"])
-    kern = jax.jit(lambda p, s, x: kv_fp8.write_kernel(p, s, x, block_rows=block_rows), donate_argnums=0)
-    ref = jax.jit(lambda p, s, x: kv_fp8.write_reference(p, s, x), donate_argnums=0)
-    a = kern(kv_fp8.zeros((pool_rows,), d, dims["rope"]), slots, rows)
-    b = ref(kv_fp8.zeros((pool_rows,), d, dims["rope"]), slots, rows)
+    a = jax.jit(lambda p, s, x: kv_fp8.write_kernel(p, s, x, block_rows=block_rows))(
+        kv_fp8.zeros((pool_rows,), d, dims["rope"]), slots, rows)
+    b = jax.jit(kv_fp8.write_reference)(kv_fp8.zeros((pool_rows,), d, dims["rope"]), slots, rows)
     exact = bool(np.array_equal(np.asarray(a.nope), np.asarray(b.nope))
                  and np.array_equal(np.asarray(a.rope).view(np.uint16), np.asarray(b.rope).view(np.uint16)))
     del a, b
     written = int((np.asarray(slots) >= 0).sum())
     nbytes = n_rows * (2 * d + 4) + written * kv_fp8.row_bytes(d, dims["rope"], "fp8")
 
-    def chain(fn):
-        state = {"pool": pool}
+    def chained(write):
+        return jax.jit(lambda p, s, x: lax.fori_loop(0, n, lambda i, p: write(p, s, x), p), donate_argnums=0)
 
-        def step(s, x):
-            state["pool"] = fn(state["pool"], s, x)
-            return state["pool"]
-        return step
-
-    t_k = median_time(chain(kern), slots, rows)
-    r = dict(rows=n_rows, pool_rows=pool_rows, block_rows=block_rows, bit_exact=exact, bytes=nbytes,
-             kernel_us=t_k * 1e6, kernel_GBps=nbytes / t_k / 1e9, bw_fraction=nbytes / t_k / 1e9 / ceil["copy_GBps"])
-    if time_xla:
+    r = dict(rows=n_rows, pool_rows=pool_rows, block_rows=block_rows, bit_exact=exact, bytes=nbytes)
+    for name, write in (("kernel", lambda p, s, x: kv_fp8.write_kernel(p, s, x, block_rows=block_rows)),
+                        ("xla", kv_fp8.write_reference)):
+        exe = chained(write)
         pool = kv_fp8.zeros((pool_rows,), d, dims["rope"])
-        t_x = median_time(chain(ref), slots, rows)
-        r.update(xla_us=t_x * 1e6, speedup_vs_xla=t_x / t_k)
+        pool = exe(pool, slots, rows)  # compile
+        times = []
+        for _ in range(timer.reps):
+            t0 = time.perf_counter()
+            pool = exe(pool, slots, rows)
+            jax.block_until_ready(pool)
+            times.append(time.perf_counter() - t0)
+        r[f"{name}_us"] = max(statistics.median(times) - timer.dispatch_s, 0.0) / n * 1e6
+    r.update(kernel_GBps=nbytes / r["kernel_us"] / 1e3, speedup_vs_xla=r["xla_us"] / r["kernel_us"])
+    r["bw_fraction"] = r["kernel_GBps"] / ceil["copy_GBps"]
     return r
 
 
 # ------------------------------------------------------------------------------ report
+def markdown(result) -> str:
+    c, meta = result["ceilings"], result["meta"]
+    lines = [f"Device: {meta['device']}; jax {meta['jax']}; commit {meta['commit']}; {meta['date']}",
+             f"Ceilings (same run): device copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} "
+             f"TFLOP/s; host dispatch of a trivial call {result['dispatch_us']:.1f} us (subtracted)", "",
+             "Device time per call (us). roofline = max(unique bytes / copy BW, useful FLOPs / matmul peak); "
+             "after = the configuration the engine picks from the table; before = the previous kernel with "
+             "its default configuration.", "",
+             "| layer | pool | batch | context | tokens/req | unique KB/req | roofline us | bound | after us | "
+             "% roofline | before us | % roofline | XLA us | after vs before | after vs XLA | after config | check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in result["attention"]:
+        new, old = a.get("after", {}), a.get("before", {})
+
+        def us(r):
+            return f"{r['us']:.1f}" if "us" in r else "failed" if r else "-"
+
+        def frac(r):
+            return f"{100 * a['roofline_us'] / r['us']:.0f}" if r.get("us") else "-"
+
+        ratio = lambda x, y: f"{x['us'] / y['us']:.2f}" if x.get("us") and y.get("us") else "-"  # noqa: E731
+        cfg = new.get("config") or {}
+        cfg_s = (f"{cfg.get('block_t')}x{cfg.get('block_h')} k{cfg.get('block_k')} w{cfg.get('num_warps')} "
+                 f"s{cfg.get('num_stages')} p{cfg.get('kv_splits')} d{cfg.get('block_d')}"
+                 f"{' fold' if cfg.get('fp8_fold') else ''}") if cfg else "-"
+        check = "ok" if new.get("ok") and old.get("ok", True) else "MISMATCH" if new else "-"
+        xla = a.get("xla_us")
+        lines.append(f"| {LABEL[a['kind']]} | {a['layout']} | {a['batch']} | {a['ctx']} | {a['q_len']} | "
+                     f"{a['unique_bytes_per_request'] / 1e3:.0f} | {a['roofline_us']:.1f} | {a['bound']} | {us(new)} | "
+                     f"{frac(new)} | {us(old)} | {frac(old)} | {xla:.1f} | {ratio(old, new)} | "
+                     f"{ratio(dict(us=xla), new)} | {cfg_s} | {check} |")
+    if result.get("fp8_write"):
+        lines += ["", "| fp8 write rows | kernel us | GB/s | % BW | XLA us | speed-up | bit-exact |",
+                  "|---|---|---|---|---|---|---|"]
+        for w in result["fp8_write"]:
+            if "kernel_us" in w:
+                lines.append(f"| {w['rows']} | {w['kernel_us']:.1f} | {w['kernel_GBps']:.0f} | "
+                             f"{100 * w['bw_fraction']:.0f} | {w['xla_us']:.1f} | {w['speedup_vs_xla']:.2f} | "
+                             f"{w['bit_exact']} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(result, path) -> str | None:
     try:
         import matplotlib
@@ -230,86 +429,81 @@ def plot(result, path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"no plot: {e}"
-    att = [c for c in result["attention"] if "kernel_us" in c]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
-    for (kind, layout), marker in zip([(k, lay) for k in ("swa", "c128", "c4") for lay in ("bf16", "fp8")], "os^vDx"):
-        pts = sorted((c["batch"], c["roofline_fraction"]) for c in att
-                     if c["kind"] == kind and c["layout"] == layout and c["q_len"] > 1 and c["ctx"] in (32768, 512))
-        if pts:
-            axes[0].plot(*zip(*pts), marker=marker, label=f"{kind} {layout}")
-    axes[0].set(xscale="log", xlabel="batch (requests x 6 verify tokens, 32k context)", ylabel="fraction of roofline",
-                title="ragged verify attention vs roofline", ylim=(0, 1.05))
+    att = [a for a in result["attention"] if a.get("after", {}).get("us")]
+    if not att:
+        return "no plot: no timed case"
+    labels = [f"{a['kind']} {a['layout']} b{a['batch']} {a['ctx'] // 1024}k q{a['q_len']}" for a in att]
+    y = np.arange(len(att))
+    fig, axes = plt.subplots(1, 2, figsize=(16, 0.35 * len(att) + 2))
+    for off, key, name in ((-0.2, "after", "after"), (0.2, "before", "before")):
+        axes[0].barh(y + off, [a["roofline_us"] / a[key]["us"] if a.get(key, {}).get("us") else 0 for a in att],
+                     height=0.4, label=name)
+    axes[0].axvline(0.7, color="r", ls="--", label="goal 70%")
+    axes[0].set_yticks(y, labels, fontsize=7)
+    axes[0].set(xlabel="fraction of roofline (device time)", title="ragged verify attention")
     axes[0].legend()
-    labels = [f"{c['kind']} {c['layout']} b{c['batch']} {c['ctx'] // 1024}k q{c['q_len']}" for c in att]
-    axes[1].barh(range(len(att)), [c.get("speedup_vs_xla", 0) for c in att])
-    axes[1].set_yticks(range(len(att)), labels, fontsize=6)
-    axes[1].axvline(3, color="r", ls="--", label="goal 3x")
-    axes[1].set(xlabel="speedup over the XLA path", title="ragged attention: kernel vs XLA")
+    for off, key, name in ((-0.27, "after", "after"), (0, "before", "before"), (0.27, "xla", "XLA")):
+        vals = [a["xla_us"] if key == "xla" else a.get(key, {}).get("us", 0) for a in att]
+        axes[1].barh(y + off, vals, height=0.27, label=name)
+    axes[1].axvline(10, color="r", ls="--", label="10 us")
+    axes[1].set_yticks(y, labels, fontsize=7)
+    axes[1].set(xscale="log", xlabel="device time per call (us)", title="per call")
     axes[1].legend()
-    wr = result["fp8_write"]
-    axes[2].plot([c["rows"] for c in wr], [c["kernel_GBps"] for c in wr], "o-", label="Pallas kernel")
-    axes[2].plot([c["rows"] for c in wr], [c["bytes"] / c["xla_us"] / 1e3 for c in wr], "s-", label="XLA")
-    axes[2].axhline(result["ceilings"]["copy_GBps"], color="k", ls=":", label="device copy")
-    axes[2].axhline(0.6 * result["ceilings"]["copy_GBps"], color="r", ls="--", label="goal 60%")
-    axes[2].set(xscale="log", xlabel="rows written", ylabel="GB/s", title="fp8 KV write")
-    axes[2].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     return None
 
 
-def markdown(result) -> str:
-    c = result["ceilings"]
-    lines = [f"Device: {result['meta']['device']}; jax {result['meta']['jax']}; commit {result['meta']['commit']}; "
-             f"{result['meta']['date']}",
-             f"Ceilings (same run): device copy {c['copy_GBps']:.0f} GB/s, "
-             f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s", "",
-             "| layer | pool | batch | context | tokens/req | unique KB/req | kernel us | GB/s | TFLOP/s | "
-             "% BW | % roofline | bound | XLA us | speedup | check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for a in result["attention"]:
-        if "kernel_us" not in a:
-            lines.append(f"| {a['kind']} | {a['layout']} | {a['batch']} | {a['ctx']} | {a['q_len']} | failed: "
-                         f"{a.get('error', '')[:60]} |")
-            continue
-        lines.append(f"| {a['kind']} | {a['layout']} | {a['batch']} | {a['ctx']} | {a['q_len']} | "
-                     f"{a['unique_bytes_per_request'] / 1e3:.0f} | {a['kernel_us']:.1f} | {a['kernel_GBps']:.0f} | "
-                     f"{a['kernel_TFLOPs']:.1f} | {100 * a['bw_fraction']:.0f} | {100 * a['roofline_fraction']:.0f} | "
-                     f"{a['bound']} | {a.get('xla_us', float('nan')):.1f} | "
-                     f"{a.get('speedup_vs_xla', float('nan')):.2f} | "
-                     f"{'ok' if a['ok'] else 'MISMATCH'} |")
-    lines += ["", "| fp8 write rows | kernel us | GB/s | % BW | XLA us | speedup | bit-exact |",
-              "|---|---|---|---|---|---|---|"]
-    for w in result["fp8_write"]:
-        lines.append(f"| {w['rows']} | {w['kernel_us']:.1f} | {w['kernel_GBps']:.0f} | {100 * w['bw_fraction']:.0f} | "
-                     f"{w['xla_us']:.1f} | {w['speedup_vs_xla']:.2f} | {w['bit_exact']} |")
-    return "\n".join(lines) + "\n"
+def write_outputs(result, out_dir) -> None:
+    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "kernels.md"), "w") as f:
+        f.write(markdown(result))
+
+
+# ------------------------------------------------------------------------------ main
+def table_cases(dims, smoke: bool) -> list[list[Case]]:
+    """Before / after cases in groups, most important first."""
+    ctx = dims["ctx"]
+    if smoke:
+        return [[Case("c128", 2, ctx, 6, "fp8"), Case("c4", 2, ctx, 6, "bf16")], [Case("swa", 1, ctx, 6, "bf16")]]
+    kinds, layouts = ("c128", "c4", "swa"), ("bf16", "fp8")
+    return [[Case(k, 64, ctx, 6, lay) for k in kinds for lay in layouts],
+            [Case(k, 1, ctx, 6, lay) for k in kinds for lay in layouts],
+            [Case("c128", 8, ctx, 6, "bf16"), Case("c4", 8, ctx, 6, "bf16"), Case("c128", 64, 8192, 6, "bf16"),
+             Case("c128", 64, 65536, 6, "bf16"), Case("c128", 64, ctx, 1, "bf16"), Case("c128", 64, ctx, 1, "fp8"),
+             Case("c4", 64, ctx, 1, "bf16")]]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Pallas kernel benchmark (see module docstring)")
+    ap = argparse.ArgumentParser(description="Pallas kernel benchmark and tuner (see the module docstring)")
+    ap.add_argument("--device-time", action="store_true", default=True,
+                    help="time calls inside one jitted loop (the only method; kept for the documented command)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs anywhere, interpret mode off GPU)")
-    ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining cases after this many seconds")
-    ap.add_argument("--plot-from", metavar="JSON",
-                    help="only redraw kernels.png / kernels.md from a saved kernels.json")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
+    ap.add_argument("--no-tune", action="store_true", help="skip the sweep; measure the table as it is")
+    ap.add_argument("--no-registers", action="store_true", help="do not dump PTX for registers / spills")
+    ap.add_argument("--plot-from", metavar="JSON", help="only redraw kernels.png / kernels.md from a saved kernels.json")
     args = ap.parse_args(argv)
     out_dir = common.out_dir()
     if args.plot_from:
         with open(args.plot_from) as f:
             saved = json.load(f)
-        att = [a for a in saved["attention"] if "kernel_us" in a]
-        wr = [w for w in saved["fp8_write"] if "kernel_us" in w]
         with open(os.path.join(out_dir, "kernels.md"), "w") as f:
-            f.write(markdown(dict(saved, fp8_write=wr)))
-        print(plot(dict(saved, attention=att, fp8_write=wr), os.path.join(out_dir, "kernels.png")) or "redrawn")
+            f.write(markdown(saved))
+        print(plot(saved, os.path.join(out_dir, "kernels.png")) or "redrawn")
         return 0
-    dims = SMOKE if args.smoke else FLASH
+
     start = time.time()
-    result = dict(meta=dict(common.environment(), smoke=args.smoke, dims=dims, interpret_mode=backend.interpret_mode()),
-                  attention=[], fp8_write=[], config_sweep=[], skipped=[])
-    print(result["meta"], flush=True)
-    ceil = result["ceilings"] = measure_ceilings(args.smoke)
-    print("ceilings", ceil, flush=True)
+    dims = SMOKE if args.smoke else FLASH
+    platform = backend.gpu_platform() or "cuda"
+    env = common.environment()
+    result = dict(meta=dict(env, smoke=args.smoke, dims=dims, platform=platform,
+                            interpret_mode=backend.interpret_mode(), budget_s=args.budget_s),
+                  attention=[], sweep=[], skipped=[], fp8_write=[])
+
+    def say(what, **kw):
+        print(json.dumps(dict(t=round(time.time() - start, 1), what=what, **kw), default=str), flush=True)
 
     def over_budget(what) -> bool:
         if time.time() - start > args.budget_s:
@@ -317,112 +511,113 @@ def main(argv=None) -> int:
             return True
         return False
 
-    if args.smoke:
-        sweep_cases = [("c128", 2, 512, 6, "bf16")]
-        configs = [None, ra.BlockConfig(1, 16, 16, 4, 1)]
-        cases = [("swa", 2, 512, 6, "bf16"), ("c128", 2, 512, 6, "fp8"), ("c4", 2, 512, 6, "fp8"),
-                 ("c4", 1, 512, 1, "bf16")]
-        writes, write_sweep = [(16, 64), (100, 256)], (100, 256)
-    else:
-        sweep_cases = [("c128", 64, 32768, 6, "bf16"), ("c4", 64, 32768, 6, "fp8")]
-        configs = [None] + [ra.BlockConfig(*c) for c in [
-            (1, 64, 32, 8, 2), (2, 32, 32, 8, 2), (1, 32, 32, 8, 2), (1, 64, 64, 8, 1), (1, 16, 64, 4, 2),
-            (1, 32, 16, 4, 3), (2, 16, 32, 4, 2)]]
-        cases = []  # most important first: the run stops adding cases after --budget-s
-        for kind in ("c128", "c4", "swa"):
-            cases += [(kind, 64, 32768, 6, layout) for layout in ("bf16", "fp8")]
-        for b in (1, 8):
-            cases += [(kind, b, 32768, 6, layout) for kind in ("c128", "c4", "swa") for layout in ("bf16", "fp8")]
-        cases += [("c128", 64, c, 6, layout) for c in (8192, 65536) for layout in ("bf16", "fp8")]
-        cases += [(kind, 64, 32768, 1, layout) for kind in ("c128", "c4") for layout in ("bf16", "fp8")]  # decode
-        writes, write_sweep = [(64 * 6, 1 << 20), (8192, 1 << 20), (65536, 1 << 20)], (65536, 1 << 20)
+    say("environment", **result["meta"])
+    ceil = result["ceilings"] = measure_ceilings(args.smoke)
+    timer = DeviceTimer()
+    result["dispatch_us"] = timer.dispatch_s * 1e6
+    say("ceilings", **ceil, dispatch_us=result["dispatch_us"])
+    runner = Runner(dims, ceil, timer, args.smoke)
+    runner.over_budget = over_budget
+    result["fp8_attention_dequant_bit_exact"] = fp8_dequant_exact(dims)
+    say("fp8 keys bit-exact in the attention kernel", **result["fp8_attention_dequant_bit_exact"])
 
-    try:
-        result["fp8_attention_dequant_bit_exact"] = fp8_dequant_exact(dims)
-    except Exception as e:
-        result["fp8_attention_dequant_bit_exact"] = f"failed: {e!r}"[:400]
-    print("fp8 keys dequantised bit-exactly in the attention kernel:", result["fp8_attention_dequant_bit_exact"])
+    chosen = {}
 
-    # fp8 write: pick block_rows on the largest case, then all sizes
-    best_rows, best_t = 16, float("inf")
-    for br in (16, 32, 64):
-        try:
-            r = run_fp8_write_case(*write_sweep, dims, ceil, block_rows=br, time_xla=False)
-            result["write_sweep"] = result.get("write_sweep", []) + [r]
-            if r["bit_exact"] and r["kernel_us"] < best_t:
-                best_rows, best_t = br, r["kernel_us"]
-        except Exception as e:
-            result["write_sweep"] = result.get("write_sweep", []) + [dict(block_rows=br, error=repr(e)[:400])]
-    result["chosen_write_block_rows"] = best_rows
+    def tune(classes):
+        chosen.update(sweep(runner, classes, say))
+        result["sweep"] = [dict(case=k[0], impl=k[1], **v) for k, v in runner.results.items() if k[1] == "after"]
+        result["chosen"] = {"-".join(map(str, k)): dict(config=dataclasses.asdict(v["config"]), us=v["us"])
+                            for k, v in chosen.items()}
+        if chosen and not args.smoke:
+            table_path = os.path.join(out_dir, "attention_configs.json")
+            update_table(chosen, platform, env, ac.TABLE_PATH, table_path)
+            say("table written", path=table_path, classes=list(result["chosen"]))
+        write_outputs(result, out_dir)
+
+    def measure(cases):
+        for case in cases:
+            if over_budget(("table", case.key)):
+                continue
+            inputs, _, info = runner.case(case)
+            row = dict(info, **roofline(info, ceil))
+            cfg = ra.select_config(inputs[0], inputs[1], inputs[2], inputs[4])  # what the engine picks
+            row["after"] = runner.kernel(case, cfg)
+            row["before"] = runner.kernel(case, None, old=True)
+            row["xla_us"] = runner.reference(case)["us"]
+            result["attention"].append(row)
+            say("case", case=case.key, roofline_us=row["roofline_us"], after_us=row["after"].get("us"),
+                before_us=row["before"].get("us"), xla_us=row["xla_us"], ok=row["after"]["ok"],
+                config=row["after"]["config"])
+        write_outputs(result, out_dir)
+
+    groups = table_cases(dims, args.smoke)
+    tile_classes = [(("c128", 64 if not args.smoke else 2, lay), tile_candidates(lay, args.smoke))
+                    for lay in ("bf16", "fp8")]
+    if not args.no_tune:
+        tune(tile_classes)
+        follow = []
+        for lay in ("bf16", "fp8"):
+            ranked = chosen.get(("c128", 64 if not args.smoke else 2, lay), {}).get("ranked", [])
+            if ranked:
+                follow += [(("c4", 64 if not args.smoke else 2, lay), ranked[:2]),
+                           (("swa", 64 if not args.smoke else 2, lay), ranked[:1])]
+        tune(follow)
+    measure(groups[0])
+    if not args.no_tune:
+        split_classes = [(("c128", 1, lay), split_candidates(lay, args.smoke)) for lay in ("bf16", "fp8")]
+        tune(split_classes)
+        follow = []
+        sms = 132 if not args.smoke else 8
+        for lay in ("bf16", "fp8"):
+            best = chosen.get(("c128", 1, lay))
+            if best:
+                cfg = best["config"]
+                rows = ac.row_programs(cfg, dims["heads"], 6, 1)
+                for kind in ("c4", "swa"):
+                    follow.append(((kind, 1, lay), [dataclasses.replace(cfg, kv_splits=p)
+                                                    for p in splits_for(kind, cfg, dims, rows, sms)]))
+        tune(follow)
+    for group in groups[1:]:
+        measure(group)
+
+    # registers and spills of the timed kernels: the configurations the engine picks, and before
+    wanted = {a[k]["probe"] for a in result["attention"] for k in ("after", "before") if a.get(k, {}).get("probe")}
+    left = args.budget_s + 60 - (time.time() - start)
+    result["registers"] = device_time.ptx_registers(XLA_DUMP, runner.probes, wanted, budget_s=max(left, 20))
+    say("registers", status=result["registers"]["status"],
+        kernels={k: v.get("functions") or v.get("error") for k, v in result["registers"].get("kernels", {}).items()})
+    write_outputs(result, out_dir)
+
+    writes = [(16, 64), (100, 256)] if args.smoke else [(64 * 6, 1 << 20), (8192, 1 << 20), (65536, 1 << 20)]
     for n, p in writes:
+        if over_budget(("fp8 write", n)):
+            continue
         try:
-            r = run_fp8_write_case(n, p, dims, ceil, block_rows=best_rows)
-            print(f"fp8 write {n} rows: {r['kernel_us']:.1f} us, {r['kernel_GBps']:.0f} GB/s "
-                  f"({100 * r['bw_fraction']:.0f}% of copy), {r['speedup_vs_xla']:.2f}x vs XLA, "
-                  f"bit-exact={r['bit_exact']}", flush=True)
+            r = run_fp8_write_case(n, p, dims, ceil, timer, n=2 if args.smoke else 20)
         except Exception as e:
             r = dict(rows=n, pool_rows=p, error=repr(e)[:400])
-            print("fp8 write failed", n, traceback.format_exc()[-800:], flush=True)
         result["fp8_write"].append(r)
+        say("fp8 write", **r)
 
-    best = {}
-    for case in sweep_cases:
-        for cfg in configs:
-            if over_budget(("sweep", case, str(cfg))):
-                continue
-            try:
-                r = run_attention_case(case, dims, ceil, cfg, time_xla=False)
-                result["config_sweep"].append(r)
-                print("sweep", case, r["config"], f"{r['kernel_us']:.1f} us ok={r['ok']}", flush=True)
-                if r["ok"] and (case[0] not in best or r["kernel_us"] < best[case[0]][0]):
-                    best[case[0]] = (r["kernel_us"], ra.BlockConfig(**r["config"]))
-            except Exception as e:  # a config Triton cannot compile: record it and go on
-                result["config_sweep"].append(dict(case=case, config=str(cfg), error=repr(e)[:400]))
-                print("sweep failed", case, cfg, repr(e)[:200], flush=True)
-    chosen = {k: v[1] for k, v in best.items()}
-    result["chosen_configs"] = {k: dict(v.__dict__) for k, v in chosen.items()}
-
-    for case in cases:
-        if over_budget(("attention", case)):
-            continue
-        cfg = chosen.get("c4" if case[0] == "c4" else "c128")
-        if cfg is not None:  # tiles from the sweep, key splits for this grid size
-            cfg = ra.auto_splits(cfg, dims["heads"], case[3], case[1])
-        try:
-            r = run_attention_case(case, dims, ceil, cfg)
-            print(f"attention {case}: {r['kernel_us']:.1f} us, {r['kernel_GBps']:.0f} GB/s, "
-                  f"{100 * r['roofline_fraction']:.0f}% roofline ({r['bound']}), "
-                  f"{r.get('speedup_vs_xla', 0):.2f}x vs XLA, ok={r['ok']}", flush=True)
-        except Exception as e:
-            r = dict(kind=case[0], batch=case[1], ctx=case[2], q_len=case[3], layout=case[4], error=repr(e)[:400])
-            print("attention failed", case, traceback.format_exc()[-800:], flush=True)
-        result["attention"].append(r)
-
-    ok_att = [a for a in result["attention"] if "kernel_us" in a]
-    ok_wr = [w for w in result["fp8_write"] if "kernel_us" in w]
-    result["fp8_write"] = ok_wr + [w for w in result["fp8_write"] if "kernel_us" not in w]
+    att = result["attention"]
     result["summary"] = dict(
-        all_attention_match=all(a["ok"] for a in ok_att) and len(ok_att) == len(result["attention"]),
-        all_writes_bit_exact=all(w["bit_exact"] for w in ok_wr) and len(ok_wr) == len(result["fp8_write"]),
+        all_checks_ok=all(a["after"]["ok"] and a["before"].get("ok", False) for a in att) and bool(att),
         fp8_attention_dequant_bit_exact=result["fp8_attention_dequant_bit_exact"],
-        wall_s=time.time() - start)
-    for a in ok_att:
-        if a["ctx"] == 32768 and a["batch"] == 64 and a["q_len"] == 6:
-            result["summary"][f"{a['kind']}_{a['layout']}_b64_32k"] = dict(
-                bw_fraction=a["bw_fraction"], roofline_fraction=a["roofline_fraction"], bound=a["bound"],
-                speedup_vs_xla=a.get("speedup_vs_xla"))
-    if ok_wr:
-        result["summary"]["fp8_write_best_bw_fraction"] = max(w["bw_fraction"] for w in ok_wr)
-    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(out_dir, "kernels.md"), "w") as f:
-        f.write(markdown(dict(result, fp8_write=ok_wr)))
-    note = plot(dict(result, attention=ok_att, fp8_write=ok_wr), os.path.join(out_dir, "kernels.png"))
-    print(json.dumps(result["summary"], indent=1, default=str))
-    print(note or f"wrote {out_dir}/kernels.json, kernels.md, kernels.png", flush=True)
-    good = (result["summary"]["all_attention_match"] and result["summary"]["all_writes_bit_exact"]
-            and result["fp8_attention_dequant_bit_exact"] is True)
-    return 0 if good else 1
+        cases_measured=len(att), skipped=len(result["skipped"]), wall_s=time.time() - start)
+    for a in att:
+        if a["after"].get("us"):
+            result["summary"][a["case"]] = dict(after_us=round(a["after"]["us"], 2),
+                                                roofline_fraction=round(a["roofline_us"] / a["after"]["us"], 3),
+                                                before_us=round(a["before"].get("us", float("nan")), 2),
+                                                xla_us=round(a["xla_us"], 2))
+    write_outputs(result, out_dir)
+    note = plot(result, os.path.join(out_dir, "kernels.png"))
+    say("summary", **result["summary"])
+    print(note or f"wrote {out_dir}/kernels.json, kernels.md, kernels.png"
+          + ("" if args.smoke or args.no_tune else ", attention_configs.json"), flush=True)
+    exact = all(v is True for v in result["fp8_attention_dequant_bit_exact"].values())
+    writes_ok = all(w.get("bit_exact") for w in result["fp8_write"])
+    return 0 if result["summary"]["all_checks_ok"] and exact and writes_ok else 1
 
 
 if __name__ == "__main__":

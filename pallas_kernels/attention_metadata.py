@@ -7,15 +7,20 @@ Queries of S requests are flattened into one token axis of T rows: request s own
 - window ring rows: ring slot j of request s holds position ``p_j = end - 1 - ((end - 1 - j) mod R)``
   with ``end = ring_end[s]`` (the ring holds every position in [end - R, end)); the row is a key
   iff ``p_j >= 0`` and ``win_lo[t] <= p_j <= win_hi[t]``;
-- compressed entries (optional): slot u < ``comp_len[s]`` of the request's list names entry
-  ``comp_idx[s, u]`` (-1 = empty); it is a key of token t iff ``comp_mask[t, u] != 0``.
+- compressed entries (optional), rows of the request's entries pool, in one of two forms:
+  a prefix (Cm layers): token t sees entries ``0 .. comp_count[t] - 1``; or a list per token
+  (C4 layers): token t sees the entries ``comp_topk[t, :]`` (negative = none; an entry listed
+  twice counts twice, which the indexer's top-k never does).
 
 Builders: ``verify`` (target decode / verify chunks, causal sliding window; ``verify_dense`` for
 the batch-dense [S, width] layout with padding rows), ``draft`` (the
 drafter's block rows: the last ``window`` committed rows plus the whole block, non-causal), and
 ``with_prefix_entries`` (Cm layers: every entry w < (p + 1) // m) / ``with_topk_entries`` (C4
-layers: the indexer's top-k, merged into one list per request so that each entry row is read
-once per request, with a per-token membership mask).
+layers: the indexer's top-k of each token).
+
+Both entry forms give every token exactly its own keys: a kernel program holding the heads of
+one token walks that token's key rows only (no work on keys the token does not see), and the
+programs of one request run side by side, so rows shared by its tokens come from the cache.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
-    from jaxtyping import Array, Int, Int8
+    from jaxtyping import Array, Int
 
 
 @jax.tree_util.register_dataclass
@@ -38,9 +43,8 @@ class RaggedMeta:
     win_lo: Int[Array, " t"]  # [T] lowest visible ring position of each token (inclusive)
     win_hi: Int[Array, " t"]  # [T] highest visible ring position of each token (inclusive)
     ring_end: Int[Array, " s"]  # [S] one past the newest position held by the request's ring
-    comp_idx: Int[Array, "s u"] | None = None  # [S, U] entry numbers, -1 = empty
-    comp_len: Int[Array, " s"] | None = None  # [S] used slots of comp_idx
-    comp_mask: Int8[Array, "t u"] | None = None  # [T, U] 1 where slot u is a key of token t
+    comp_count: Int[Array, " t"] | None = None  # [T] prefix entries: token t sees entries 0 .. count - 1
+    comp_topk: Int[Array, "t k"] | None = None  # [T, K] entries of token t, negative = none
     max_q_len: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
@@ -53,7 +57,14 @@ class RaggedMeta:
 
     @property
     def has_entries(self) -> bool:
-        return self.comp_idx is not None
+        return self.entries_kind is not None
+
+    @property
+    def entries_kind(self) -> str | None:
+        """``"prefix"`` (comp_count), ``"topk"`` (comp_topk) or None (window keys only)."""
+        if self.comp_count is not None:
+            return "prefix"
+        return "topk" if self.comp_topk is not None else None
 
 
 def _i32(x) -> Array:
@@ -66,20 +77,20 @@ def check_shapes(meta: RaggedMeta) -> None:
     if meta.max_q_len < 1:
         raise ValueError(f"max_q_len must be >= 1, got {meta.max_q_len}")
     expect = {"cu_q_lens": (s + 1,), "win_lo": (t,), "win_hi": (t,), "ring_end": (s,)}
-    if meta.has_entries:
-        if meta.comp_len is None or meta.comp_mask is None:
-            raise ValueError("comp_idx, comp_len and comp_mask must be given together")
-        u = meta.comp_idx.shape[-1]
-        expect.update(comp_idx=(s, u), comp_len=(s,), comp_mask=(t, u))
-    elif meta.comp_len is not None or meta.comp_mask is not None:
-        raise ValueError("comp_len / comp_mask given without comp_idx")
+    if meta.comp_count is not None and meta.comp_topk is not None:
+        raise ValueError("give compressed entries either as comp_count (a prefix) or as comp_topk, not both")
+    if meta.comp_count is not None:
+        expect["comp_count"] = (t,)
+    if meta.comp_topk is not None:
+        if meta.comp_topk.ndim != 2:
+            raise ValueError(f"metadata comp_topk must be [T, K], got shape {tuple(meta.comp_topk.shape)}")
+        expect["comp_topk"] = (t, meta.comp_topk.shape[1])
     for name, shape in expect.items():
         x = getattr(meta, name)
         if tuple(x.shape) != shape:
             raise ValueError(f"metadata {name} must have shape {shape}, got {tuple(x.shape)}")
-        want = jnp.int8 if name == "comp_mask" else jnp.int32
-        if x.dtype != want:
-            raise ValueError(f"metadata {name} must be {jnp.dtype(want).name}, got {x.dtype}")
+        if x.dtype != jnp.int32:
+            raise ValueError(f"metadata {name} must be int32, got {x.dtype}")
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -102,15 +113,13 @@ def check_values(meta: RaggedMeta, *, ring: int | None = None, n_entries: int | 
         raise ValueError(f"cu_q_lens[-1] = {cu[-1]} exceeds the number of tokens {meta.num_tokens}")
     if lens.max(initial=0) > meta.max_q_len:
         raise ValueError(f"a request has {lens.max()} tokens, more than max_q_len = {meta.max_q_len}")
-    cl = _concrete(meta.comp_len) if meta.has_entries else None
-    if cl is not None:
-        if (cl < 0).any() or (cl > meta.comp_idx.shape[1]).any():
-            raise ValueError(f"comp_len must lie in [0, {meta.comp_idx.shape[1]}], got {cl.tolist()}")
-        ci = _concrete(meta.comp_idx)
-        if n_entries is not None and ci is not None:
-            used = np.arange(ci.shape[1])[None] < cl[:, None]
-            if (ci[used] >= n_entries).any():
-                raise ValueError(f"comp_idx names an entry >= the entries pool size {n_entries}")
+    count = _concrete(meta.comp_count) if meta.comp_count is not None else None
+    if count is not None and n_entries is not None and ((count < 0) | (count > n_entries)).any():
+        raise ValueError(f"comp_count must lie in [0, {n_entries}] (the entries pool size), "
+                         f"got values in [{count.min()}, {count.max()}]")
+    topk = _concrete(meta.comp_topk) if meta.comp_topk is not None else None
+    if topk is not None and n_entries is not None and (topk >= n_entries).any():
+        raise ValueError(f"comp_topk names an entry >= the entries pool size {n_entries}")
     end, lo, hi = _concrete(meta.ring_end), _concrete(meta.win_lo), _concrete(meta.win_hi)
     if ring is not None and end is not None and lo is not None and hi is not None:
         req = np.searchsorted(cu[1:], np.arange(cu[-1]), side="right")
@@ -193,41 +202,16 @@ def with_prefix_entries(meta: RaggedMeta, positions: Int[Array, " t"], *, ratio:
     """Cm layers: token at position p sees every entry w < (p + 1) // ratio (in slots 0..num_slots-1
     of the entries pool). ``positions`` as returned by ``verify`` (-1 = padding token)."""
     positions = _i32(positions)
-    count = jnp.where(positions >= 0, (positions + 1) // ratio, 0)
-    u = jnp.arange(num_slots, dtype=jnp.int32)
-    s = meta.num_requests
-    comp_len = jnp.minimum(meta.ring_end // ratio, num_slots)  # the request's last token sees the most
-    return dataclasses.replace(meta, comp_idx=jnp.broadcast_to(u[None], (s, num_slots)), comp_len=comp_len,
-                               comp_mask=(u[None] < count[:, None]).astype(jnp.int8))
+    count = jnp.where(positions >= 0, jnp.minimum((positions + 1) // ratio, num_slots), 0)
+    return dataclasses.replace(meta, comp_count=count.astype(jnp.int32), comp_topk=None)
 
 
 def with_topk_entries(meta: RaggedMeta, topk: Int[Array, "t k"],
                       positions: Int[Array, " t"] | None = None) -> RaggedMeta:
-    """C4 layers: token t sees the entries ``topk[t]`` (-1 = empty). The lists of a request's tokens
-    are merged into one sorted list without duplicates (so each entry is loaded once per request);
-    ``comp_mask`` says which token picked which slot. U = max_q_len * k. With ``positions`` given,
-    the picks of padding rows (position -1) are ignored."""
+    """C4 layers: token t sees the entries ``topk[t]`` (negative = none). The picks of padding
+    tokens (after the last request, or with position -1 when ``positions`` is given) are dropped."""
     topk = _i32(topk)
+    keep = token_request(meta.cu_q_lens, meta.num_tokens) < meta.num_requests
     if positions is not None:
-        topk = jnp.where(_i32(positions)[:, None] >= 0, topk, -1)
-    t, k = topk.shape
-    s, q = meta.num_requests, meta.max_q_len
-    cu = meta.cu_q_lens
-    big = jnp.iinfo(jnp.int32).max
-    tok = cu[:-1, None] + jnp.arange(q, dtype=jnp.int32)[None]  # [S, Q]
-    tok_ok = tok < cu[1:, None]
-    cand = jnp.where(tok_ok[..., None], topk[jnp.where(tok_ok, tok, 0)], -1).reshape(s, q * k)
-    srt = jnp.sort(jnp.where(cand >= 0, cand, big), axis=1)
-    first = (srt != big) & jnp.concatenate([jnp.ones((s, 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
-    union = jnp.sort(jnp.where(first, srt, big), axis=1)  # unique entries first, ascending
-    comp_len = jnp.sum(first, axis=1, dtype=jnp.int32)
-    comp_idx = jnp.where(union == big, -1, union)
-
-    req = token_request(cu, t)
-    valid = req < s
-    rows = union[jnp.minimum(req, s - 1)]  # [T, U]
-    slot = jax.vmap(lambda r, e: jnp.searchsorted(r, e))(rows, topk).astype(jnp.int32)  # [T, k]
-    keep = valid[:, None] & (topk >= 0)
-    slot = jnp.where(keep, slot, q * k)  # q * k: dropped
-    mask = jnp.zeros((t, q * k), jnp.int8).at[jnp.arange(t)[:, None], slot].set(1, mode="drop")
-    return dataclasses.replace(meta, comp_idx=comp_idx, comp_len=comp_len, comp_mask=mask)
+        keep &= _i32(positions) >= 0
+    return dataclasses.replace(meta, comp_count=None, comp_topk=jnp.where(keep[:, None], topk, -1))

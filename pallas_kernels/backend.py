@@ -74,6 +74,25 @@ def on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def gpu_platform() -> str | None:
+    """``"cuda"`` or ``"rocm"``: the GPU that kernels are being compiled for, i.e. the abstract
+    device of the current abstract mesh (deviceless lowering) if it has one, else the default
+    device; None off GPU."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    device = getattr(get_mesh(), "abstract_device", None) if get_mesh is not None else None
+    if device is not None:
+        platform = getattr(device, "platform", None)
+        if platform in ("cuda", "rocm"):
+            return platform
+        return "rocm" if str(device.device_kind).startswith("gfx") else "cuda"
+    if not on_gpu():
+        return None
+    device = jax.devices()[0]
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    rocm = device.platform == "rocm" or str(getattr(device, "compute_capability", "")).startswith("gfx")
+    return "rocm" if rocm or "rocm" in version else "cuda"
+
+
 def interpret_mode(interpret: bool | None = None) -> bool:
     """Whether a Pallas kernel must run in interpret mode: explicitly given, else off GPU."""
     return (not on_gpu()) if interpret is None else bool(interpret)

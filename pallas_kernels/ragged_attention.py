@@ -2,7 +2,7 @@
 
 Queries ``q [T, H, D]`` of many requests are flattened into one token axis (metadata and key sets:
 ``attention_metadata``). Keys = values = one D-wide latent per row (MQA with K = V), read from
-two pools that may each be bf16 / fp32 arrays or fp8 ``Fp8Rows`` (dequantised in the kernel):
+two pools that may each be bf16 / fp32 arrays or fp8 ``Fp8Rows``:
 
 - ``window`` ``[S, R, D]``: the per-request window ring (slot = position mod R), with the chunk's
   new rows already written;
@@ -13,21 +13,38 @@ holds ``exp(sink[h])`` (a per-head fp32 logit that has no value). Logits and sum
 probabilities are cast to the pool's dtype before the P.V product; the output has q's dtype and
 is ready for the caller's inverse RoPE. A token with no key gets 0.
 
-Kernel grid: (key splits, head blocks, token blocks, S + 1). A program takes ``block_t``
-consecutive tokens of one request times ``block_h`` heads as the rows of its tiles, so every key
-tile it loads serves all of them; programs of one request are adjacent in launch order and share
-tiles through the cache. With ``kv_splits`` > 1 each program walks a share of the key tiles and
-writes its partial softmax state, merged in XLA (``merge_splits``). The last grid row (s = S)
-writes zeros (or empty states) for the padding tokens.
+Kernel grid: (key splits, row blocks, S + 1). A program holds ``block_t`` tokens x ``block_h``
+heads of one request as the rows of its tiles (DeepSeek-V4-Flash: the 64 heads of one token), so
+each key row it loads serves all of them, and it walks only the keys its tokens see:
+
+- ring rows as one contiguous range of positions, [min win_lo, max win_hi] of its tokens
+  (slot = position mod R), ``block_k`` rows per tile;
+- prefix entries (Cm layers) as the range 0 .. max comp_count of its tokens;
+- top-k entries (C4 layers; ``block_t = 1``) as its token's own list.
+
+The programs of one request are adjacent in launch order, so rows that several of them read come
+from the cache. The online softmax runs in fp32 on log2-scaled logits (``exp2``). An fp8 key tile
+(e4m3 codes + one power-of-two scale per 64 dims) is either dequantised once per tile and
+program (codes times their block's scale: one multiply per element), or, with
+``BlockConfig.fp8_fold``, never dequantised: q.k is a sum over 64-column blocks of
+``scale_b(key) * (q_b . code_b)`` and P.V scales the probability columns per block,
+``o_b += (p * scale_b(key)) @ code_b``. Powers of two commute with rounding, so both give the
+products of the dequantised keys (see ``docs/kernels.md``).
+
+With ``kv_splits`` > 1 (small batches, decode) the key tiles of a program (its ring tiles, then
+its entry tiles) are shared among that many programs, each writing its partial output normalised
+in q's dtype plus its log-sum-exp; ``merge_splits`` combines them in one XLA fusion. The last
+grid row (s = S) writes zeros (or empty partials) for the padding tokens after the last request.
 
 ``kernel`` validates metadata values when they are concrete (a host sync); inside jit only the
-shapes are checked.
+shapes are checked. Without an explicit ``config`` it takes the tuned one for the call's shape
+(``attention_configs.select``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import math
 from typing import TYPE_CHECKING, Sequence
 
 import jax
@@ -36,55 +53,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import backend
-from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values, ring_positions
+from pallas_kernels import attention_configs, backend
+from pallas_kernels.attention_configs import BlockConfig, default_config  # noqa: F401 (re-exported)
+from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values, ring_positions  # noqa: F401
 from pallas_kernels.kv_fp8 import BLOCK, Fp8Rows, check_layout, dequantize
 
 if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
     from jaxtyping import Array, Float
 
 Pool = jax.Array | Fp8Rows
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockConfig:
-    """Tile sizes (powers of two; block_t * block_h >= 16 rows, block_k >= 16 keys) and the number
-    of key splits: with ``kv_splits`` > 1 every (request, token block, head block) is spread over
-    that many programs, each taking a share of the key tiles, and the partial softmax states are
-    merged in XLA afterwards (more parallelism for small batches and decode)."""
-
-    block_t: int
-    block_h: int
-    block_k: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
-    kv_splits: int = 1
-
-    def check(self) -> None:
-        if self.kv_splits < 1:
-            raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
-        for name in ("block_t", "block_h", "block_k"):
-            if not backend.is_power_of_2(getattr(self, name)):
-                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
-        if self.block_t * self.block_h < 16 or self.block_k < 16:
-            raise ValueError(f"tiles need >= 16 rows and >= 16 keys, got block_t * block_h = "
-                             f"{self.block_t * self.block_h}, block_k = {self.block_k}")
-
-
-def auto_splits(cfg: BlockConfig, num_heads: int, max_q_len: int, num_requests: int, *,
-                target_programs: int = 128) -> BlockConfig:
-    """``cfg`` with key splits when its grid has fewer than ``target_programs`` programs."""
-    programs = num_requests * -(-max_q_len // cfg.block_t) * -(-num_heads // cfg.block_h)
-    splits = 1 if programs >= target_programs else min(8, backend.next_power_of_2(-(-target_programs // programs)))
-    return dataclasses.replace(cfg, kv_splits=splits)
-
-
-def default_config(num_heads: int, max_q_len: int, num_requests: int = 64, *, rows: int = 32) -> BlockConfig:
-    """Tiles of ``rows`` (token, head) rows, split keys for small grids (``auto_splits``)."""
-    block_h = min(backend.next_power_of_2(num_heads), rows)
-    block_t = max(1, min(backend.next_power_of_2(max_q_len), rows // block_h))
-    block_t = max(block_t, 16 // block_h)
-    return auto_splits(BlockConfig(block_t=block_t, block_h=block_h), num_heads, max_q_len, num_requests)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 # ------------------------------------------------------------------------------ shared helpers
@@ -155,10 +134,17 @@ def sink_attention(q: Float[Array, "b t h d"], parts: Sequence[tuple[Array, Arra
     return (out / denom).astype(q.dtype)
 
 
+def _gather_rows(pool: Pool, rows: Array) -> Pool:
+    """pool [S, N, d] rows ``rows [S, n]`` -> [S, n, d] (Fp8Rows stay fp8)."""
+    take = lambda x: jnp.take_along_axis(x, rows[..., None], axis=1)  # noqa: E731
+    return Fp8Rows(take(pool.nope), take(pool.rope)) if isinstance(pool, Fp8Rows) else take(pool)
+
+
 def reference(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: Float[Array, " h"],
               meta: RaggedMeta, *, scale: float | None = None) -> Float[Array, "t h d"]:
-    """Pure-JAX (XLA) implementation: requests padded to ``max_q_len`` tokens, their key sets
-    gathered once per request and masked per token."""
+    """Pure-JAX (XLA) implementation: requests padded to ``max_q_len`` tokens; ring and prefix
+    entries shared by the tokens of a request and masked per token, top-k entries gathered per
+    token."""
     check_inputs(q, window, entries, sink, meta)
     t, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
@@ -173,19 +159,20 @@ def reference(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink
     pos = ring_positions(meta.ring_end, kw.shape[1])[:, None, :]  # [S, 1, R]
     kw = jnp.where((pos[:, 0] >= 0)[..., None], kw, 0)  # never-written slots may hold garbage
     parts = [(kw, tok_ok[..., None] & (pos >= 0) & (pos >= lo) & (pos <= hi))]
-    if entries is not None:
-        u = meta.comp_idx.shape[1]
+    if meta.entries_kind == "prefix":
         n = _pool_shape(entries)[1]
-        idx = meta.comp_idx
-        ok = (jnp.arange(u)[None] < meta.comp_len[:, None]) & (idx >= 0) & (idx < n)
-        rows = jnp.where(ok, idx, 0)
-        if isinstance(entries, Fp8Rows):
-            picked = Fp8Rows(jnp.take_along_axis(entries.nope, rows[..., None], axis=1),
-                             jnp.take_along_axis(entries.rope, rows[..., None], axis=1))
-        else:
-            picked = jnp.take_along_axis(entries, rows[..., None], axis=1)
-        kc = jnp.where(ok[..., None], _values(picked), 0)
-        parts.append((kc, tok_ok[..., None] & ok[:, None, :] & (meta.comp_mask[tok_c] != 0)))
+        count = jnp.where(tok_ok, meta.comp_count[tok_c], 0)  # [S, Q]
+        u = jnp.arange(n, dtype=jnp.int32)
+        readable = u[None] < jnp.max(count, axis=1)[:, None]  # rows no token sees may hold garbage
+        kc = jnp.where(readable[..., None], _values(entries), 0)
+        parts.append((kc, u[None, None] < count[..., None]))
+    elif meta.entries_kind == "topk":
+        s_, n = meta.num_requests, _pool_shape(entries)[1]
+        idx = meta.comp_topk[tok_c]  # [S, Q, K]
+        ok = tok_ok[..., None] & (idx >= 0) & (idx < n)
+        picked = _gather_rows(entries, jnp.where(ok, idx, 0).reshape(s_, -1))
+        kc = jnp.where(ok[..., None], _values(picked).reshape(*idx.shape, d), 0)  # [S, Q, K, d]
+        parts.append((kc, ok))
     o = sink_attention(q[tok_c], parts, sink, scale)  # [S, Q, H, D]
     dest = jnp.where(tok_ok, tok, t)
     return jnp.zeros((t, h, d), q.dtype).at[dest].set(o, mode="drop")
@@ -196,98 +183,132 @@ def _iota(n: int) -> Array:
     return jnp.arange(n, dtype=jnp.int32)
 
 
-def _load_keys(refs, rows: Array, ok: Array, d: int, fp8: bool, out_dtype) -> Array:
-    """Key rows [bk, d] of a pool (flat refs), zero where not ``ok``; fp8 rows are dequantised.
+def _load_cols(ref, rows: Array, ok: Array, start: int, width: int, other) -> Array:
+    """``ref[rows, start:start + width]`` as [len(rows), width]; ``other`` where not ``ok``. Refs
+    are indexed with broadcast integer arrays only (both the Triton lowering and interpret mode
+    take them)."""
+    return pltriton.load(ref.at[rows[:, None], start + _iota(width)[None, :]], mask=ok[:, None], other=other)
 
-    Everything stays 2-D: each nope column gathers the exponent byte of its 64-dim block and the
-    last ``rope_dim`` columns come from the rope pool (no in-register reshapes).
+
+def _e4m3(codes: Array) -> Array:
+    return lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+
+
+def _key_blocks(refs, rows: Array, ok: Array, spans, fp8: bool, fold: bool) -> list[tuple[Array, Array | None]]:
+    """One key tile (rows ``rows [bk]`` of a flat pool, zero where not ``ok``) as column blocks
+    matching ``spans``: a list of (keys [bk, width], per-key scale [bk] fp32 or None).
+
+    bf16 / fp32 pools: the stored values. fp8 pools: the keys dequantised in bf16 (exactly: e4m3
+    codes times a power of two), each 64-dim block's exponent byte read once per key row, not
+    once per element; or, with ``fold`` (64-wide spans), the e4m3 codes of each nope block as
+    bf16 (exact) with that block's scale, and the rope block as stored.
     """
-    r = rows[:, None]
-    cols = _iota(d)[None, :]
     if not fp8:
         (pool_ref,) = refs
-        return pltriton.load(pool_ref.at[r, cols], mask=ok[:, None], other=0.0)
+        return [(_load_cols(pool_ref, rows, ok, start, width, 0.0), None) for start, width in spans]
     nope_ref, rope_ref = refs
+    d = nope_ref.shape[1]
     nope = d - rope_ref.shape[1]
-    is_nope = cols < nope
-    codes = pltriton.load(nope_ref.at[r, cols], mask=ok[:, None], other=0)
-    exps = pltriton.load(nope_ref.at[r, nope + cols // BLOCK], mask=ok[:, None] & is_nope, other=0)
-    rope = pltriton.load(rope_ref.at[r, cols - nope], mask=ok[:, None] & ~is_nope, other=0.0)
-    # all in bf16, exactly: e4m3 codes and powers of two (2 ** (e - 127), built from the exponent
-    # bits) are bf16 values, and their products are too (the scales keep them in the normal range)
-    scale = lax.bitcast_convert_type(exps.astype(jnp.int16) << 7, jnp.bfloat16)
-    vals = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.bfloat16) * scale
-    return jnp.where(is_nope, vals, rope).astype(out_dtype)
+    rope = _load_cols(rope_ref, rows, ok, 0, rope_ref.shape[1], 0.0)
+    bk = rows.shape[0]
+    blocks = []
+    for start, width in spans:
+        groups = width // BLOCK
+        has_rope = start + width > nope  # the last span ends with the rope block
+        if fold and not has_rope:
+            codes = _load_cols(nope_ref, rows, ok, start, width, 0)
+            e = pltriton.load(nope_ref.at[rows, nope + start // BLOCK], mask=ok, other=0)
+            scale = lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)  # 2 ** (e - 127)
+            blocks.append((_e4m3(codes).astype(jnp.bfloat16), scale))
+            continue
+        if fold:
+            blocks.append((rope, None))
+            continue
+        # codes of the span's nope blocks (in the rope block's place: exponent / padding bytes, unused)
+        codes = _load_cols(nope_ref, rows, ok, start, width, 0).reshape(bk, groups, BLOCK)
+        e = _load_cols(nope_ref, rows, ok, nope + start // BLOCK, groups, 0)  # exponent byte of each block
+        scale = lax.bitcast_convert_type(e.astype(jnp.int16) << 7, jnp.bfloat16)  # 2 ** (e - 127) in bf16
+        vals = _e4m3(codes).astype(jnp.bfloat16) * scale[:, :, None]
+        if has_rope:
+            group = lax.broadcasted_iota(jnp.int32, (1, groups, 1), 1)
+            vals = jnp.where(group < groups - 1, vals, rope[:, None, :])
+        blocks.append((vals.reshape(bk, width), None))
+    return blocks
 
 
-def _online_update(state, q, kv, visible, scale: float):
-    """One key tile of the online softmax; state = (running max, running sum, accumulator)."""
+def _online_update(state, q_blocks: list[Array], keys: list[tuple[Array, Array | None]], visible: Array,
+                   logit_scale: float):
+    """One key tile of the online softmax in the log2 domain; state = (running max, running sum,
+    accumulator blocks)."""
     m, l, acc = state
-    s = lax.dot_general(q, kv.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(visible, s * scale, -jnp.inf)
+    s = None
+    for q_b, (k_b, scale_b) in zip(q_blocks, keys):
+        s_b = lax.dot_general(q_b, k_b.astype(q_b.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if scale_b is not None:
+            s_b = s_b * scale_b[None, :]
+        s = s_b if s is None else s + s_b
+    s = jnp.where(visible, s * logit_scale, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    corr = jnp.exp(m - m_use)
-    p = jnp.exp(s - m_use[:, None])
+    corr = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - m_use[:, None])
     l = l * corr + jnp.sum(p, axis=1)
-    acc = acc * corr[:, None] + lax.dot_general(p.astype(kv.dtype), kv, (((1,), (0,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    new_acc = []
+    for a, (k_b, scale_b) in zip(acc, keys):
+        p_b = p if scale_b is None else p * scale_b[None, :]
+        new_acc.append(a * corr[:, None] + lax.dot_general(p_b.astype(k_b.dtype), k_b, (((1,), (0,)), ((), ())),
+                                                           preferred_element_type=jnp.float32))
+    return m_new, l, tuple(new_acc)
 
 
-def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries: int, n_slots: int,
-                      n_tok_blocks: int, num_tokens: int, w_fp8: bool, c_fp8: bool, has_entries: bool,
-                      scale: float, pv_dtype_w, pv_dtype_c):
+def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries: int, kind: str | None,
+                      n_head_blocks: int, n_tok_blocks: int, num_tokens: int, spans: tuple, w_fp8: bool,
+                      c_fp8: bool, scale: float):
     refs = list(refs)
     split = cfg.kv_splits > 1
-    if split:  # partial softmax states of each key split
-        acc_ref, m_ref, l_ref = refs[-3:]
-        refs = refs[:-3]
+    if split:  # normalised partial output + log-sum-exp of each key split
+        o_ref, lse_ref = refs[-2:]
+        refs = refs[:-2]
     else:
         o_ref = refs.pop()
     cu_ref, lo_ref, hi_ref, end_ref, q_ref, sink_ref = refs[:6]
     rest = refs[6:]
-    w_refs = tuple(rest[:2] if w_fp8 else rest[:1])
-    rest = rest[len(w_refs):]
-    if has_entries:
-        idx_ref, len_ref, mask_ref = rest[:3]
-        c_refs = tuple(rest[3:5] if c_fp8 else rest[3:4])
+    n_w = 2 if w_fp8 else 1
+    w_refs, rest = tuple(rest[:n_w]), rest[n_w:]
+    if kind is not None:
+        ent_ref, c_refs = rest[0], tuple(rest[1:])
 
     bt, bh, bk, n_split = cfg.block_t, cfg.block_h, cfg.block_k, cfg.kv_splits
-    d = q_ref.shape[1]
+    fold = cfg.fp8_fold
     n_req = end_ref.shape[0]
     n_rows = num_tokens * heads  # rows of q / the output: token * heads + head
-    ks, hb, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    ks, rb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, hb = rb // n_head_blocks, rb % n_head_blocks
     i = _iota(bt * bh)
     head = hb * bh + i % bh
     head_ok = head < heads
     head_c = jnp.where(head_ok, head, 0)
-    cols = _iota(d)[None, :]
+    empty = (jnp.full((bt * bh,), -jnp.inf, jnp.float32), jnp.zeros((bt * bh,), jnp.float32),
+             tuple(jnp.zeros((bt * bh, width), jnp.float32) for _, width in spans))
 
     def store(row, ok, state):
         """Final output, or this split's partial state. Masked rows index one past the end: never
         accessed on a GPU, and in interpret mode a masked store to a shared in-range row could
         race with a real one."""
         m, l, acc = state
+        m_use = jnp.where(m == -jnp.inf, 0.0, m)
         if split:
             dest = jnp.where(ok, ks * n_rows + row, n_split * n_rows)
-            pltriton.store(acc_ref.at[dest[:, None], cols], acc, mask=ok[:, None])
-            pltriton.store(m_ref.at[dest], m, mask=ok)
-            pltriton.store(l_ref.at[dest], l, mask=ok)
+            inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+            lse = jnp.where(l > 0, m_use * LN2 + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+            pltriton.store(lse_ref.at[dest], lse, mask=ok)
         else:
+            dest = jnp.where(ok, row, n_rows)
             sink = pltriton.load(sink_ref.at[head_c], mask=head_ok, other=0.0)
-            m = jnp.where(m == -jnp.inf, 0.0, m)
-            out = acc / (l + jnp.exp(sink - m))[:, None]
-            dest = jnp.where(ok, row, n_rows)[:, None]
-            pltriton.store(o_ref.at[dest, cols], out.astype(o_ref.dtype), mask=ok[:, None])
-
-    def share(n_tiles):
-        """This split's range of ``n_tiles`` key tiles."""
-        per = pl.cdiv(n_tiles, n_split)
-        return jnp.minimum(ks * per, n_tiles), jnp.minimum((ks + 1) * per, n_tiles)
-
-    empty = (jnp.full((bt * bh,), -jnp.inf, jnp.float32), jnp.zeros((bt * bh,), jnp.float32),
-             jnp.zeros((bt * bh, d), jnp.float32))
+            inv = 1.0 / (l + jnp.exp2(sink * LOG2E - m_use))
+        for (start, width), a in zip(spans, acc):
+            pltriton.store(o_ref.at[dest[:, None], start + _iota(width)[None, :]],
+                           (a * inv[:, None]).astype(o_ref.dtype), mask=ok[:, None])
 
     @pl.when(s < n_req)
     def _attend():
@@ -299,35 +320,66 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
             row_ok = (tok < q1) & head_ok
             tok_c = jnp.where(row_ok, tok, 0)
             row = tok * heads + head
-            q = pltriton.load(q_ref.at[jnp.where(row_ok, row, 0)[:, None], cols], mask=row_ok[:, None], other=0.0)
-            lo = pltriton.load(lo_ref.at[tok_c], mask=row_ok, other=1)  # masked rows: empty window
-            hi = pltriton.load(hi_ref.at[tok_c], mask=row_ok, other=0)
+            row_c = jnp.where(row_ok, row, 0)
+            q_blocks = [_load_cols(q_ref, row_c, row_ok, start, width, 0.0) for start, width in spans]
+
+            def per_token(ref, other, reduce):
+                """A per-token value for every row (a scalar when the program holds one token,
+                broadcast over its rows for free, else a [rows, 1] column) and its reduction
+                over the program's rows."""
+                if bt == 1:
+                    v = ref[q0 + j]
+                    return v, v
+                v = pltriton.load(ref.at[tok_c], mask=row_ok, other=other)
+                return v[:, None], reduce(v)
+
+            lo, lo_min = per_token(lo_ref, 2**30, jnp.min)  # masked rows see nothing
+            hi, hi_max = per_token(hi_ref, -1, jnp.max)
             end = end_ref[s]
+            # the positions any row of this program sees, all inside the ring: [end - R, end)
+            p_lo = jnp.maximum(lo_min, jnp.maximum(end - ring, 0))
+            p_hi = jnp.minimum(hi_max, end - 1)
+            n_ring = pl.cdiv(jnp.maximum(p_hi - p_lo + 1, 0), bk)
 
             def ring_tile(kt, state):
-                slot = kt * bk + _iota(bk)
-                pos = end - 1 - lax.rem(end - 1 - slot + ring, ring)
-                ok = (slot < ring) & (pos >= 0)
-                kv = _load_keys(w_refs, s * ring + slot, ok, d, w_fp8, pv_dtype_w)
-                vis = ok[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= hi[:, None])
-                return _online_update(state, q, kv, vis, scale)
+                pos = p_lo + kt * bk + _iota(bk)
+                ok = pos <= p_hi
+                keys = _key_blocks(w_refs, s * ring + jnp.where(ok, lax.rem(pos, ring), 0), ok, spans, w_fp8, fold)
+                visible = ok[None, :] & (pos[None, :] >= lo) & (pos[None, :] <= hi)
+                return _online_update(state, q_blocks, keys, visible, scale * LOG2E)
 
-            state = lax.fori_loop(*share(pl.cdiv(ring, bk)), ring_tile, empty)
-
-            if has_entries:
-                n_used = len_ref[s]
+            if kind == "prefix":
+                count, count_max = per_token(ent_ref, 0, jnp.max)
+                n_keys = jnp.minimum(count_max, n_entries)
+                n_ent = pl.cdiv(n_keys, bk)
 
                 def entry_tile(kt, state):
                     u = kt * bk + _iota(bk)
-                    u_ok = u < n_used
-                    idx = pltriton.load(idx_ref.at[s * n_slots + u], mask=u_ok, other=-1)
-                    ok = u_ok & (idx >= 0) & (idx < n_entries)
-                    kv = _load_keys(c_refs, s * n_entries + jnp.where(ok, idx, 0), ok, d, c_fp8, pv_dtype_c)
-                    picked = pltriton.load(mask_ref.at[tok_c[:, None] * n_slots + u[None, :]],
-                                           mask=row_ok[:, None] & u_ok[None, :], other=0)
-                    return _online_update(state, q, kv, ok[None, :] & (picked != 0), scale)
+                    ok = u < n_keys
+                    keys = _key_blocks(c_refs, s * n_entries + jnp.where(ok, u, 0), ok, spans, c_fp8, fold)
+                    return _online_update(state, q_blocks, keys, ok[None, :] & (u[None, :] < count), scale * LOG2E)
+            elif kind == "topk":  # block_t = 1: the program's one token and its own list
+                k_len = ent_ref.shape[0] // num_tokens
+                n_ent = pl.cdiv(k_len, bk)
 
-                state = lax.fori_loop(*share(pl.cdiv(n_used, bk)), entry_tile, state)
+                def entry_tile(kt, state):
+                    u = kt * bk + _iota(bk)
+                    u_ok = u < k_len
+                    idx = pltriton.load(ent_ref.at[(q0 + j) * k_len + jnp.where(u_ok, u, 0)], mask=u_ok, other=-1)
+                    ok = u_ok & (idx >= 0) & (idx < n_entries)
+                    keys = _key_blocks(c_refs, s * n_entries + jnp.where(ok, idx, 0), ok, spans, c_fp8, fold)
+                    return _online_update(state, q_blocks, keys, ok[None, :], scale * LOG2E)
+            else:
+                n_ent = 0
+
+            # this split's share of the program's tiles: ring tiles first, then entry tiles
+            n_tiles = n_ring + n_ent
+            per = pl.cdiv(n_tiles, n_split)
+            t0 = jnp.minimum(ks * per, n_tiles)
+            t1 = jnp.minimum(t0 + per, n_tiles)
+            state = lax.fori_loop(jnp.minimum(t0, n_ring), jnp.minimum(t1, n_ring), ring_tile, empty)
+            if kind is not None:
+                state = lax.fori_loop(jnp.maximum(t0 - n_ring, 0), jnp.maximum(t1 - n_ring, 0), entry_tile, state)
             store(row, row_ok, state)
 
     @pl.when(s == n_req)
@@ -349,14 +401,21 @@ def _flat(pool: Pool) -> tuple[Array, ...]:
     return (pool.reshape(-1, pool.shape[-1]),)
 
 
-def merge_splits(acc, m, l, sink, out_dtype):
-    """Merge per-split softmax states ``acc [P, n, d], m [P, n], l [P, n]`` (row n = token * H + head)."""
-    m_max = jnp.max(m, axis=0)
-    m_use = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = jnp.exp(m - m_use)  # splits without keys (m = -inf) weigh 0
-    sink_rows = jnp.tile(sink.astype(jnp.float32), m.shape[1] // sink.shape[0])
-    den = jnp.sum(w * l, axis=0) + jnp.exp(sink_rows - m_use)
-    return (jnp.einsum("pn,pnd->nd", w, acc) / den[:, None]).astype(out_dtype)
+def merge_splits(o: Float[Array, "p n d"], lse: Float[Array, "p n"], sink: Float[Array, " h"], out_dtype):
+    """Merge per-split normalised outputs ``o`` and log-sum-exps ``lse`` (row n = token * H +
+    head; a split without keys has lse = -inf) with the sink in the denominator."""
+    m = jnp.max(lse, axis=0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m)  # [P, n]
+    sink_rows = jnp.tile(sink.astype(jnp.float32), lse.shape[1] // sink.shape[0])
+    den = jnp.sum(w, axis=0) + jnp.exp(sink_rows - m)
+    return (jnp.einsum("pn,pnd->nd", w, o.astype(jnp.float32)) / den[:, None]).astype(out_dtype)
+
+
+def spans_for(cfg: BlockConfig, d: int, fp8: bool) -> tuple[tuple[int, int], ...]:
+    """Column blocks of q, keys and accumulator: ``block_d`` wide (64 when fp8 scales are folded)."""
+    width = BLOCK if (cfg.fp8_fold and fp8) else min(cfg.block_d, d)
+    return tuple((start, width) for start in range(0, d, width))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "scale", "interpret"))
@@ -364,38 +423,48 @@ def _pallas(q, window, entries, sink, meta: RaggedMeta, *, cfg: BlockConfig, sca
     t, h, d = q.shape
     s = meta.num_requests
     ring = _pool_shape(window)[1]
-    has_entries = entries is not None
-    n_entries = _pool_shape(entries)[1] if has_entries else 0
-    n_slots = meta.comp_idx.shape[1] if has_entries else 0
+    kind = meta.entries_kind
+    w_fp8, c_fp8 = isinstance(window, Fp8Rows), isinstance(entries, Fp8Rows)
+    n_head_blocks = pl.cdiv(h, cfg.block_h)
     n_tok_blocks = pl.cdiv(meta.max_q_len, cfg.block_t)
     args = [meta.cu_q_lens, meta.win_lo, meta.win_hi, meta.ring_end, q.reshape(t * h, d),
             sink.astype(jnp.float32), *_flat(window)]
-    if has_entries:
-        args += [meta.comp_idx.reshape(-1), meta.comp_len, meta.comp_mask.reshape(-1), *_flat(entries)]
+    if kind is not None:
+        args += [meta.comp_count if kind == "prefix" else meta.comp_topk.reshape(-1), *_flat(entries)]
     kernel = functools.partial(
-        _attention_kernel, cfg=cfg, heads=h, ring=ring, n_entries=n_entries, n_slots=n_slots,
-        n_tok_blocks=n_tok_blocks, num_tokens=t, w_fp8=isinstance(window, Fp8Rows),
-        c_fp8=isinstance(entries, Fp8Rows), has_entries=has_entries, scale=scale,
-        pv_dtype_w=_pool_dtype(window), pv_dtype_c=_pool_dtype(entries) if has_entries else None)
+        _attention_kernel, cfg=cfg, heads=h, ring=ring, n_entries=_pool_shape(entries)[1] if kind else 0,
+        kind=kind, n_head_blocks=n_head_blocks, n_tok_blocks=n_tok_blocks, num_tokens=t,
+        spans=spans_for(cfg, d, w_fp8 or c_fp8), w_fp8=w_fp8, c_fp8=c_fp8, scale=scale)
     p = cfg.kv_splits
     if p > 1:
-        out_shape = (jax.ShapeDtypeStruct((p * t * h, d), jnp.float32), jax.ShapeDtypeStruct((p * t * h,), jnp.float32),
-                     jax.ShapeDtypeStruct((p * t * h,), jnp.float32))
+        out_shape = (jax.ShapeDtypeStruct((p * t * h, d), q.dtype), jax.ShapeDtypeStruct((p * t * h,), jnp.float32))
     else:
         out_shape = jax.ShapeDtypeStruct((t * h, d), q.dtype)
     with backend.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
-            grid=(p, pl.cdiv(h, cfg.block_h), n_tok_blocks, s + 1),
+            grid=(p, n_tok_blocks * n_head_blocks, s + 1),
             out_shape=out_shape,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
             interpret=interpret,
             name="ragged_sink_attention",
         )(*args)
     if p > 1:
-        acc, m, l = out
-        out = merge_splits(acc.reshape(p, t * h, d), m.reshape(p, t * h), l.reshape(p, t * h), sink, q.dtype)
+        o, lse = out
+        out = merge_splits(o.reshape(p, t * h, d), lse.reshape(p, t * h), sink, q.dtype)
     return out.reshape(t, h, d)
+
+
+def select_config(q: Array, window: Pool, entries: Pool | None, meta: RaggedMeta) -> BlockConfig:
+    """The tuned configuration for this call's shape (``attention_configs.select``)."""
+    fp8 = isinstance(window, Fp8Rows) or isinstance(entries, Fp8Rows)
+    n_keys = _pool_shape(window)[1]  # ring rows, plus entry slots
+    if meta.entries_kind == "prefix":
+        n_keys += _pool_shape(entries)[1]
+    elif meta.entries_kind == "topk":
+        n_keys += meta.comp_topk.shape[1]
+    return attention_configs.select(q.shape[1], meta.max_q_len, meta.num_requests, meta.entries_kind or "window",
+                                    fp8, platform=backend.gpu_platform(), n_keys=n_keys)
 
 
 def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: Float[Array, " h"],
@@ -408,8 +477,10 @@ def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: F
         raise ValueError(f"head_dim must be a power of two >= 16 for the kernel, got {d}")
     check_values(meta, ring=_pool_shape(window)[1],
                  n_entries=_pool_shape(entries)[1] if entries is not None else None)
-    cfg = config or default_config(h, meta.max_q_len, meta.num_requests)
+    cfg = config or select_config(q, window, entries, meta)
     cfg.check()
+    if meta.entries_kind == "topk" and cfg.block_t != 1:
+        raise ValueError(f"top-k entries are a key list per token: the kernel needs block_t = 1, got {cfg.block_t}")
     scale = d**-0.5 if scale is None else float(scale)
     return _pallas(q, window, entries, sink, meta, cfg=cfg, scale=scale, interpret=backend.interpret_mode(interpret))
 

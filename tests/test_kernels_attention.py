@@ -4,6 +4,8 @@ Interpret mode fills every output of a ``pallas_call`` with NaN before the kerne
 ``test_interpret_mode_poisons_outputs``), so a finite result means every element was written.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from dspark_jax.cache import ring_positions, ring_write_slots, scatter_rows
 from dspark_jax.model import attention as model_attention
 from dspark_jax.model.indexer import visible_entries
 from pallas_kernels import attention_metadata as am
-from pallas_kernels import backend, kv_fp8
+from pallas_kernels import attention_configs, backend, kv_fp8
 from pallas_kernels import ragged_attention as ra
 
 H, D, W = 4, 128, 8  # tiny-model head count, head dim and window
@@ -70,9 +72,12 @@ def test_window_only(dtype, layout, splits):
     _compare(out, ra.reference(q, ring, None, sink, meta), dtype, sum(q_lens))
 
 
-@pytest.mark.parametrize("dtype,w_layout,c_layout", [("f32", "plain", "plain"), ("bf16", "fp8", "fp8"),
-                                                     ("bf16", "plain", "fp8")])
-def test_topk_entries_with_empty_slots(dtype, w_layout, c_layout):
+@pytest.mark.parametrize("dtype,w_layout,c_layout,config", [
+    ("f32", "plain", "plain", None),
+    ("bf16", "fp8", "fp8", ra.BlockConfig(block_h=16, block_k=16, kv_splits=3, block_d=64)),
+    ("bf16", "plain", "fp8", ra.BlockConfig(block_h=16, block_k=32, num_warps=4, fp8_fold=True)),
+])
+def test_topk_entries_with_empty_slots(dtype, w_layout, c_layout, config):
     rng = np.random.default_rng(1)
     q_lens, lengths = VERIFY
     t, n, k = sum(q_lens) + 2, 40, 5
@@ -83,19 +88,25 @@ def test_topk_entries_with_empty_slots(dtype, w_layout, c_layout):
         m = min(k, vis[i])
         topk[i, :m] = rng.choice(vis[i], m, replace=False) if m else []
         topk[i, rng.random(k) < 0.2] = -1
+    topk[-1] = np.arange(k)  # a padding token's picks must be ignored
     meta = am.with_topk_entries(meta, jnp.asarray(topk))
     qd = jnp.float32 if dtype == "f32" else jnp.bfloat16
     q = _rand(rng, (t, H, D), qd)
     ring = _poison_unwritten_ring(_rand(rng, (S, R, D), qd), np.add(q_lens, lengths))
     entries = _rand(rng, (S, n, D), qd)
+    picked = np.zeros((S, n), bool)  # entries no token picked hold NaN: they must not be read
+    req = np.searchsorted(np.cumsum(q_lens), np.arange(sum(q_lens)), side="right")
+    for i, r in enumerate(req):
+        picked[r, topk[i][topk[i] >= 0]] = True
+    entries = jnp.where(jnp.asarray(picked)[..., None], entries, jnp.nan)
     ring = kv_fp8.quantize(ring) if w_layout == "fp8" else ring
     entries = kv_fp8.quantize(entries) if c_layout == "fp8" else entries
     sink = _rand(rng, (H,))
-    out = ra.kernel(q, ring, entries, sink, meta)
+    out = ra.kernel(q, ring, entries, sink, meta, config=config)
     _compare(out, ra.reference(q, ring, entries, sink, meta), dtype, sum(q_lens))
 
 
-@pytest.mark.parametrize("config", [None, ra.BlockConfig(block_t=1, block_h=16, block_k=16),
+@pytest.mark.parametrize("config", [None, ra.BlockConfig(block_t=1, block_h=16, block_k=16, block_d=64),
                                     ra.BlockConfig(block_t=2, block_h=8, block_k=64, num_warps=8, kv_splits=3)])
 def test_prefix_entries_block_configs(config):
     rng = np.random.default_rng(2)
@@ -213,23 +224,28 @@ def test_reference_matches_drafter_key_sets():
     np.testing.assert_allclose(np.asarray(got), np.asarray(expect).reshape(b * g, H, D), rtol=1e-5, atol=1e-5)
 
 
-def test_topk_union_and_membership():
+def test_entry_metadata_builders():
+    """Top-k lists are kept per token (padding tokens and rows at position -1 get none); prefix
+    counts follow the reference rule w < (p + 1) // ratio, clamped to the pool."""
     rng = np.random.default_rng(7)
     q_lens, k = [3, 1, 4], 4
     t = sum(q_lens) + 1
-    meta, _ = am.verify(q_lens, [10, 0, 20], window=W, num_tokens=t, max_q_len=4)
+    meta, pos = am.verify(q_lens, [10, 0, 20], window=W, num_tokens=t, max_q_len=4)
     topk = rng.integers(-1, 9, (t, k)).astype(np.int32)
     m = am.with_topk_entries(meta, jnp.asarray(topk))
-    cu = np.cumsum([0] + q_lens)
-    idx, ln, mask = np.asarray(m.comp_idx), np.asarray(m.comp_len), np.asarray(m.comp_mask)
-    assert idx.shape == (3, 16) and mask.shape == (t, 16)
-    for s in range(3):
-        want = sorted({int(e) for row in topk[cu[s]:cu[s + 1]] for e in row if e >= 0})
-        assert idx[s, :ln[s]].tolist() == want and (idx[s, ln[s]:] == -1).all()
-        for tok in range(cu[s], cu[s + 1]):
-            chosen = {int(e) for e in topk[tok] if e >= 0}
-            assert {int(idx[s, u]) for u in np.nonzero(mask[tok])[0]} == chosen
-    assert (mask[-1] == 0).all()  # padding token
+    assert m.entries_kind == "topk" and m.comp_count is None
+    want = topk.copy()
+    want[-1] = -1  # padding token
+    np.testing.assert_array_equal(np.asarray(m.comp_topk), want)
+    dense_pos = np.asarray(pos).copy()
+    dense_pos[1] = -1  # a padding row of the dense layout
+    m = am.with_topk_entries(meta, jnp.asarray(topk), jnp.asarray(dense_pos))
+    assert (np.asarray(m.comp_topk)[1] == -1).all() and (np.asarray(m.comp_topk)[0] == topk[0]).all()
+
+    m = am.with_prefix_entries(meta, pos, ratio=4, num_slots=5)
+    assert m.entries_kind == "prefix" and m.comp_topk is None
+    p = np.asarray(pos)
+    np.testing.assert_array_equal(np.asarray(m.comp_count), np.where(p >= 0, np.minimum((p + 1) // 4, 5), 0))
 
 
 def test_bad_input_is_rejected():
@@ -254,15 +270,27 @@ def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="win_hi must have shape"):
         ra.kernel(q, ring, None, sink, am.RaggedMeta(meta.cu_q_lens, meta.win_lo, meta.win_hi[:4], meta.ring_end,
                                                     max_q_len=3))
-    with pytest.raises(ValueError, match="comp_mask must be int8"):
-        m = am.with_prefix_entries(meta, jnp.arange(5), ratio=4, num_slots=4)
-        ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink, am.RaggedMeta(
-            m.cu_q_lens, m.win_lo, m.win_hi, m.ring_end, m.comp_idx, m.comp_len, m.comp_mask.astype(jnp.int32), 3))
+    prefix = am.with_prefix_entries(meta, jnp.arange(5), ratio=4, num_slots=4)
+    with pytest.raises(ValueError, match="comp_count must be int32"):
+        ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink,
+                  dataclasses.replace(prefix, comp_count=prefix.comp_count.astype(jnp.int8)))
+    with pytest.raises(ValueError, match="comp_count must lie in"):  # 10 visible entries, a pool of 4
+        ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink, am.with_prefix_entries(meta, jnp.arange(5) + 40, ratio=4,
+                                                                            num_slots=16))
+    topk = am.with_topk_entries(meta, jnp.asarray([[0, 3]] * 5, jnp.int32))
+    with pytest.raises(ValueError, match="comp_topk names an entry"):
+        ra.kernel(q, ring, jnp.zeros((2, 3, D)), sink, topk)
+    with pytest.raises(ValueError, match="not both"):
+        ra.reference(q, ring, jnp.zeros((2, 4, D)), sink, dataclasses.replace(topk, comp_count=prefix.comp_count))
+    with pytest.raises(ValueError, match="block_t = 1"):
+        ra.kernel(q, ring, jnp.zeros((2, 4, D)), sink, topk, config=ra.BlockConfig(block_t=2, block_h=8))
 
 
-def test_fp8_keys_are_dequantised_exactly():
+@pytest.mark.parametrize("config", [ra.BlockConfig(4, 4), ra.BlockConfig(1, 16, fp8_fold=True, kv_splits=2)])
+def test_fp8_keys_are_dequantised_exactly(config):
     """With a one-position window and no sink mass the output is the key row itself: it must equal
-    the reference KV fake-quantisation of the stored row bit for bit."""
+    the reference KV fake-quantisation of the stored row bit for bit, whether the kernel
+    dequantises the key tiles or folds the scales into its dots (and merges key splits)."""
     from dspark_jax.model.quant import kv_sim
 
     rng = np.random.default_rng(8)
@@ -272,8 +300,79 @@ def test_fp8_keys_are_dequantised_exactly():
     meta, pos = am.verify([2, 1, 3], lengths, window=1, num_tokens=6, max_q_len=3)
     q = _rand(rng, (6, H, D), jnp.bfloat16)
     sink = jnp.full((H,), -1e30, jnp.float32)  # exp(sink - m) == 0
-    out = ra.kernel(q, kv_fp8.quantize(rows), None, sink, meta, config=ra.BlockConfig(4, 4))
+    out = ra.kernel(q, kv_fp8.quantize(rows), None, sink, meta, config=config)
     req = np.array([0, 0, 1, 2, 2, 2])
     expect = kv_sim(rows, 64)[req, np.asarray(pos) % r]  # [6, D]
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
                                   np.broadcast_to(np.asarray(expect)[:, None, :], (6, H, D)).view(np.uint16))
+
+
+TABLE_CONFIGS = attention_configs.table_configs()
+
+
+@pytest.mark.parametrize("index", range(len(TABLE_CONFIGS)))
+def test_every_tuned_config_in_interpret_mode(index):
+    """Each distinct configuration of the tuned table (tiles, splits, column blocks) against the
+    reference at head_dim 512 with few heads (the rows past them masked): C128-like prefix entries
+    and C4-like top-k lists in turn, with one fp8 and one bf16 pool so that both key loaders run."""
+    config = TABLE_CONFIGS[index]
+    rng = np.random.default_rng(20 + index)
+    d, n, k = 512, 12, 6
+    q_lens, lengths = [6, 3], [40, 17]
+    t = sum(q_lens) + 1  # one padding token
+    meta, pos = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
+    topk_layer = index % 2 == 1
+    if topk_layer:
+        vis = np.minimum((np.asarray(pos) + 1) // 4, n)
+        topk = np.full((t, k), -1, np.int32)
+        for i, v in enumerate(vis):
+            topk[i, :min(k, v)] = rng.permutation(max(v, 0))[:k]
+        meta = am.with_topk_entries(meta, jnp.asarray(topk))
+    else:
+        meta = am.with_prefix_entries(meta, pos, ratio=4, num_slots=n)
+    q = _rand(rng, (t, H, d), jnp.bfloat16)
+    ring = _poison_unwritten_ring(_rand(rng, (2, R, d), jnp.bfloat16), np.add(q_lens, lengths))
+    entries = _rand(rng, (2, n, d), jnp.bfloat16)
+    ring, entries = (kv_fp8.quantize(ring), entries) if topk_layer else (ring, kv_fp8.quantize(entries))
+    sink = _rand(rng, (H,))
+    out = ra.kernel(q, ring, entries, sink, meta, config=config)
+    _compare(out, ra.reference(q, ring, entries, sink, meta), "bf16", sum(q_lens))
+
+
+def test_config_selection_by_shape(tmp_path):
+    """The engine's configuration comes from the table by platform, layer kind, pool layout, heads
+    and batch; other batches keep about the tuned number of programs (bounded by the key tiles);
+    shapes without an entry get the default; a malformed table is refused."""
+    entries = attention_configs.table_entries()
+    for e in entries:
+        got = attention_configs.select(e["heads"], e["q_len"], e["batch"], e["kind"], e["pool"] == "fp8",
+                                       platform=e["platform"])
+        assert got == e["config"], e
+    big = next(e for e in entries if e["platform"] == "cuda" and e["kind"] == "prefix" and e["pool"] == "bf16"
+               and e["batch"] == 64)["config"]
+    assert big.kv_splits == 1
+    at8 = attention_configs.select(64, 6, 8, "prefix", False, platform="cuda", n_keys=144 + 256)
+    assert at8.block_h == big.block_h and at8.kv_splits == 8  # 8 x 6 programs -> 8 splits keep 384 programs
+    few_keys = attention_configs.select(64, 6, 8, "prefix", False, platform="cuda", n_keys=2 * big.block_k)
+    assert few_keys.kv_splits == 2  # never more splits than key tiles
+    rocm = attention_configs.select(64, 6, 64, "topk", True, platform="rocm")
+    assert rocm.num_warps * 64 == 256 and rocm.block_t == 1  # 4 wavefronts of 64 lanes
+    tiny = attention_configs.select(4, 6, 2, "topk", False, n_keys=30)
+    assert tiny == attention_configs.default_config(4, 6, 2, kind="topk", n_keys=30) and tiny.block_t == 1
+
+    # the kernel picks the same configuration when none is given (what the model's calls do)
+    q = jnp.zeros((12, 64, 128), jnp.bfloat16)
+    meta, pos = am.verify([6, 6], [40, 50], window=W, num_tokens=12, max_q_len=6)
+    meta = am.with_prefix_entries(meta, pos, ratio=4, num_slots=16)
+    assert ra.select_config(q, jnp.zeros((2, R, 128)), jnp.zeros((2, 16, 128)), meta) == attention_configs.select(
+        64, 6, 2, "prefix", False, platform="cuda", n_keys=R + 16)
+
+    bad = tmp_path / "table.json"
+    bad.write_text('{"entries": [{"platform": "cuda", "kind": "topk", "pool": "bf16", "heads": 64, "q_len": 6, '
+                   '"batch": 64, "config": {"block_t": 2, "block_h": 32}}]}')
+    with pytest.raises(ValueError, match="block_t = 1"):
+        attention_configs.table_entries(str(bad))
+    bad.write_text('{"entries": [{"platform": "cuda", "kind": "prefix", "pool": "bf16", "heads": 64, "q_len": 6, '
+                   '"batch": 64, "config": {"block_k": 24}}]}')
+    with pytest.raises(ValueError, match="power of two"):
+        attention_configs.table_entries(str(bad))

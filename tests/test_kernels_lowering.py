@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend, kv_fp8, lowering
+from pallas_kernels import attention_configs, backend, kv_fp8, lowering
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels.attention_metadata import RaggedMeta
 
@@ -23,11 +23,18 @@ def _pool(rows: int, layout: str):
     return SD((S, rows, D), jnp.bfloat16)
 
 
-def _meta(slots: int | None, max_q_len: int = 6, tokens: int = T):
+def _meta(kind: str, max_q_len: int = 6, tokens: int = T, s: int = S, k: int = K):
+    """Metadata of a layer kind: ``window`` (ring only), ``prefix`` (Cm), ``topk`` (C4, k picks)."""
     i32 = jnp.int32
-    comp = (SD((S, slots), i32), SD((S,), i32), SD((tokens, slots), jnp.int8)) if slots else (None, None, None)
-    return RaggedMeta(SD((S + 1,), i32), SD((tokens,), i32), SD((tokens,), i32), SD((S,), i32), *comp,
-                      max_q_len=max_q_len)
+    comp = dict(prefix=dict(comp_count=SD((tokens,), i32)), topk=dict(comp_topk=SD((tokens, k), i32))).get(kind, {})
+    return RaggedMeta(SD((s + 1,), i32), SD((tokens,), i32), SD((tokens,), i32), SD((s,), i32), max_q_len=max_q_len,
+                      **comp)
+
+
+def _lower_attention(kind: str, layout: str, config, q_dtype=jnp.bfloat16) -> str:
+    args = (SD((T, H, D), q_dtype), _pool(RING, layout), None if kind == "window" else _pool(N, layout),
+            SD((H,), jnp.float32), _meta(kind))
+    return lowering.lower(lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, config=config, interpret=False), *args)
 
 
 def test_fp8_write_lowers_for_gfx950():
@@ -38,22 +45,31 @@ def test_fp8_write_lowers_for_gfx950():
 
 
 @pytest.mark.parametrize("layout", ["bf16", "fp8"])
-@pytest.mark.parametrize("entries,config", [
-    (None, None),  # window-only layers and the drafter
-    (6 * K, None),  # C4: union of 6 tokens' top-512
-    (N, ra.BlockConfig(block_t=1, block_h=64, block_k=32, num_warps=8, num_stages=2)),  # C128 at 64k
-    (N, ra.BlockConfig(block_t=2, block_h=16, block_k=64, num_warps=4, num_stages=3, kv_splits=4)),
+@pytest.mark.parametrize("kind,config", [
+    ("window", None),  # window-only layers and the drafter, the table's config for gfx950
+    ("topk", None),  # C4: each token's top-512
+    ("prefix", None),  # C128 at 64k context
+    ("prefix", ra.BlockConfig(block_t=2, block_h=16, block_k=64, num_warps=4, num_stages=3, kv_splits=4)),
+    ("topk", ra.BlockConfig(block_h=32, block_k=16, block_d=128, fp8_fold=True, kv_splits=3)),
 ])
-def test_ragged_attention_lowers_for_gfx950(layout, entries, config):
-    args = (SD((T, H, D), jnp.bfloat16), _pool(RING, layout), _pool(N, layout) if entries else None,
-            SD((H,), jnp.float32), _meta(entries))
-    text = lowering.lower(lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, config=config, interpret=False), *args)
-    assert lowering.count_triton_calls(text) == 1
+def test_ragged_attention_lowers_for_gfx950(layout, kind, config):
+    assert lowering.count_triton_calls(_lower_attention(kind, layout, config)) == 1
+
+
+ENTRIES = attention_configs.table_entries()
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['platform']}-{e['kind']}-{e['pool']}-b{e['batch']}"
+                                                for e in ENTRIES])
+def test_every_tuned_config_lowers_for_gfx950(entry):
+    """Every configuration the engine may pick from the table (the CUDA ones too: their Triton
+    legality does not depend on the target) at Flash shapes for its layer kind and pool."""
+    assert lowering.count_triton_calls(_lower_attention(entry["kind"], entry["pool"], entry["config"])) == 1
 
 
 def test_decode_shape_lowers_for_gfx950():
     args = (SD((S, H, D), jnp.bfloat16), _pool(RING, "fp8"), None, SD((H,), jnp.float32),
-            _meta(None, max_q_len=1, tokens=S))
+            _meta("window", max_q_len=1, tokens=S))
     assert lowering.count_triton_calls(lowering.lower(
         lambda q, w, e, s, m: ra.kernel(q, w, e, s, m, interpret=False), *args)) == 1
 
@@ -81,8 +97,7 @@ def test_tiny_model_shapes_lower_for_gfx950():
     """The CPU test model's sizes (4 heads x 128, 64 nope dims) go through the same kernels."""
     s, t, h, d = 2, 12, 4, 128
     i32 = jnp.int32
-    meta = RaggedMeta(SD((s + 1,), i32), SD((t,), i32), SD((t,), i32), SD((s,), i32), SD((s, 18), i32),
-                      SD((s,), i32), SD((t, 18), jnp.int8), max_q_len=6)
+    meta = _meta("topk", tokens=t, s=s, k=3)
     fp8 = lambda n: kv_fp8.Fp8Rows(SD((s, n, d), jnp.uint8), SD((s, n, 64), jnp.bfloat16))  # noqa: E731
     text = lowering.lower(lambda q, w, e, k, m: ra.kernel(q, w, e, k, m, interpret=False),
                           SD((t, h, d), jnp.bfloat16), fp8(24), fp8(40), SD((h,), jnp.float32), meta)
@@ -98,9 +113,7 @@ def test_float32_queries_lower_for_gfx950(precision):
     """An fp32 model sends fp32 queries; under matmul_precision="highest" (the library default) the
     kernel's dots become IEEE float32 dots, which must still lower."""
     s, t, h, d = 2, 12, 4, 128
-    i32 = jnp.int32
-    meta = RaggedMeta(SD((s + 1,), i32), SD((t,), i32), SD((t,), i32), SD((s,), i32), SD((s, 18), i32),
-                      SD((s,), i32), SD((t, 18), jnp.int8), max_q_len=6)
+    meta = _meta("prefix", tokens=t, s=s)
     with jax.default_matmul_precision(precision):
         text = lowering.lower(lambda q, w, e, k, m: ra.kernel(q, w, e, k, m, interpret=False),
                               SD((t, h, d), jnp.float32), SD((s, 24, d), jnp.bfloat16), SD((s, 40, d), jnp.bfloat16),
