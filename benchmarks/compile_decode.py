@@ -35,7 +35,7 @@ def kernel_counts(text: str) -> dict:
     return {"fusions": text.count(" fusion("), "custom_calls": text.count(" custom-call(")}
 
 
-def probe(variant: str, batch: int, rounds: int) -> dict:
+def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("target", "dspark")) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -65,6 +65,8 @@ def probe(variant: str, batch: int, rounds: int) -> dict:
     prompts = [rng.integers(3, model.config.vocab_size - 1, prompt_len) for _ in range(batch)]
     params = [SamplingParams(max_new_tokens=8 * rounds)] * batch
     for name, gamma in (("target", 0), ("dspark", model.config.dspark.block_size)):
+        if name not in modes:
+            continue
         eng = Engine(model, gamma=gamma)
         bs = eng.init_state(prompts, params, list(range(batch)), prompt_len + 8 * rounds + 32)
         c = min(eng.prefill_chunk, max(16, 1 << (prompt_len - 1).bit_length()))
@@ -104,10 +106,11 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--parallel", action="store_true", help="run the variants at the same time")
+    ap.add_argument("--modes", default="target,dspark", help="target-only and / or DSpark decoding")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
-        print("RESULT " + json.dumps(probe(args.probe, args.batch, args.rounds)), flush=True)
+        print("RESULT " + json.dumps(probe(args.probe, args.batch, args.rounds, tuple(args.modes.split(",")))), flush=True)
         return
     procs, start = {}, time.time()
     for v in args.only.split(","):
@@ -116,7 +119,8 @@ def main():
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v]["xla_flags"]).strip()
         if args.parallel:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(round(0.9 / len(args.only.split(",")), 2))
-        cmd = [sys.executable, __file__, "--probe", v, "--batch", str(args.batch), "--rounds", str(args.rounds)]
+        cmd = [sys.executable, __file__, "--probe", v, "--batch", str(args.batch), "--rounds", str(args.rounds),
+               "--modes", args.modes]
         log = open(os.path.join(out_dir(), f"compile_{v}.log"), "w")  # progress survives a kill
         procs[v] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log)
         if not args.parallel:

@@ -212,9 +212,13 @@ def default_config(block_m: int, fmt: str) -> GemmConfig:
     """Few rows (decode / verify): narrow column tiles, many programs streaming weights. Many rows
     (prefill): wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an
     H200 (the in-register decoding favours 64 columns); the others as first measured there."""
+    if fmt == "fp8_k32":
+        if block_m <= 16:
+            return GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return GemmConfig(block_n=128, block_k=128 if block_m <= 32 else 64, num_warps=4, num_stages=3)
     if block_m <= 16:
         return GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
-    if fmt in ("fp4", "fp8_k32"):
+    if fmt == "fp4":
         return GemmConfig(block_n=64, block_k=256 if block_m <= 32 else 128, num_warps=4, num_stages=3)
     return GemmConfig(block_n=128, block_k=64, num_warps=8 if block_m >= 64 else 4, num_stages=3)
 
