@@ -77,8 +77,9 @@ def main():
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--weights", default="official", choices=("official", "fp8", "dense"),
-                    help="official: FP8 linears and FP4 experts as in the checkpoints; dense: bf16")
+    ap.add_argument("--weights", default="fp8", choices=("official", "fp8", "dense"),
+                    help="official: FP8 linears and FP4 experts as in the checkpoints; fp8: the FP4 experts "
+                         "widened to e4m3 (same values); dense: bf16")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     args = ap.parse_args()
 

@@ -116,8 +116,8 @@ ROUTINGS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4", "fp8_k32"])
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("fmt,routing", [("dense", "uneven"), ("fp8", "uneven"), ("fp4", "uneven"),
+                                         ("fp8_k32", "uneven"), ("fp4", "one_group"), ("fp8_k32", "one_group")])
 def test_kernel_matches_reference(fmt, routing):
     rng = np.random.default_rng(7)
     g, n, k = 8, 64, 256
@@ -231,8 +231,9 @@ def test_weight_bytes_of_the_official_formats():
         model = dspark_jax.init(cfg, 0, weight_format=fmt)
         assert sum(memory.weight_bytes(cfg, fmt).values()) == model.weight_bytes
         assert f"weights={fmt}" in repr(model)
-    flash = config.flash()
-    q, d = memory.weight_bytes(flash, "official"), memory.weight_bytes(flash, "dense")
+    one = config.flash_slice(1, dspark=False)
+    q, d = memory.weight_bytes(one, "official"), memory.weight_bytes(one, "dense")
     assert q["routed_experts"] * 2 / (0.5 + 1 / 32) == d["routed_experts"]
     assert sum(q.values()) < 0.3 * sum(d.values())
-    assert 150 * 2**30 < sum(q.values()) < 160 * 2**30  # 284 B parameters + 3 DSpark stages
+    flash = sum(memory.weight_bytes(config.flash(), "official").values())
+    assert 150 * 2**30 < flash < 160 * 2**30  # 284 B parameters + 3 DSpark stages
