@@ -222,7 +222,8 @@ def test_flash_moe_layer_memory_grows_with_tokens_times_topk():
 
 def test_weight_bytes_of_the_official_formats():
     """The planner's weight bytes equal a real model's, and Flash's FP4 / FP8 weights take a
-    fraction of bf16 (routed experts 0.5 + 1/32 bytes per weight instead of 2)."""
+    fraction of bf16 (routed experts 0.5 + 1/32 bytes per weight instead of 2; the whole model with
+    its DSpark stages about 155 GiB, against 567 GiB in bf16)."""
     import dspark_jax
     from dspark_jax import memory
 
@@ -234,6 +235,6 @@ def test_weight_bytes_of_the_official_formats():
     one = config.flash_slice(1, dspark=False)
     q, d = memory.weight_bytes(one, "official"), memory.weight_bytes(one, "dense")
     assert q["routed_experts"] * 2 / (0.5 + 1 / 32) == d["routed_experts"]
-    assert sum(q.values()) < 0.3 * sum(d.values())
+    assert q["other"] < 0.95 * d["other"]  # FP8 attention / shared-expert matrices (embed and head stay bf16)
     flash = sum(memory.weight_bytes(config.flash(), "official").values())
     assert 150 * 2**30 < flash < 160 * 2**30  # 284 B parameters + 3 DSpark stages
