@@ -39,3 +39,14 @@ def small_checkpoint(tmp_path_factory):
     with open(path / "sts.json", "w") as f:
         json.dump({"temperatures": [1.5, 1.0, 0.5]}, f)
     return str(path)
+
+
+# The longest test files run first: the workers take whole files in collection order
+# (`--dist loadfile`), so a long file collected last would keep one worker busy alone at the end.
+_LONG_FIRST = ("test_engine.py", "test_train_e2e.py", "test_default_model.py", "test_sampling.py", "test_model.py",
+               "test_kernels_integration.py", "test_sharding.py", "test_precision.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
