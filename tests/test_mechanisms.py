@@ -44,9 +44,10 @@ def test_sinkhorn_is_doubly_stochastic():
 def test_numerics_sinkhorn_choice():
     from dspark_jax.model.common import Numerics
 
-    assert Numerics(sinkhorn="loop").sinkhorn_unroll() is False
-    assert Numerics(sinkhorn="unrolled").sinkhorn_unroll() is True
-    assert Numerics().sinkhorn_unroll() is None
+    assert Numerics(sinkhorn="loop").sinkhorn_impl() == "loop"
+    assert Numerics(sinkhorn="unrolled").sinkhorn_impl() == "unrolled"
+    assert Numerics(sinkhorn="kernel").sinkhorn_impl() == "kernel"
+    assert Numerics().sinkhorn_impl() == "loop"  # "auto" on the CPU; the kernel on a GPU
     with pytest.raises(ValueError, match="sinkhorn must be"):
         Numerics(sinkhorn="scan")
 

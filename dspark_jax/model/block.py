@@ -31,7 +31,7 @@ class Block(nnx.Module):
     def _pre(self, x, fn, base, scale):
         c = self.cfg
         return hc_pre(x, fn[...], base[...], scale[...], iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-                      norm_eps=c.rms_norm_eps, unroll=self.num.sinkhorn_unroll())
+                      norm_eps=c.rms_norm_eps, sinkhorn_impl=self.num.sinkhorn_impl())
 
     def attn_in(self, x: Float[Array, "b t n d"]):
         """Collapsed, normalised attention input and the mHC weights to expand its output."""
