@@ -214,12 +214,12 @@ def roofline(cfg: config.ModelConfig, parts: dict, batch: int, context: int, kv_
 
     step_bytes, step_flops = forward(1)
     verify_bytes, verify_flops = forward(g + 1)
-    m, s = parts["mtp"], cfg.dspark.num_stages
+    m, s = parts["mtp"], cfg.dspark.num_stages  # m: all stages together (expert_*: one expert of each stage)
     draft_tokens = batch * g
     ring = cfg.sliding_window + g
-    draft_bytes = (m["bytes"] + s * distinct_experts(cfg, draft_tokens) * m["expert_bytes"] + parts["head"]["bytes"]
+    draft_bytes = (m["bytes"] + distinct_experts(cfg, draft_tokens) * m["expert_bytes"] + parts["head"]["bytes"]
                    + (g - 1) * parts["markov_w2_bytes"] + batch * s * ring * 2 * cfg.head_dim)
-    draft_flops = 2 * draft_tokens * (m["weights"] + s * cfg.num_experts_per_tok * m["expert_weights"]
+    draft_flops = 2 * draft_tokens * (m["weights"] + cfg.num_experts_per_tok * m["expert_weights"]
                                       + parts["head"]["weights"]) + draft_tokens * s * 4 * cfg.num_attention_heads \
         * cfg.head_dim * ring
     return {"step_bytes": step_bytes, "step_flops": step_flops,
@@ -403,6 +403,38 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     plt.close(fig)
 
 
+def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], depths: list[int], gamma: int,
+                  profile, args, meta: dict, save) -> None:
+    """Compile the target and DSpark rounds of every depth for one batch and cache allocation, then
+    time them at every context; each result is appended to ``meta`` and saved at once."""
+    g0 = time.perf_counter()
+    jobs = {}
+    for depth in depths:
+        for mode in ("target", "dspark"):
+            eng = Engine(models[depth], gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
+                         accept_profile=profile if mode == "dspark" else None)
+            jobs[(depth, mode)] = (eng, random_state(eng, b, alloc, seed=depth))
+    compiled = compile_group(jobs, args.compile_threads)
+    group_compile_s = time.perf_counter() - g0
+    for (depth, mode), (_, secs) in compiled.items():
+        meta["compiles"].append({"weights": w, "batch": b, "alloc": alloc, "depth": depth, "mode": mode,
+                                 "lower_compile_s": secs, "threads": args.compile_threads})
+    print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
+          f"({', '.join(f'{k[0]}L {k[1]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
+    for c in ctxs:
+        for depth in depths:
+            for mode in ("target", "dspark"):
+                eng, bs = jobs[(depth, mode)]
+                sec, tau, bs = time_rounds(compiled[(depth, mode)][0], eng.model.state, at_context(bs, c),
+                                           args.rounds, args.repeats)
+                jobs[(depth, mode)] = (eng, bs)
+                r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
+                     "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec}
+                meta["results"].append(r)
+                print(r, flush=True)
+                save()
+
+
 # ---------------------------------------------------------------------------- main
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -465,7 +497,7 @@ def main(argv=None):
                    "slices": {str(d): layer_kinds(full, range(d)) for d in depths},
                    "difference_layers": layer_kinds(full, range(min(depths), max(depths))),
                    "extrapolated_layers": layer_kinds(full, range(max(depths), full.num_hidden_layers))},
-        "results": [], "skipped": [], "compiles": []}
+        "results": [], "skipped": [], "errors": [], "compiles": []}
 
     def save():
         rows = summarize(meta["results"], full, parts_full, ceil, args.kv)
@@ -475,6 +507,9 @@ def main(argv=None):
 
     last_group_s = 0.0
     for w in formats:
+        if args.budget_s and time.perf_counter() - start + last_group_s > args.budget_s:
+            meta["skipped"].append({"weights": w, "reason": "budget"})
+            continue
         models = {}
         for depth in depths:
             t0 = time.perf_counter()
@@ -493,38 +528,19 @@ def main(argv=None):
                 save()
                 continue
             g0 = time.perf_counter()
-            jobs = {}
-            for depth in depths:
-                for mode in ("target", "dspark"):
-                    eng = Engine(models[depth], gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
-                                 accept_profile=profile if mode == "dspark" else None)
-                    jobs[(depth, mode)] = (eng, random_state(eng, b, alloc, seed=depth))
-            compiled = compile_group(jobs, args.compile_threads)
-            group_compile_s = time.perf_counter() - g0
-            for (depth, mode), (_, secs) in compiled.items():
-                meta["compiles"].append({"weights": w, "batch": b, "alloc": alloc, "depth": depth, "mode": mode,
-                                         "lower_compile_s": secs, "threads": args.compile_threads})
-            print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
-                  f"({', '.join(f'{k[0]}L {k[1]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
-            for c in ctxs:
-                for depth in depths:
-                    for mode in ("target", "dspark"):
-                        eng, bs = jobs[(depth, mode)]
-                        sec, tau, bs = time_rounds(compiled[(depth, mode)][0], eng.model.state, at_context(bs, c),
-                                                   args.rounds, args.repeats)
-                        jobs[(depth, mode)] = (eng, bs)
-                        r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
-                             "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec}
-                        meta["results"].append(r)
-                        print(r, flush=True)
-                        save()
-            del jobs, compiled
+            try:
+                measure_group(models, w, b, alloc, ctxs, depths, gamma, profile, args, meta, save)
+            except Exception as e:  # e.g. out of memory at a large batch: keep the other shapes
+                meta["errors"].append({"weights": w, "batch": b, "contexts": ctxs, "error": repr(e)[:2000]})
+                print(f"failed {w} batch {b}: {e!r}"[:2000], flush=True)
+                save()
             last_group_s = time.perf_counter() - g0
         del models
     rows = save()
     title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'}: depths {args.depths} -> "
              f"{full.num_hidden_layers} layers; {env['device']}, {env['date']}, {env['commit']}; "
-             f"{meta['acceptance'][:60]}")
+             + ("real acceptance" if profile is None else
+                f"acceptance profile (benchmark only), expected accept length {1 + sum(profile[:gamma]):.2f}"))
     if rows:
         plot(rows, title, os.path.join(out_dir(), "decode.png"))
     text = table(rows)

@@ -75,3 +75,16 @@ def test_kv_read_bytes_per_layer_kind():
     assert c128 == 128 * row + 256 * row
     assert decode.distinct_experts(cfg, 1) == pytest.approx(6)
     assert 250 < decode.distinct_experts(cfg, 384) < 256
+
+
+def test_round_roofline_adds_the_drafter_once():
+    """At a batch where every step touches every expert, a round reads what a step reads plus the
+    drafter's weights (each stage's experts once), the head and the Markov matrix again, and its rings."""
+    cfg = config.flash()
+    parts = decode.weight_parts(cfg, "fp8")
+    batch = 4096
+    r = decode.roofline(cfg, parts, batch, 2048, "bf16")
+    m = parts["mtp"]
+    drafter = m["bytes"] + cfg.n_routed_experts * m["expert_bytes"]
+    extra = parts["head"]["bytes"] + 4 * parts["markov_w2_bytes"] + batch * 3 * 133 * 1024
+    assert r["round_bytes"] - r["step_bytes"] == pytest.approx(drafter + extra, rel=1e-6)
