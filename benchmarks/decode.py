@@ -334,19 +334,20 @@ def summarize(results: list[dict], full: config.ModelConfig, parts_full: dict, c
 
 def table(rows: list[dict]) -> str:
     head = ("| weights | batch | context | depth | step ms | round ms | round / step | tau | speed-up "
-            "| target tok/s/user | DSpark tok/s/user | step / roofline |")
-    lines = [head, "|" + "---|" * 12]
+            "| target tok/s/user | DSpark tok/s/user | step / roofline | speed-up at the roofline |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         for depth, m in r["measured"].items():
             lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | {depth} (measured) | "
                          f"{m['step_ms']:.2f} | {m['round_ms']:.2f} | {m['round_over_step']:.2f} | {m['tau']:.2f} "
-                         f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | |")
+                         f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | | |")
         if "full" in r:
             f = r["full"]
             lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | **{f['layers']} (extrapolated)** | "
                          f"{f['step_ms']:.2f} | {f['round_ms']:.2f} | {f['round_over_step']:.2f} | {f['tau']:.2f} | "
                          f"**{f['speedup']:.2f}** | {f['target_tok_s_per_user']:.0f} | "
-                         f"{f['dspark_tok_s_per_user']:.0f} | {f['step_over_roofline']:.1f} |")
+                         f"{f['dspark_tok_s_per_user']:.0f} | {f['step_over_roofline']:.1f} | "
+                         f"{f['roofline_speedup']:.2f} |")
     return "\n".join(lines)
 
 

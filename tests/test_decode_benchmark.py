@@ -9,6 +9,11 @@ from benchmarks import decode
 from dspark_jax import config, memory
 
 
+@pytest.fixture(scope="module")
+def flash_fp8_parts():
+    return decode.weight_parts(config.flash(), "fp8")
+
+
 def test_slices_keep_three_drafter_taps():
     full = config.flash()
     two = decode.sliced(full, 2)
@@ -30,7 +35,7 @@ def test_extrapolation_of_a_linear_cost():
         assert e["full_s"] == pytest.approx(92.0)
 
 
-def test_summary_of_synthetic_timings():
+def test_summary_of_synthetic_timings(flash_fp8_parts):
     """Step 1 + 0.5 d ms, round 9 + 0.6 d ms, accept length 4.33: the 43-layer step is 22.5 ms, the
     round 34.8 ms, the speed-up 4.33 * 22.5 / 34.8; the roofline ratio is the step over bytes / bandwidth."""
     full = config.flash()
@@ -40,7 +45,7 @@ def test_summary_of_synthetic_timings():
                         "round_s": 1e-3 * (1 + 0.5 * d), "tokens_per_round": 1.0})
         results.append({"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": "dspark",
                         "round_s": 1e-3 * (9 + 0.6 * d), "tokens_per_round": 4.33})
-    parts = {"fp8": decode.weight_parts(full, "fp8")}
+    parts = {"fp8": flash_fp8_parts}
     ceil = {"copy_GBps": 2000.0, "bf16_matmul_TFLOPs": 600.0}
     (row,) = decode.summarize(results, full, parts, ceil, "bf16")
     f = row["full"]
@@ -77,11 +82,11 @@ def test_kv_read_bytes_per_layer_kind():
     assert 250 < decode.distinct_experts(cfg, 384) < 256
 
 
-def test_round_roofline_adds_the_drafter_once():
+def test_round_roofline_adds_the_drafter_once(flash_fp8_parts):
     """At a batch where every step touches every expert, a round reads what a step reads plus the
     drafter's weights (each stage's experts once), the head and the Markov matrix again, and its rings."""
     cfg = config.flash()
-    parts = decode.weight_parts(cfg, "fp8")
+    parts = flash_fp8_parts
     batch = 4096
     r = decode.roofline(cfg, parts, batch, 2048, "bf16")
     m = parts["mtp"]
