@@ -1,5 +1,6 @@
-"""Per-user decode speed at DeepSeek-V4-Flash dimensions: DSpark rounds vs target-only steps,
-measured on slices of the model and extrapolated to the full 43 layers + 3 drafter stages.
+"""Per-user decode speed of DSpark rounds vs target-only steps at DeepSeek-V4-Flash dimensions.
+
+Measured on slices of the model and extrapolated to the full 43 layers + 3 drafter stages.
 
 What runs. For every weight format, batch and context the script times the jitted round of the
 engine (``Engine._round``, compiled ahead of time) in two modes: ``target`` (γ = 0, one token per
@@ -48,9 +49,12 @@ copy bandwidth measured in the same run. Approximate FLOPs (2 per weight per tok
 and indexer dot products) against the bf16 matmul rate of the same run.
 
 Writes decode.json (after every measurement, so a killed run keeps its results), decode.png and
-decode.md (tables) under $OUT.
+decode.md (tables) under $OUT. Batches run in the order given, each compiling its 4 programs
+(2 depths x 2 modes) at once; ``--budget-s`` skips a batch when the time spent plus the previous
+batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB of weights.
 
-    python benchmarks/decode.py --depths 2,4 --batch 1,32 --context 2048,8192,32768 --weights fp8
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python benchmarks/decode.py --batch 1,32,8,64 --budget-s 470
+    python benchmarks/decode.py --weights official --batch 1,32 --budget-s 470   # FP4 experts
     python benchmarks/decode.py --smoke     # the tiny config on CPU: checks the script runs
 """
 
@@ -444,7 +448,7 @@ def ints(text: str) -> list[int]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="2,4", help="slice depths (layers); two give the per-layer cost")
-    ap.add_argument("--batch", default="1,8,32,64")
+    ap.add_argument("--batch", default="1,32,8,64", help="batches, measured in this order")
     ap.add_argument("--context", default="2048,8192,32768", help="committed tokens per request")
     ap.add_argument("--weights", default="fp8",
                     help="comma list of: official (FP8 linears, FP4 experts as in the checkpoints), fp8 (the FP4 "
