@@ -295,9 +295,12 @@ def compile_group(jobs: dict, threads: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- summary
-def summarize(results: list[dict], full: config.ModelConfig, parts_full: dict, ceil: dict,
+def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: dict,
               kv_layout: str) -> list[dict]:
-    """Per (weights, batch, context): measured values per depth and the full-model extrapolation."""
+    """Per (weights, batch, context): measured values per depth and the full-model extrapolation.
+    ``parts`` maps (weights, layers) to ``weight_parts`` of that slice (or of the full model); the
+    byte rooflines are given where it has an entry."""
+    bw, peak = ceil["copy_GBps"] * 1e9, ceil["bf16_matmul_TFLOPs"] * 1e12
     rows = []
     keys = sorted({(r["weights"], r["batch"], r["context"]) for r in results})
     for w, b, c in keys:
@@ -310,12 +313,17 @@ def summarize(results: list[dict], full: config.ModelConfig, parts_full: dict, c
             row["measured"][str(depth)] = {
                 "step_ms": 1e3 * t[depth], "round_ms": 1e3 * d[depth], "tau": tau[depth],
                 "round_over_step": d[depth] / t[depth], "speedup": tau[depth] * t[depth] / d[depth]}
+            if (w, depth) in parts:
+                roof = roofline(sliced(full, depth), parts[(w, depth)], b, c, kv_layout)
+                row["measured"][str(depth)].update({
+                    "step_bytes": roof["step_bytes"], "round_bytes": roof["round_bytes"],
+                    "step_over_byte_roofline": t[depth] / (roof["step_bytes"] / bw),
+                    "round_over_byte_roofline": d[depth] / (roof["round_bytes"] / bw)})
         et, ed = extrapolate(t, full.num_hidden_layers), extrapolate(d, full.num_hidden_layers)
         if et and ed:
             tau_full = tau[max(tau)]
             step, rnd = et["full_s"], ed["full_s"]
-            roof = roofline(full, parts_full[w], b, c, kv_layout)
-            bw, peak = ceil["copy_GBps"] * 1e9, ceil["bf16_matmul_TFLOPs"] * 1e12
+            roof = roofline(full, parts[(w, full.num_hidden_layers)], b, c, kv_layout)
             step_roof = max(roof["step_bytes"] / bw, roof["step_flops"] / peak)
             round_roof = max(roof["round_bytes"] / bw, roof["round_flops"] / peak)
             roof_ratio = round_roof / step_roof
@@ -344,7 +352,8 @@ def table(rows: list[dict]) -> str:
         for depth, m in r["measured"].items():
             lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | {depth} (measured) | "
                          f"{m['step_ms']:.2f} | {m['round_ms']:.2f} | {m['round_over_step']:.2f} | {m['tau']:.2f} "
-                         f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | | |")
+                         f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | "
+                         f"{m.get('step_over_byte_roofline', math.nan):.1f} (bytes) | |")
         if "full" in r:
             f = r["full"]
             lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | **{f['layers']} (extrapolated)** | "
@@ -484,7 +493,8 @@ def main(argv=None):
     print(env, flush=True)
     ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
     print(ceil, flush=True)
-    parts_full = {w: weight_parts(full, w) for w in formats}
+    parts = {(w, n): weight_parts(full if n == full.num_hidden_layers else sliced(full, n), w)
+             for w in formats for n in {*depths, full.num_hidden_layers}}
     meta = {
         "env": env, "ceilings": ceil, "method": METHOD, "args": vars(args),
         "acceptance": ("real acceptance" if profile is None else
@@ -505,7 +515,7 @@ def main(argv=None):
         "results": [], "skipped": [], "errors": [], "compiles": []}
 
     def save():
-        rows = summarize(meta["results"], full, parts_full, ceil, args.kv)
+        rows = summarize(meta["results"], full, parts, ceil, args.kv)
         write_json("decode.json", {**meta, "summary": rows, "goals": goals(rows),
                                    "elapsed_s": time.perf_counter() - start})
         return rows

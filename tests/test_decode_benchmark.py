@@ -45,7 +45,7 @@ def test_summary_of_synthetic_timings(flash_fp8_parts):
                         "round_s": 1e-3 * (1 + 0.5 * d), "tokens_per_round": 1.0})
         results.append({"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": "dspark",
                         "round_s": 1e-3 * (9 + 0.6 * d), "tokens_per_round": 4.33})
-    parts = {"fp8": flash_fp8_parts}
+    parts = {("fp8", 43): flash_fp8_parts, ("fp8", 4): decode.weight_parts(decode.sliced(full, 4), "fp8")}
     ceil = {"copy_GBps": 2000.0, "bf16_matmul_TFLOPs": 600.0}
     (row,) = decode.summarize(results, full, parts, ceil, "bf16")
     f = row["full"]
@@ -53,6 +53,9 @@ def test_summary_of_synthetic_timings(flash_fp8_parts):
     assert f["speedup"] == pytest.approx(4.33 * 22.5 / 34.8)
     assert f["step_over_byte_roofline"] == pytest.approx(22.5e-3 / (f["step_bytes"] / 2000e9))
     assert row["measured"]["4"]["speedup"] == pytest.approx(4.33 * 3.0 / 11.4)
+    four = row["measured"]["4"]
+    assert four["step_over_byte_roofline"] == pytest.approx(3e-3 / (four["step_bytes"] / 2000e9))
+    assert four["step_bytes"] < f["step_bytes"] / 5 and "step_bytes" not in row["measured"]["2"]
     assert "| **43 (extrapolated)** |" in decode.table([row])
     # one request reads the non-expert weights, 6 experts per layer and its KV: a few GB at most
     assert 5e9 < f["step_bytes"] < 20e9
