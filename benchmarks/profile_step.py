@@ -36,11 +36,11 @@ import argparse
 import collections
 import dataclasses
 import glob
-import json
 import os
 import re
 import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +217,7 @@ class KernelEvent:
     start_ns: float
     dur_ns: float
     line: str = ""
+    run: int | None = None  # the execution it belongs to, where the trace says
 
 
 _DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "XLA TraceMe", "Framework", "Source code", "TensorFlow")
@@ -235,11 +236,14 @@ def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
             if line.name.startswith(_DERIVED_LINES):
                 continue
             for ev in line.events:
-                stats = dict(ev.stats)
+                with warnings.catch_warnings():  # some jaxlib builds warn when their stats are iterated
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(ev.stats)
                 if "hlo_op" not in stats or not str(stats.get("hlo_module", "")).startswith(module):
                     continue
+                run = stats.get("run_id")
                 e = KernelEvent(str(stats["hlo_op"]), float(ev.start_ns), float(ev.duration_ns),
-                                f"{plane.name}/{line.name}")
+                                f"{plane.name}/{line.name}", int(run) if run is not None else None)
                 (device if is_device else host).append(e)
     if device:
         return leaf_events(device), "device kernels (" + ", ".join(sorted({e.line for e in device})[:4]) + ")"
@@ -272,6 +276,25 @@ def busy_ns(events: list[KernelEvent]) -> float:
             total += f - max(s, end)
             end = f
     return total
+
+
+def round_spans_ns(events: list[KernelEvent], rounds: int) -> list[float]:
+    """First kernel start to last kernel end of each execution: events grouped by run id where every
+    event has one, else split at the ``rounds - 1`` widest gaps between kernels."""
+    if not events:
+        return []
+    if all(e.run is not None for e in events) and len({e.run for e in events}) == rounds:
+        groups = collections.defaultdict(list)
+        for e in events:
+            groups[e.run].append(e)
+        parts = list(groups.values())
+    else:
+        evs = sorted(events, key=lambda e: e.start_ns)
+        ends = np.maximum.accumulate([e.start_ns + e.dur_ns for e in evs])
+        gaps = [evs[i + 1].start_ns - ends[i] for i in range(len(evs) - 1)]
+        cuts = sorted(np.argsort(gaps)[::-1][:rounds - 1] + 1) if rounds > 1 else []
+        parts = np.split(np.array(evs, dtype=object), cuts)
+    return [max(e.start_ns + e.dur_ns for e in p) - min(e.start_ns for e in p) for p in parts]
 
 
 def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict:
@@ -339,15 +362,20 @@ def param_scope(path: str, last_stage: int) -> Scope:
     return Scope(phase, layer, "moe")
 
 
+def _nbytes(x) -> float:
+    return float(x.size * jnp.dtype(x.dtype).itemsize)  # (abstract arrays too)
+
+
 def _pool_bytes_per_row(pool) -> float:
     leaves = jax.tree_util.tree_leaves(pool)
-    return sum(x.nbytes for x in leaves) / (leaves[0].shape[0] * leaves[0].shape[1])
+    return sum(_nbytes(x) for x in leaves) / (leaves[0].shape[0] * leaves[0].shape[1])
 
 
-def roofline(model, bs, gamma: int, context: int, ceil: dict) -> dict:
-    """Ideal bytes / FLOPs / time per phase/component of one round (module docstring)."""
-    cfg = model.config
-    b = int(bs.cache.lengths.shape[0])
+def roofline(cfg, params, cache, draft, gamma: int, context: int, ceil: dict) -> dict:
+    """Ideal bytes / FLOPs / time per phase/component of one round (module docstring) of a model
+    with config ``cfg`` and parameters ``params`` (its state; abstract arrays do), with the target
+    ``cache`` and ``draft`` rings of a batch at committed length ``context``."""
+    b = int(cache.lengths.shape[0])
     n_verify, n_draft = b * (gamma + 1), b * gamma
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     last = cfg.dspark.num_stages - 1 if cfg.dspark else -1
@@ -357,7 +385,7 @@ def roofline(model, bs, gamma: int, context: int, ceil: dict) -> dict:
         acc[f"{phase}/{comp}"]["bytes"] += nbytes
         acc[f"{phase}/{comp}"]["flops"] += flops
 
-    for path, x in jax.tree_util.tree_flatten_with_path(model.state)[0]:
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = _dotted(path)
         s = param_scope(name, last)
         if s.phase == "draft" and gamma == 0 or s.phase == "other":
@@ -365,7 +393,7 @@ def roofline(model, bs, gamma: int, context: int, ceil: dict) -> dict:
         if s.component == "context" and gamma == 0:
             continue
         tokens = n_draft if s.phase == "draft" else n_verify
-        nbytes, flops = float(x.nbytes), 0.0
+        nbytes, flops = _nbytes(x), 0.0
         if ".experts." in name:  # routed experts: the expected distinct chosen ones, k per token
             frac = 1.0 - (1.0 - k / e) ** tokens
             nbytes *= frac
@@ -385,30 +413,30 @@ def roofline(model, bs, gamma: int, context: int, ceil: dict) -> dict:
         add(s.phase, s.component, nbytes, flops)
         if name.startswith("mtp.") and ".attn.wkv." in name or name.startswith("mtp.") and ".attn.kv_norm." in name:
             if gamma:  # write_context re-reads each stage's wkv for the committed rows
-                add("accept_commit", "context", float(x.nbytes),
+                add("accept_commit", "context", _nbytes(x),
                     2.0 * b * (gamma + 1) * x.size if x.ndim == 2 and "scale" not in name else 0.0)
         if name == "head.weight" and gamma:  # the draft's base logits use the target's lm_head
-            add("draft", "head", float(x.nbytes), 2.0 * n_draft * x.size)
+            add("draft", "head", _nbytes(x), 2.0 * n_draft * x.size)
 
     # cache reads and attention / indexer score FLOPs
     h, d = cfg.num_attention_heads, cfg.head_dim
     win = min(cfg.sliding_window, context + gamma + 1)
-    for i, lc in enumerate(bs.cache.layers):
+    for i, lc in enumerate(cache.layers):
         ratio = cfg.compress_ratios[i]
         add("verify", "attention", b * win * _pool_bytes_per_row(lc.window), 4.0 * n_verify * h * d * win)
         if ratio:
             n_vis = context // ratio
-            add("verify", "compressor", float(lc.compressor.kv.nbytes + lc.compressor.score.nbytes))
+            add("verify", "compressor", _nbytes(lc.compressor.kv) + _nbytes(lc.compressor.score))
             keys = min(n_vis, cfg.index_topk) if ratio == 4 else n_vis
             read = min(n_vis, (gamma + 1) * cfg.index_topk) if ratio == 4 else n_vis
             add("verify", "attention", b * read * _pool_bytes_per_row(lc.compressor.entries),
                 4.0 * n_verify * h * d * keys)
         if ratio == 4:
             add("verify", "indexer", b * (context // 4) * _pool_bytes_per_row(lc.indexer.entries)
-                + float(lc.indexer.kv.nbytes + lc.indexer.score.nbytes),
+                + _nbytes(lc.indexer.kv) + _nbytes(lc.indexer.score),
                 2.0 * n_verify * cfg.index_n_heads * cfg.index_head_dim * (context // 4))
-    if gamma and bs.draft is not None:
-        for ring in bs.draft.rings:
+    if gamma and draft is not None:
+        for ring in draft.rings:
             keys = min(cfg.sliding_window, context) + gamma
             add("draft", "attention", b * min(cfg.sliding_window, context) * _pool_bytes_per_row(ring),
                 4.0 * n_draft * h * d * keys)
@@ -453,7 +481,9 @@ def prepare(model, eng, args):
                                n_generated=jnp.ones((args.batch,), jnp.int32))
 
 
-def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str) -> dict:
+def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str, save) -> dict:
+    """Compile, time and profile one mode; ``save(partial result)`` after each part (a killed run
+    keeps what it measured)."""
     from dspark_jax.decoding.engine import Engine
 
     eng = Engine(model, gamma=gamma, kv_layout=args.kv_layout)
@@ -473,7 +503,9 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
         if s and s.layer:
             per_layer[s.layer] += n
     out["static_kernels_per_layer"] = dict(sorted(per_layer.items()))
-    print(name, "compiled in", round(out["compile_s"], 1), "s;", sum(static.values()), "kernel instructions", flush=True)
+    print(name, "compiled in", round(out["compile_s"], 1), "s;", sum(static.values()), "kernel instructions",
+          flush=True)
+    save(out)
 
     state = model.state
     for _ in range(args.warmup):
@@ -487,10 +519,11 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
         times.append(time.perf_counter() - t1)
     out["wall_ms"] = 1e3 * float(np.median(times))
     print(name, "round (no profiler):", round(out["wall_ms"], 3), "ms", flush=True)
+    save(out)
 
     trace_dir = os.path.join(trace_root, name)
     traced = []
-    with jax.profiler.trace(trace_dir):
+    with _trace(trace_dir):
         for _ in range(args.rounds):
             t1 = time.perf_counter()
             bs, res = compiled(state, bs)
@@ -506,16 +539,32 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     out["kernels_per_round"] = len(events) / args.rounds
     out["device_busy_ms"] = busy_ns(events) / args.rounds / 1e6
     out["host_ms"] = out["traced_wall_ms"] - out["device_busy_ms"]
+    spans = round_spans_ns(events, args.rounds)
+    if spans:  # host = launch gaps between the round's kernels + dispatch / sync around them
+        out["device_span_ms"] = float(np.median(spans)) / 1e6
+        out["launch_gaps_ms"] = out["device_span_ms"] - out["device_busy_ms"]
+        out["dispatch_sync_ms"] = out["traced_wall_ms"] - out["device_span_ms"]
     out.update(attribute(events, attr, args.rounds))
     layers = {k: v for k, v in out["layers"].items() if k != "-"}
     out["launches_per_layer"] = {k: v["launches"] for k, v in sorted(layers.items())}
-    out["roofline"] = roofline(model, bs, gamma, args.context, ceil)
+    out["roofline"] = roofline(model.config, model.state, bs.cache, bs.draft, gamma, args.context, ceil)
     out["roofline_ms"] = sum(v["ms"] for v in out["roofline"].values())
     print(name, "traced round", round(out["traced_wall_ms"], 3), "ms; device busy", round(out["device_busy_ms"], 3),
           "ms; host", round(out["host_ms"], 3), "ms;", out["kernels_per_round"], "kernels per round;", source,
           flush=True)
     print(table(out), flush=True)
     return out
+
+
+def _trace(log_dir: str):
+    """``jax.profiler.trace`` without the Python tracer (its overhead would count as host time),
+    where this jax version takes profiler options."""
+    try:
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        return jax.profiler.trace(log_dir, profiler_options=opts)
+    except (AttributeError, TypeError):
+        return jax.profiler.trace(log_dir)
 
 
 def table(res: dict) -> str:
@@ -529,6 +578,9 @@ def table(res: dict) -> str:
         rows.append(f"{k:26s} {m['ms']:9.3f} {m['launches']:7.1f} {r['ms'] if r else 0:9.4f} {ratio} "
                     f"{r['MB'] if r else 0:10.2f} {r['GFLOP'] if r else 0:9.3f}")
     rows.append(f"{'host (wall - device busy)':26s} {res['host_ms']:9.3f}")
+    if "launch_gaps_ms" in res:
+        rows.append(f"{'  gaps between kernels':26s} {res['launch_gaps_ms']:9.3f}")
+        rows.append(f"{'  dispatch + sync':26s} {res['dispatch_sync_ms']:9.3f}")
     return "\n".join(rows)
 
 
@@ -571,6 +623,7 @@ def main():
     ap.add_argument("--kv-layout", default="bf16", choices=("bf16", "fp8"))
     ap.add_argument("--prefill", action="store_true", help="fill the caches by a real prefill")
     ap.add_argument("--trace-dir", default=None, help="where the raw traces go (default: a temporary folder)")
+    ap.add_argument("--name", default="profile", help="output files: <name>.json and <name>.png")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     args = ap.parse_args()
     if args.smoke:
@@ -591,16 +644,21 @@ def main():
     print(info, flush=True)
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="dspark_profile_")
     results = []
+
+    def save(partial=None):
+        done = results + ([partial] if partial is not None else [])
+        write_json(f"{args.name}.json", {"env": env, "ceilings": ceil, "config": info, "results": done})
+
     for name in args.modes.split(","):
         gamma = 0 if name == "target" else cfg.dspark.block_size
-        results.append(profile_mode(model, name, gamma, args, ceil, trace_root))
-        write_json("profile.json", {"env": env, "ceilings": ceil, "config": info, "results": results})
+        results.append(profile_mode(model, name, gamma, args, ceil, trace_root, save))
+        save()
     if len(results) == 2 and "wall_ms" in results[0] and "wall_ms" in results[1]:
         print("dspark round / target step (untraced):", round(results[1]["wall_ms"] / results[0]["wall_ms"], 3),
               flush=True)
-    plot(results, os.path.join(out_dir(), "profile.png"),
+    plot([r for r in results if "components" in r], os.path.join(out_dir(), f"{args.name}.png"),
          f"{env['device']}: {cfg.num_hidden_layers} layers, batch {args.batch}, context {args.context}")
-    print("wrote", os.path.join(out_dir(), "profile.json"), flush=True)
+    print("wrote", os.path.join(out_dir(), f"{args.name}.json"), flush=True)
 
 
 if __name__ == "__main__":
