@@ -225,9 +225,10 @@ _DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "XLA TraceMe", "Framework",
 
 def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
     """Kernel events of HLO module ``module`` in an .xplane.pb: device planes when there are any
-    (GPU), else the host's XLA CPU thunk events. Returns (events, source description)."""
+    (GPU), else the host's XLA CPU thunk events. When no event names that module, those of the
+    module with the most events (said so). Returns (events, source description)."""
     data = jax.profiler.ProfileData.from_file(path)
-    device, host = [], []
+    by_module = collections.defaultdict(lambda: ([], []))
     for plane in data.planes:
         is_device = plane.name.startswith("/device:")
         if not is_device and plane.name != "/host:CPU":
@@ -239,15 +240,20 @@ def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
                 with warnings.catch_warnings():  # some jaxlib builds warn when their stats are iterated
                     warnings.simplefilter("ignore", DeprecationWarning)
                     stats = dict(ev.stats)
-                if "hlo_op" not in stats or not str(stats.get("hlo_module", "")).startswith(module):
+                if "hlo_op" not in stats:
                     continue
                 run = stats.get("run_id")
                 e = KernelEvent(str(stats["hlo_op"]), float(ev.start_ns), float(ev.duration_ns),
                                 f"{plane.name}/{line.name}", int(run) if run is not None else None)
-                (device if is_device else host).append(e)
+                by_module[str(stats.get("hlo_module", ""))][0 if is_device else 1].append(e)
+    note = ""
+    if module not in by_module and by_module:
+        found = max(by_module, key=lambda m: len(by_module[m][0]) + len(by_module[m][1]))
+        note, module = f"; no event of module {module!r}, took {found!r} of {sorted(by_module)}", found
+    device, host = by_module[module]
     if device:
-        return leaf_events(device), "device kernels (" + ", ".join(sorted({e.line for e in device})[:4]) + ")"
-    return leaf_events(host), "host-side XLA CPU thunks (no device plane in this trace)"
+        return leaf_events(device), "device kernels (" + ", ".join(sorted({e.line for e in device})[:4]) + ")" + note
+    return leaf_events(host), "host-side XLA CPU thunks (no device plane in this trace)" + note
 
 
 def leaf_events(events: list[KernelEvent]) -> list[KernelEvent]:
@@ -471,7 +477,8 @@ def prepare(model, eng, args):
     v = model.config.vocab_size
     prompts = [rng.integers(3, v - 1, args.context) for _ in range(args.batch)]
     params = [SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)] * args.batch
-    max_len = -(-(args.context + (args.rounds + args.warmup + 4) * 8 + 32) // 128) * 128
+    rounds = 2 * args.rounds + args.warmup  # untraced + traced
+    max_len = -(-(args.context + rounds * (eng.gamma + 1) + 32) // 128) * 128
     bs = eng.init_state(prompts, params, list(range(args.batch)), max_len)
     if args.prefill:
         bs, _ = eng.prefill(bs, prompts)
@@ -624,11 +631,17 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="fill the caches by a real prefill")
     ap.add_argument("--trace-dir", default=None, help="where the raw traces go (default: a temporary folder)")
     ap.add_argument("--name", default="profile", help="output files: <name>.json and <name>.png")
+    ap.add_argument("--compile-cache", default=None,
+                    help="a folder for JAX's persistent compilation cache (a second run loads instead of compiling)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     args = ap.parse_args()
     if args.smoke:
         args.context, args.rounds, args.warmup = min(args.context, 64), min(args.rounds, 2), 1
 
+    if args.compile_cache:
+        from dspark_jax.compile_cache import enable_compile_cache
+
+        enable_compile_cache(args.compile_cache)
     env = environment()
     print(env, flush=True)
     ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
