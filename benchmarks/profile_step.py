@@ -309,6 +309,7 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
     by_comp = collections.defaultdict(lambda: [0.0, 0])
     by_layer = collections.defaultdict(lambda: [0.0, 0])
     by_kernel = collections.defaultdict(lambda: [0.0, 0])
+    by_layer_comp = collections.defaultdict(lambda: [0.0, 0])
     missing = collections.Counter()
     inferred = 0
     for e in events:
@@ -319,7 +320,9 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
             key, layer = "unattributed", ""
         else:
             key, layer = f"{s.phase}/{s.component}", s.layer
-        for table, k in ((by_comp, key), (by_layer, layer or "-"), (by_kernel, e.hlo_op)):
+        tables = ((by_comp, key), (by_layer, layer or "-"), (by_kernel, e.hlo_op),
+                  (by_layer_comp, (layer, key.split("/")[-1])))
+        for table, k in tables:
             table[k][0] += e.dur_ns
             table[k][1] += 1
 
@@ -328,7 +331,12 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
                 for k, v in sorted(table.items(), key=lambda kv: -kv[1][0])}
 
     top = per_round(by_kernel)
+    layer_components = collections.defaultdict(dict)
+    for (layer, comp), v in sorted(by_layer_comp.items()):
+        if layer:
+            layer_components[layer][comp] = {"ms": v[0] / rounds / 1e6, "launches": v[1] / rounds}
     return {"components": per_round(by_comp), "layers": per_round(by_layer),
+            "layer_components": dict(layer_components),
             "top_kernels": {k: dict(v, scope=dataclasses.asdict(attr.scope(k)) if attr.scope(k) else None)
                             for k, v in list(top.items())[:25]},
             "unattributed_ops": dict(missing.most_common(10)),
@@ -501,17 +509,16 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     text = compiled.as_text()
     module = text.split(",")[0].split()[-1] if text.startswith("HloModule") else "jit__round_impl"
     attr = Attribution(text)
-    static = collections.Counter()
+    static, per_layer = collections.Counter(), collections.Counter()
     for s, n in attr.static_kernels().items():
-        static[f"{s.phase}/{s.component}" if s else "unattributed"] += n
-    out["static_kernels"] = dict(static.most_common())
-    per_layer = collections.Counter()
-    for s, n in attr.static_kernels().items():
-        if s and s.layer:
-            per_layer[s.layer] += n
+        static[f"{s.phase}/{s.component}"] += n
+        per_layer[s.layer or "-"] += n
+    out["static_kernels"] = dict(static.most_common())  # kernel-launching instructions of the program
     out["static_kernels_per_layer"] = dict(sorted(per_layer.items()))
-    print(name, "compiled in", round(out["compile_s"], 1), "s;", sum(static.values()), "kernel instructions",
-          flush=True)
+    out["roofline"] = roofline(model.config, model.state, bs.cache, bs.draft, gamma, args.context, ceil)
+    out["roofline_ms"] = sum(v["ms"] for v in out["roofline"].values())
+    print(name, "compiled in", round(out["compile_s"], 1), "s;", sum(static.values()), "kernel instructions;",
+          "roofline", round(out["roofline_ms"], 4), "ms", flush=True)
     save(out)
 
     state = model.state
@@ -541,7 +548,12 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     if not files:
         out["error"] = f"no .xplane.pb written under {trace_dir}"
         return out
-    events, source = trace_events(files[-1], module)
+    try:
+        events, source = trace_events(files[-1], module)
+    except AttributeError as err:  # a jax without jax.profiler.ProfileData
+        out["error"] = f"cannot read the trace with this jax: {err}"
+        print(name, out["error"], flush=True)
+        return out
     out["event_source"] = source
     out["kernels_per_round"] = len(events) / args.rounds
     out["device_busy_ms"] = busy_ns(events) / args.rounds / 1e6
@@ -554,12 +566,12 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     out.update(attribute(events, attr, args.rounds))
     layers = {k: v for k, v in out["layers"].items() if k != "-"}
     out["launches_per_layer"] = {k: v["launches"] for k, v in sorted(layers.items())}
-    out["roofline"] = roofline(model.config, model.state, bs.cache, bs.draft, gamma, args.context, ceil)
-    out["roofline_ms"] = sum(v["ms"] for v in out["roofline"].values())
     print(name, "traced round", round(out["traced_wall_ms"], 3), "ms; device busy", round(out["device_busy_ms"], 3),
           "ms; host", round(out["host_ms"], 3), "ms;", out["kernels_per_round"], "kernels per round;", source,
           flush=True)
     print(table(out), flush=True)
+    for layer, comps in out["layer_components"].items():
+        print(f"  {layer} launches:", {c: v["launches"] for c, v in comps.items()}, flush=True)
     return out
 
 
@@ -669,8 +681,10 @@ def main():
     if len(results) == 2 and "wall_ms" in results[0] and "wall_ms" in results[1]:
         print("dspark round / target step (untraced):", round(results[1]["wall_ms"] / results[0]["wall_ms"], 3),
               flush=True)
-    plot([r for r in results if "components" in r], os.path.join(out_dir(), f"{args.name}.png"),
-         f"{env['device']}: {cfg.num_hidden_layers} layers, batch {args.batch}, context {args.context}")
+    profiled = [r for r in results if "components" in r]
+    if profiled:
+        plot(profiled, os.path.join(out_dir(), f"{args.name}.png"),
+             f"{env['device']}: {cfg.num_hidden_layers} layers, batch {args.batch}, context {args.context}")
     print("wrote", os.path.join(out_dir(), f"{args.name}.json"), flush=True)
 
 
