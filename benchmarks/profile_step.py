@@ -350,7 +350,7 @@ def _dotted(path) -> str:
     return ".".join(n for n in names if n != "value")
 
 
-def param_scope(path: str, last_stage: int) -> Scope:
+def param_scope(path: str) -> Scope:
     """Where a parameter is read in a round (the draft head's lm_head is the target's: counted there
     by ``roofline``)."""
     p = path.split(".")
@@ -392,7 +392,6 @@ def roofline(cfg, params, cache, draft, gamma: int, context: int, ceil: dict) ->
     b = int(cache.lengths.shape[0])
     n_verify, n_draft = b * (gamma + 1), b * gamma
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    last = cfg.dspark.num_stages - 1 if cfg.dspark else -1
     acc = collections.defaultdict(lambda: {"bytes": 0.0, "flops": 0.0})
 
     def add(phase, comp, nbytes=0.0, flops=0.0):
@@ -401,35 +400,26 @@ def roofline(cfg, params, cache, draft, gamma: int, context: int, ceil: dict) ->
 
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = _dotted(path)
-        s = param_scope(name, last)
-        if s.phase == "draft" and gamma == 0 or s.phase == "other":
+        s = param_scope(name)
+        if s.phase == "other" or gamma == 0 and (s.phase == "draft" or s.component == "context"):
             continue
-        if s.component == "context" and gamma == 0:
-            continue
-        tokens = n_draft if s.phase == "draft" else n_verify
-        nbytes, flops = _nbytes(x), 0.0
+        tokens = n_draft if s.phase == "draft" else n_verify  # (context: the γ + 1 verified rows)
+        matrix = x.ndim == 2 and x.shape[0] > 1 and not name.endswith("scale")
+        nbytes, flops = _nbytes(x), 2.0 * tokens * x.size if matrix else 0.0
         if ".experts." in name:  # routed experts: the expected distinct chosen ones, k per token
-            frac = 1.0 - (1.0 - k / e) ** tokens
-            nbytes *= frac
+            nbytes *= 1.0 - (1.0 - k / e) ** tokens
             flops = 2.0 * tokens * k * x.size / e if x.ndim == 3 and not name.endswith("_scale") else 0.0
-        elif s.component == "embed":
-            nbytes = tokens * x.shape[-1] * x.dtype.itemsize
-        elif s.component == "markov":
-            if "markov_w2" in name:  # read once per step of the sequential loop
-                nbytes, flops = gamma * nbytes, 2.0 * gamma * b * x.size
-            else:
-                nbytes = gamma * b * x.shape[-1] * x.dtype.itemsize
-        elif x.ndim == 2 and not name.endswith("scale") and x.shape[0] > 1:
-            rows = b * (gamma + 1) if s.component == "context" else tokens
-            flops = 2.0 * rows * x.size
-        if s.component == "context" and ".attn." in name:  # only each stage's wkv / kv_norm at commit
-            continue
+        elif s.component == "embed" or name.endswith("tid2eid"):  # rows gathered by token id
+            nbytes, flops = tokens * _nbytes(x) / x.shape[0], 0.0
+        elif name.endswith("markov_w1.weight"):  # one row per Markov step
+            nbytes, flops = gamma * b * _nbytes(x) / x.shape[0], 0.0
+        elif name.endswith("markov_w2.weight"):  # read once per step of the sequential loop
+            nbytes, flops = gamma * nbytes, 2.0 * gamma * b * x.size
         add(s.phase, s.component, nbytes, flops)
-        if name.startswith("mtp.") and ".attn.wkv." in name or name.startswith("mtp.") and ".attn.kv_norm." in name:
-            if gamma:  # write_context re-reads each stage's wkv for the committed rows
-                add("accept_commit", "context", _nbytes(x),
-                    2.0 * b * (gamma + 1) * x.size if x.ndim == 2 and "scale" not in name else 0.0)
-        if name == "head.weight" and gamma:  # the draft's base logits use the target's lm_head
+        if gamma and name.startswith("mtp.") and (".attn.wkv." in name or ".attn.kv_norm." in name):
+            # write_context projects the γ + 1 verified rows through every stage's wkv / kv_norm again
+            add("accept_commit", "context", _nbytes(x), 2.0 * n_verify * x.size if matrix else 0.0)
+        if gamma and name == "head.weight":  # the draft's base logits use the target's lm_head
             add("draft", "head", _nbytes(x), 2.0 * n_draft * x.size)
 
     # cache reads and attention / indexer score FLOPs

@@ -114,5 +114,44 @@ def test_trace_of_a_jitted_call_is_attributed(tmp_path):
     assert "unattributed" not in out["components"]
 
 
-if __name__ == "__main__":
-    pytest.main([__file__, "-x", "-q"])
+def test_roofline_bytes_at_flash_dims():
+    """The roofline's bytes of a 1-layer Flash slice (abstract shapes, nothing allocated): no draft
+    work in target-only decoding; one token reads exactly k routed experts; the Markov loop reads
+    markov_w2 once per drafted token; the draft's base logits read the lm_head again."""
+    from flax import nnx
+
+    from benchmarks.profile_step import roofline
+    from dspark_jax import config
+    from dspark_jax.cache import init_cache
+    from dspark_jax.model.common import Numerics
+    from dspark_jax.model.deepseek_v4 import DeepSeekV4
+    from dspark_jax.model.dspark import init_draft_cache
+
+    cfg = config.flash_slice(1)
+    num = Numerics(quant_sim=True, weight_format="fp8")
+    params = nnx.state(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
+    cache = jax.eval_shape(lambda: init_cache(cfg, 1, 1024))
+    draft = jax.eval_shape(lambda: init_draft_cache(cfg, 1))
+    ceil = {"copy_GBps": 1000.0, "bf16_matmul_TFLOPs": 500.0}
+    target = roofline(cfg, params, cache, draft, 0, 512, ceil)
+    spec = roofline(cfg, params, cache, draft, cfg.dspark.block_size, 512, ceil)
+    assert not any(k.startswith("draft/") or k == "accept_commit/context" for k in target)
+
+    leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def layer_bytes(*parts, without=()):
+        return sum(x.size * x.dtype.itemsize for p, x in leaves.items()
+                   if p.startswith("['layers'][0]") and all(s in p for s in parts) and not any(s in p for s in without))
+
+    experts = layer_bytes("'experts'")
+    other_moe = layer_bytes("'ffn'", without=("'experts'", "tid2eid")) + layer_bytes("'ffn_norm'")
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    hash_rows = k * 4  # one token's row of the hash routing table (int32)
+    assert target["verify/moe"]["MB"] * 1e6 == pytest.approx(experts * k / e + other_moe + hash_rows, rel=1e-9)
+    assert spec["verify/moe"]["MB"] > target["verify/moe"]["MB"]
+
+    g, v, r = cfg.dspark.block_size, cfg.vocab_size, cfg.dspark.markov_rank
+    assert spec["draft/markov"]["MB"] * 1e6 == pytest.approx(g * v * r * 2 + g * r * 2, rel=1e-9)
+    lm_head = cfg.vocab_size * cfg.hidden_size * 2
+    assert lm_head < spec["draft/head"]["MB"] * 1e6 < lm_head * 1.01
+    assert spec["draft/head"]["GFLOP"] * 1e9 >= 2 * g * lm_head / 2
