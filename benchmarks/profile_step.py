@@ -9,7 +9,8 @@ to the ``op_name`` metadata written by the model's named scopes:
     <phase>/<layerN | stageN>/<component>/...   phase: draft, verify, accept_commit
 
 component: embed, attention, indexer, compressor, mhc, moe, head, markov, confidence, context (the
-draft rings' context keys, written at commit) or ``other``. A fusion of instructions from several
+draft rings' context keys, written at commit) or ``other`` (in accept_commit: the acceptance and
+the cache commit themselves). A fusion of instructions from several
 components goes to the one most of its (heavy) instructions belong to. Per round the script sums
 device time per phase / component / layer, counts kernel launches, and takes host time = wall time
 - device busy time (the union of kernel intervals). Under the profiler XLA runs CUDA graphs op by
@@ -310,6 +311,7 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
     by_layer = collections.defaultdict(lambda: [0.0, 0])
     by_kernel = collections.defaultdict(lambda: [0.0, 0])
     by_layer_comp = collections.defaultdict(lambda: [0.0, 0])
+    by_phase = collections.defaultdict(lambda: [0.0, 0])
     missing = collections.Counter()
     inferred = 0
     for e in events:
@@ -321,7 +323,7 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
         else:
             key, layer = f"{s.phase}/{s.component}", s.layer
         tables = ((by_comp, key), (by_layer, layer or "-"), (by_kernel, e.hlo_op),
-                  (by_layer_comp, (layer, key.split("/")[-1])))
+                  (by_layer_comp, (layer, key.split("/")[-1])), (by_phase, key.split("/")[0]))
         for table, k in tables:
             table[k][0] += e.dur_ns
             table[k][1] += 1
@@ -335,7 +337,7 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
     for (layer, comp), v in sorted(by_layer_comp.items()):
         if layer:
             layer_components[layer][comp] = {"ms": v[0] / rounds / 1e6, "launches": v[1] / rounds}
-    return {"components": per_round(by_comp), "layers": per_round(by_layer),
+    return {"phases": per_round(by_phase), "components": per_round(by_comp), "layers": per_round(by_layer),
             "layer_components": dict(layer_components),
             "top_kernels": {k: dict(v, scope=dataclasses.asdict(attr.scope(k)) if attr.scope(k) else None)
                             for k, v in list(top.items())[:25]},
@@ -560,6 +562,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
           "ms; host", round(out["host_ms"], 3), "ms;", out["kernels_per_round"], "kernels per round;", source,
           flush=True)
     print(table(out), flush=True)
+    print("  phases:", {k: (round(v["ms"], 3), v["launches"]) for k, v in out["phases"].items()}, flush=True)
     for layer, comps in out["layer_components"].items():
         print(f"  {layer} launches:", {c: v["launches"] for c, v in comps.items()}, flush=True)
     return out

@@ -84,6 +84,8 @@ def test_synthetic_events_are_attributed():
     assert comps["accept_commit/context"] == {"ms": 1000 / 1e6, "launches": 1.0}
     assert comps["unattributed"]["launches"] == 1.0 and out["unattributed_ops"] == {"memset.9": 2}
     assert out["layers"]["L0"]["launches"] == 1.0 and out["layers"]["S1"]["launches"] == 2.0
+    assert out["phases"]["draft"] == {"ms": 5500 / 1e6, "launches": 2.0}
+    assert out["layer_components"]["S1"] == {"attention": {"ms": 5500 / 1e6, "launches": 2.0}}
     assert out["launches_scope_inferred"] == 1.0
     # device busy time is the union of intervals (overlaps counted once)
     assert busy_ns([KernelEvent("a", 0, 10), KernelEvent("b", 5, 10), KernelEvent("c", 30, 5)]) == 20
