@@ -230,6 +230,7 @@ def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
     module with the most events (said so). Returns (events, source description)."""
     data = jax.profiler.ProfileData.from_file(path)
     by_module = collections.defaultdict(lambda: ([], []))
+    unnamed = collections.Counter()  # device events without an hlo_op (diagnosis: what the trace holds)
     for plane in data.planes:
         is_device = plane.name.startswith("/device:")
         if not is_device and plane.name != "/host:CPU":
@@ -242,6 +243,8 @@ def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
                     warnings.simplefilter("ignore", DeprecationWarning)
                     stats = dict(ev.stats)
                 if "hlo_op" not in stats:
+                    if is_device:
+                        unnamed[(ev.name[:60], tuple(sorted(stats))[:8])] += 1
                     continue
                 run = stats.get("run_id")
                 e = KernelEvent(str(stats["hlo_op"]), float(ev.start_ns), float(ev.duration_ns),
@@ -252,6 +255,8 @@ def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
         found = max(by_module, key=lambda m: len(by_module[m][0]) + len(by_module[m][1]))
         note, module = f"; no event of module {module!r}, took {found!r} of {sorted(by_module)}", found
     device, host = by_module[module]
+    if unnamed:
+        note += f"; device events without hlo_op: {sum(unnamed.values())}, e.g. {unnamed.most_common(3)}"
     if device:
         return leaf_events(device), "device kernels (" + ", ".join(sorted({e.line for e in device})[:4]) + ")" + note
     return leaf_events(host), "host-side XLA CPU thunks (no device plane in this trace)" + note
