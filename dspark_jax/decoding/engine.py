@@ -139,9 +139,11 @@ class Engine:
         return dataclasses.replace(bs, anchor=tok, n_generated=n, active=active), tok
 
     def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
+        """One round; its phases are named scopes ("draft", "verify", "accept_commit") so that a
+        device profile can attribute every kernel (benchmarks/profile_step.py)."""
         model = nnx.merge(self.model.graphdef, state)
         sp, g = bs.sampling, self.gamma
-        lengths, was_active = bs.cache.lengths, bs.active
+        lengths = bs.cache.lengths
         b = lengths.shape[0]
         proc = functools.partial(process_logits, sp=sp, use_top_k=top_k, use_top_p=top_p)
 
@@ -149,16 +151,25 @@ class Engine:
             def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
                 return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
 
-            d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
+            with jax.named_scope("draft"):
+                d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
             drafts, q_logits, conf = d.tokens, d.logits, d.confidence
         else:
             drafts = jnp.zeros((b, 0), jnp.int32)
             q_logits = jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32)
             conf = jnp.zeros((b, 0), jnp.float32)
 
-        ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
-        logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+        with jax.named_scope("verify"):
+            ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
+            logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+        with jax.named_scope("accept_commit"):
+            return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
 
+    def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool):
+        """Acceptance (greedy or chain rejection sampling), the emitted tokens, and the commit."""
+        sp, g = bs.sampling, self.gamma
+        lengths, was_active = bs.cache.lengths, bs.active
+        b = lengths.shape[0]
         a, bonus = accept_greedy(drafts, logits)
         if sampled:
             u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_ACCEPT))

@@ -46,6 +46,11 @@ class Indexer(nnx.Module):
 
     def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState
                  ) -> tuple[Int[Array, "b t k"], CompressorState]:
+        with jax.named_scope("indexer"):
+            return self._top_entries(x, qr, chunk, state)
+
+    def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
+                     state: CompressorState) -> tuple[Int[Array, "b t k"], CompressorState]:
         b, t, _ = x.shape
         pos = chunk.positions
         q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim)
