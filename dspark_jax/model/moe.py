@@ -115,12 +115,12 @@ class Experts(nnx.Module):
 
 def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
                     w2: gm.Weights, w3: gm.Weights, *, limit: float, quant_sim: bool, impl: str,
-                    **kernel_options) -> Float[Array, "n d"]:
+                    block_m: int | None = None, **kernel_options) -> Float[Array, "n d"]:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) in fp32 through the grouped matmul (``kernel_options``,
-    e.g. a ``config``, go to both kernels)."""
+    e.g. a ``config``, go to both kernels; ``block_m`` overrides the row tile)."""
     act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
     n, k = idx.shape
-    bm = gm.block_m_for(n * k)
+    bm = block_m or gm.block_m_for(n * k)
     tiles = group_tiles(idx, w1.shape[0], bm)
     pair = tiles.pair_of_row
     real = pair >= 0
