@@ -113,10 +113,9 @@ class DraftOutputs:
     confidence: Float[Array, "n g"]  # raw confidence logits
 
 
-def draft_forward(model: DeepSeekV4, block: Int[Array, "n g"], pos: Int[Array, "n g"], rings, visible,
-                  prev: Int[Array, "n g"]) -> DraftOutputs:
-    """The drafter over flattened blocks with a teacher-forced Markov chain (same modules and order
-    of operations as ``dspark.draft_block``, with ``prev`` given instead of sampled)."""
+def draft_hidden(model: DeepSeekV4, block: Int[Array, "n g"], pos: Int[Array, "n g"], rings, visible
+                 ) -> tuple[Float[Array, "n g d"], Float[Array, "n g v"]]:
+    """The drafter's stages over flattened blocks: pre-norm hidden Z and base logits U (fp32)."""
     cfg = model.cfg
     x = model.embed_streams(block)
     for stage, ring in zip(model.mtp, rings):
@@ -124,11 +123,37 @@ def draft_forward(model: DeepSeekV4, block: Int[Array, "n g"], pos: Int[Array, "
     last = model.mtp[-1]
     z = hc_head(x, last.hc_head_fn[...], last.hc_head_base[...], last.hc_head_scale[...], hc_eps=cfg.hc_eps,
                 norm_eps=cfg.rms_norm_eps)  # pre-norm hidden Z
-    base = model.head(last.norm(z), jnp.float32)
-    feat = last.markov_head.feature(prev)
-    logits = base + last.markov_head.bias(feat)
-    conf = last.confidence_head.proj(jnp.concatenate([z.astype(jnp.float32), feat], axis=-1), jnp.float32)[..., 0]
-    return DraftOutputs(logits=logits, confidence=conf)
+    return z, model.head(last.norm(z), jnp.float32)
+
+
+def confidence_logits(model: DeepSeekV4, z: Float[Array, "n g d"], feat: Float[Array, "n g r"]) -> Float[Array, "n g"]:
+    """Raw confidence logits from [Z_k ; W1[prev_k]]."""
+    proj = model.mtp[-1].confidence_head.proj
+    return proj(jnp.concatenate([z.astype(jnp.float32), feat], axis=-1), jnp.float32)[..., 0]
+
+
+def draft_forward(model: DeepSeekV4, block: Int[Array, "n g"], pos: Int[Array, "n g"], rings, visible,
+                  prev: Int[Array, "n g"]) -> DraftOutputs:
+    """The drafter over flattened blocks with a teacher-forced Markov chain (same modules and order
+    of operations as ``dspark.draft_block``, with ``prev`` given instead of sampled)."""
+    z, base = draft_hidden(model, block, pos, rings, visible)
+    markov = model.mtp[-1].markov_head
+    feat = markov.feature(prev)
+    return DraftOutputs(logits=base + markov.bias(feat), confidence=confidence_logits(model, z, feat))
+
+
+def free_draft(model: DeepSeekV4, block: Int[Array, "n g"], pos: Int[Array, "n g"], rings, visible
+               ) -> tuple[Int[Array, "n g"], Float[Array, "n g"]]:
+    """Greedy drafts as in decoding: the Markov chain runs on the drafter's own argmax tokens
+    (prev_1 = anchor, prev_k = d_{k-1}). Returns the drafts and their raw confidence logits."""
+    z, base = draft_hidden(model, block, pos, rings, visible)
+    markov = model.mtp[-1].markov_head
+    prev, tokens, feats = block[:, 0], [], []
+    for k in range(block.shape[1]):
+        f = markov.feature(prev)
+        prev = jnp.argmax(base[:, k] + markov.bias(f), axis=-1).astype(jnp.int32)
+        tokens.append(prev), feats.append(f)
+    return jnp.stack(tokens, axis=1), confidence_logits(model, z, jnp.stack(feats, axis=1))
 
 
 # ---------------------------------------------------------------------------- losses
@@ -224,3 +249,24 @@ def make_drafter_eval(graphdef: nnx.GraphDef, cfg: DraftLossConfig):
         return metrics, dict(confidence=out.confidence, match=match, valid=valid)
 
     return evaluate
+
+
+def make_free_drafts(graphdef: nnx.GraphDef):
+    """Jitted ``(draft, frozen, rest, ids, anchors) -> {confidence, accepted}`` per block: greedy
+    drafts as in decoding (``free_draft``) at the given anchors, their raw confidence logits, and
+    how many lead the target's greedy tokens (the target's argmax at positions a .. a+γ-1)."""
+
+    @jax.jit
+    def free_drafts(draft: nnx.State, frozen: nnx.State, rest: nnx.State, ids: Int[Array, "b t"], anchors):
+        model = nnx.merge(graphdef, draft, frozen, rest)
+        ds = model.cfg.dspark
+        g = ds.block_size
+        target_logits, hidden = target_features(model, ids)
+        block, pos, _, _ = block_inputs(ids, anchors, g, ds.noise_token_id)
+        rings, visible = context_rings(model, context_input(model.mtp, hidden), anchors)
+        tokens, conf = free_draft(model, block.reshape(-1, g), pos.reshape(-1, g), rings, visible)
+        want = jnp.argmax(gather_rows(target_logits, pos), axis=-1).reshape(-1, g)
+        accepted = jnp.sum(jnp.cumprod((tokens == want).astype(jnp.int32), axis=-1), axis=-1)
+        return dict(confidence=conf, accepted=accepted)
+
+    return free_drafts

@@ -1,15 +1,16 @@
 """The whole pipeline under one wall-clock budget:
 
-corpus -> tokenizer -> token windows -> target pretraining -> drafter training -> held-out
-evaluation -> STS -> official-layout export (+ load check) -> plots and a JSON log.
+corpus -> tokenizer -> token windows -> target pretraining -> generation (the target continues
+corpus prefixes) -> drafter training (generated + corpus windows) -> held-out evaluation ->
+simulated decoding rounds + STS -> official-layout export (+ load check) -> plots and a JSON log.
 
 Output directory layout::
 
     <out>/model/        config.json, model*.safetensors[, index], tokenizer.json, sts.json
     <out>/train_log.json  losses, evaluations, timings, tokens/s, parameter counts, file sizes
     <out>/training.png    loss curves and held-out acceptance by draft position
-    <work>/               tokenizer and token cache, orbax checkpoints of both phases (resume);
-                          <out>/work unless given
+    <work>/               tokenizer and token cache, generated sequences (generated.npz), orbax
+                          checkpoints of both phases (resume); <out>/work unless given
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train import drafter as drafter_lib
+from dspark_jax.train import generate as gen_lib
 from dspark_jax.train import sts as sts_lib
 from dspark_jax.train.checkpointing import PhaseCheckpointer
 from dspark_jax.train.config import RunConfig
@@ -174,34 +176,34 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadl
     return dict(phase=log.to_json(), heldout=held), blocks
 
 
-def calibrate(blocks: list[dict]) -> tuple[dict, dict]:
-    """STS on held-out blocks whose γ labels are all inside their window: temperatures fitted on
-    the even-numbered evaluation batches, ECE / AUC measured on the odd-numbered ones (on the same
-    batches when there is only one)."""
-    def gather(part):
-        conf = np.concatenate([b["confidence"] for b in part])
-        match = np.concatenate([b["match"] for b in part])
-        full = np.concatenate([b["valid"] for b in part]).all(-1)
-        return conf[full].astype(np.float64), np.cumprod(match[full], axis=-1).astype(np.float64)
+def generate_phase(model: DeepSeekV4, cfg: RunConfig, train_w, held_w, corpus_stats: dict, work: str,
+                   deadline: float, resume: bool) -> tuple[np.ndarray, dict, dict]:
+    """Sequences the trained target generates (cached in ``<work>/generated.npz``) and the
+    drafter's training windows made of them and of corpus windows."""
+    gcfg = cfg.generate
+    fingerprint = dict(corpus=corpus_stats["content_sha256"], generate=dataclasses.asdict(gcfg), seed=cfg.seed,
+                       model=cfg.model.to_hf_dict(), dtype=cfg.dtype)
+    data = gen_lib.cached_generate(
+        os.path.join(work, "generated.npz"), fingerprint,
+        lambda: gen_lib.generate_data(model, gcfg, train_w.reshape(-1), held_w.reshape(-1), seed=cfg.seed,
+                                      deadline=deadline, say=_say), resume=resume)
+    windows_, mix = gen_lib.drafter_windows(data["train"], train_w, cfg.seq_len, gcfg.corpus_fraction, cfg.seed)
+    stats = dict(data["stats"], **mix)
+    _say(f"[generate] drafter data: {mix['generated_windows']} generated + {mix['corpus_windows']} corpus windows")
+    return windows_, data, stats
 
-    fit_part, test_part = blocks[0::2], blocks[1::2] or blocks[0::2]
-    conf, labels = gather(fit_part)
-    res = sts_lib.fit_sts(conf, labels)
-    tconf, tlabels = gather(test_part)
-    g = conf.shape[1]
-    test = {}
-    for name, temps in (("before", np.ones(g)), ("after", res.temperatures)):
-        surv = sts_lib.survival(tconf, temps)
-        test[f"ece_{name}_per_position"] = [sts_lib.ece(surv[:, k], tlabels[:, k]) for k in range(g)]
-        test[f"auc_{name}_per_position"] = sts_lib.json_floats([sts_lib.auc(surv[:, k], tlabels[:, k])
-                                                                for k in range(g)])
-        test[f"ece_{name}"] = float(np.mean(test[f"ece_{name}_per_position"]))
-    test["blocks"] = int(tconf.shape[0])
-    sts_json = res.to_json(
-        labels="greedy prefix acceptance, teacher-forced on held-out stdlib files: label_k = 1 iff the "
-               "draft argmax equals the target argmax at positions 1..k given the true prefix",
-        fit_blocks=int(conf.shape[0]), test=test)
-    return sts_json, test
+
+def decoding_rounds(model: DeepSeekV4, cfg: RunConfig, heldout_sequences: np.ndarray) -> tuple[dict, dict]:
+    """Greedy speculative decoding replayed on the greedy continuations of held-out prefixes."""
+    graphdef, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
+    t0 = time.time()
+    rounds = gen_lib.simulate_rounds(drafter_lib.make_free_drafts(graphdef), draft, frozen, rest, heldout_sequences,
+                                     cfg.generate.prefix_tokens, cfg.model.dspark.block_size, cfg.eval_windows)
+    metrics = dict(gen_lib.decoding_metrics(rounds, cfg.model.dspark.block_size),
+                   sequences=len(heldout_sequences), eval_s=time.time() - t0)
+    _say(f"[drafter] held-out decoding (simulated greedy rounds): accept length {metrics['mean_accept_length']:.3f} "
+         f"over {metrics['rounds']} rounds")
+    return rounds, metrics
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -242,14 +244,26 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
     t0 = time.time()
     log["target"] = train_target(model, cfg, train_w, evals, work, t0 + cfg.target_share * train_time, resume)
     log["timings"]["target_s"] = time.time() - t0
+    drafter_w, generated = train_w, None
+    if cfg.generate is not None:
+        t0 = time.time()
+        gen_deadline = t0 + cfg.generate.share * (deadline - cfg.reserve_s - t0)
+        drafter_w, generated, log["generate"] = generate_phase(model, cfg, train_w, held_w, log["corpus"], work,
+                                                               gen_deadline, resume)
+        log["timings"]["generate_s"] = time.time() - t0
     t0 = time.time()
-    log["drafter"], blocks = train_drafter(model, cfg, train_w, evals, work, deadline - cfg.reserve_s, resume)
+    log["drafter"], blocks = train_drafter(model, cfg, drafter_w, evals, work, deadline - cfg.reserve_s, resume)
     log["timings"]["drafter_s"] = time.time() - t0
 
     t0 = time.time()
-    sts_json, test = calibrate(blocks)
+    if generated is not None:
+        rounds, log["drafter"]["decoding"] = decoding_rounds(model, cfg, generated["heldout"])
+        sts_json, test = sts_lib.calibrate_rounds(rounds, cfg.model.dspark.block_size)
+    else:
+        sts_json, test = sts_lib.calibrate_blocks(blocks)
     log["sts"] = dict(test, temperatures=sts_json["temperatures"], fit_blocks=sts_json["fit_blocks"],
-                      fit_ece_before=sts_json["ece_before"], fit_ece_after=sts_json["ece_after"])
+                      fit_ece_before=sts_json["ece_before"], fit_ece_after=sts_json["ece_after"],
+                      labels=sts_json["labels"])
     _say(f"[sts] temperatures {np.round(sts_json['temperatures'], 3).tolist()}, held-out ECE "
          f"{log['sts']['ece_before']:.4f} -> {log['sts']['ece_after']:.4f}")
     log["files"] = export_model(model, model_dir, tokenizer=tok, sts=sts_json, max_file_mib=cfg.max_file_mib,

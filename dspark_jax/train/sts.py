@@ -127,3 +127,55 @@ def fit_sts(conf_logits: np.ndarray, prefix_accepted: np.ndarray, *, grid: np.nd
 def write_sts(path: str, result: STSResult, **extra) -> None:
     with open(path, "w") as f:
         json.dump(result.to_json(**extra), f, indent=2)
+
+
+# ---------------------------------------------------------------------------- calibration of a run
+def prefix_labels(accepted: np.ndarray, gamma: int) -> np.ndarray:
+    """[n, γ] labels from accepted-draft counts: label_k = 1 iff the first k+1 drafts were accepted."""
+    return (np.arange(gamma)[None] < np.asarray(accepted)[:, None]).astype(np.float64)
+
+
+def fit_and_test(fit_conf: np.ndarray, fit_labels: np.ndarray, test_conf: np.ndarray, test_labels: np.ndarray,
+                 **extra) -> tuple[dict, dict]:
+    """Fit on (fit_conf, fit_labels); ECE / AUC before and after on (test_conf, test_labels).
+    Returns the sts.json content and the test measurements."""
+    res = fit_sts(fit_conf, fit_labels)
+    g = fit_conf.shape[1]
+    test = {}
+    for name, temps in (("before", np.ones(g)), ("after", res.temperatures)):
+        surv = survival(test_conf, temps)
+        test[f"ece_{name}_per_position"] = [ece(surv[:, k], test_labels[:, k]) for k in range(g)]
+        test[f"auc_{name}_per_position"] = json_floats([auc(surv[:, k], test_labels[:, k]) for k in range(g)])
+        test[f"ece_{name}"] = float(np.mean(test[f"ece_{name}_per_position"]))
+    test["blocks"] = int(test_conf.shape[0])
+    return res.to_json(fit_blocks=int(fit_conf.shape[0]), **extra), test
+
+
+def calibrate_blocks(blocks: list[dict]) -> tuple[dict, dict]:
+    """STS on teacher-forced held-out blocks whose γ labels are all inside their window:
+    temperatures fitted on the even-numbered evaluation batches, ECE / AUC measured on the
+    odd-numbered ones (on the same batches when there is only one)."""
+    def gather(part):
+        c = np.concatenate([b["confidence"] for b in part])
+        match = np.concatenate([b["match"] for b in part])
+        full = np.concatenate([b["valid"] for b in part]).all(-1)
+        return c[full].astype(np.float64), np.cumprod(match[full], axis=-1).astype(np.float64)
+
+    fit_part, test_part = blocks[0::2], blocks[1::2] or blocks[0::2]
+    return fit_and_test(*gather(fit_part), *gather(test_part),
+                        labels="greedy prefix acceptance, teacher-forced on held-out files: label_k = 1 iff the "
+                               "draft argmax equals the target argmax at positions 1..k given the true prefix")
+
+
+def calibrate_rounds(rounds: dict, gamma: int) -> tuple[dict, dict]:
+    """STS on simulated greedy decoding rounds (``generate.simulate_rounds``): the confidences the
+    scheduler sees in free decoding and whether the drafts were accepted. Temperatures fitted on
+    the rounds of even-numbered sequences, measured on the odd-numbered ones (on the same rounds
+    when there is one sequence)."""
+    conf, labels = rounds["confidence"], prefix_labels(rounds["accepted"], gamma)
+    even = rounds["sequence"] % 2 == 0
+    odd = ~even if (~even).any() else even
+    return fit_and_test(conf[even], labels[even], conf[odd], labels[odd],
+                        labels="greedy decoding rounds replayed on greedy continuations of held-out prefixes: "
+                               "label_k = 1 iff the first k drafts (the drafter's own Markov chain) equal the "
+                               "target's greedy tokens")
