@@ -9,7 +9,7 @@ from flax import nnx
 
 from dspark_jax.model.dspark import draft_block, init_draft_cache, write_context
 from dspark_jax.train.drafter import (DraftLossConfig, block_inputs, context_rings, drafter_batch,
-                                      dspark_losses, sample_anchors, target_features)
+                                      dspark_losses, free_draft, sample_anchors, target_features)
 from dspark_jax.model.dspark import context_input
 
 T = 40
@@ -139,3 +139,31 @@ def test_loss_terms_match_a_reference_computation():
     pt = np.exp(target) / np.exp(target).sum(-1, keepdims=True)
     c_star = np.clip(1 - 0.5 * np.abs(pd - pt).sum(-1), 0, 1)
     assert float(got["tau_prob"]) == pytest.approx(1 + np.cumprod(c_star[full], 1).sum(1).mean(), rel=1e-5)
+
+
+def test_free_drafts_equal_the_inference_drafter_with_greedy_picks(batch):
+    """``free_draft`` (the Markov chain on the drafter's own argmax tokens, used to replay decoding
+    rounds) gives ``draft_block``'s greedy drafts and confidences."""
+    model, ids, anchors, logits, hidden = batch
+    g = model.cfg.dspark.block_size
+
+    def free(m, hidden_, ids_, anchors_):
+        block, pos, _, _ = block_inputs(ids_, anchors_, g, m.cfg.dspark.noise_token_id)
+        rings, visible = context_rings(m, context_input(m.mtp, hidden_), anchors_)
+        return free_draft(m, block.reshape(-1, g), pos.reshape(-1, g), rings, visible)
+
+    def inference(m, hidden_b, anchor, length):
+        cache = write_context(m.mtp, init_draft_cache(m.cfg, 1, jnp.float32), hidden_b, jnp.zeros((1,), jnp.int32),
+                              length)
+        out = draft_block(m, cache, anchor, length, lambda lg, k: jnp.argmax(lg, -1))
+        return out.tokens, out.confidence
+
+    free_fn, state = jitted(free, model)
+    tokens, conf = free_fn(state, hidden, ids, anchors)
+    infer, _ = jitted(inference, model)
+    for b, j in [(0, 1), (0, 2), (1, 3)]:
+        a = int(anchors[b, j])
+        ref_tokens, ref_conf = infer(state, hidden[b:b + 1], ids[b:b + 1, a], jnp.array([a], jnp.int32))
+        i = b * anchors.shape[1] + j
+        np.testing.assert_array_equal(ref_tokens[0], tokens[i])
+        np.testing.assert_allclose(ref_conf[0], conf[i], rtol=1e-5, atol=1e-6)
