@@ -29,11 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--generate", action=argparse.BooleanOptionalAction, default=None,
                    help="generate the drafter's training data with the trained target")
     g.add_argument("--gen-share", type=float, default=None,
-                   help="most of the time after the target phase that generation may take (default 0.2)")
+                   help="most of the time after the target phase that generation may take (default 0.3)")
     g.add_argument("--gen-sequences", type=int, default=None, help="training sequences at most (default 16384)")
     g.add_argument("--gen-prefix", type=int, default=None, help="corpus tokens before each continuation (default 128)")
     g.add_argument("--gen-tokens", type=int, default=None, help="tokens generated per sequence (default 384)")
-    g.add_argument("--gen-batch", type=int, default=None, help="sequences decoded together (default 512)")
+    g.add_argument("--gen-batch", type=int, default=None, help="sequences decoded together (default 1024)")
+    g.add_argument("--gen-heldout", type=int, default=None,
+                   help="greedy continuations of held-out prefixes replayed as decoding rounds (default 128)")
     g.add_argument("--gen-corpus-fraction", type=float, default=None,
                    help="share of corpus windows among the drafter's training windows (default 0.25)")
     c = p.add_argument_group("corpus")
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate is False:
         gen = None
     gen_flags = dict(share=args.gen_share, sequences=args.gen_sequences, prefix_tokens=args.gen_prefix,
-                     new_tokens=args.gen_tokens, batch_size=args.gen_batch, corpus_fraction=args.gen_corpus_fraction)
+                     new_tokens=args.gen_tokens, batch_size=args.gen_batch, corpus_fraction=args.gen_corpus_fraction,
+                     heldout_sequences=args.gen_heldout)
     gen_flags = {k: v for k, v in gen_flags.items() if v is not None}
     if gen_flags and gen is None:
         p.error("--gen-* options need generation (--generate)")

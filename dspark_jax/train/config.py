@@ -117,7 +117,8 @@ def toy(minutes: float = 10.0) -> RunConfig:
 
 def toy_generate() -> GenerateConfig:
     """The generation phase at CPU-test scale (``toy().replace(generate=toy_generate())``)."""
-    return GenerateConfig(sequences=8, prefix_tokens=32, new_tokens=96, batch_size=4, corpus_fraction=0.25)
+    return GenerateConfig(sequences=8, prefix_tokens=32, new_tokens=96, batch_size=4, corpus_fraction=0.25,
+                          heldout_sequences=4)
 
 
 PRESETS = {"shipped": shipped, "toy": toy}

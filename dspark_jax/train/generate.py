@@ -4,8 +4,8 @@ After target pretraining, the target continues corpus prefixes: ``prefix_tokens`
 train split, then ``new_tokens`` tokens decoded one at a time in one jitted loop over a batch of
 ``batch_size`` sequences (half of the rows greedy, half sampled at temperature 1). The drafter then
 trains on windows cut from these sequences, mixed with a share of corpus windows. A first batch,
-all greedy, continues prefixes of the held-out split: on it ``simulate_rounds`` replays greedy
-speculative decoding (the confidences and acceptances the scheduler sees in free decoding), which
+all greedy, continues prefixes of the held-out split (``heldout_sequences`` of them are kept): on
+them ``simulate_rounds`` replays greedy speculative decoding (the confidences and acceptances the scheduler sees in free decoding), which
 gives the decoding accept length and the data that STS is fitted on.
 """
 
@@ -28,12 +28,13 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    share: float = 0.2  # of the time after the target phase: the most the generation phase may take
+    share: float = 0.3  # of the time after the target phase: the most the generation phase may take
     sequences: int = 16384  # training sequences at most (half greedy, half sampled at T = 1)
     prefix_tokens: int = 128  # corpus tokens each continuation starts from
     new_tokens: int = 384  # tokens the target generates after each prefix
-    batch_size: int = 512  # sequences decoded together (one compiled loop)
+    batch_size: int = 1024  # sequences decoded together (one compiled loop)
     corpus_fraction: float = 0.25  # share of corpus windows in the drafter's training windows
+    heldout_sequences: int = 128  # greedy held-out continuations replayed as decoding rounds (STS, accept length)
 
     def __post_init__(self):
         if not 0 < self.share < 1:
@@ -44,6 +45,8 @@ class GenerateConfig:
             raise ValueError(f"batch_size must be even and >= 2 (half greedy, half sampled), got {self.batch_size}")
         if self.sequences < self.batch_size:
             raise ValueError(f"sequences ({self.sequences}) must be at least one batch ({self.batch_size})")
+        if not 1 <= self.heldout_sequences <= self.batch_size:
+            raise ValueError(f"heldout_sequences must lie in [1, batch_size], got {self.heldout_sequences}")
         if not 0 <= self.corpus_fraction < 1:
             raise ValueError(f"corpus_fraction must lie in [0, 1), got {self.corpus_fraction}")
 
@@ -117,6 +120,7 @@ def generate_data(model: DeepSeekV4, cfg: GenerateConfig, train_stream: np.ndarr
                                            jax.random.fold_in(key, len(batches) + 1))))
         batch_s.append(time.time() - t1)
     train = np.concatenate(batches)
+    held = held[:cfg.heldout_sequences]
     new = len(batches) * b * cfg.new_tokens
     stats = dict(sequences=len(train), heldout_sequences=len(held), prefix_tokens=cfg.prefix_tokens,
                  new_tokens=cfg.new_tokens, greedy_fraction=0.5, batch_size=b, first_batch_s=first_s,
