@@ -148,7 +148,7 @@ def fit_and_test(fit_conf: np.ndarray, fit_labels: np.ndarray, test_conf: np.nda
         test[f"auc_{name}_per_position"] = json_floats([auc(surv[:, k], test_labels[:, k]) for k in range(g)])
         test[f"ece_{name}"] = float(np.mean(test[f"ece_{name}_per_position"]))
     test["blocks"] = int(test_conf.shape[0])
-    return res.to_json(fit_blocks=int(fit_conf.shape[0]), **extra), test
+    return res.to_json(fit_blocks=int(fit_conf.shape[0]), test=test, **extra), test
 
 
 def calibrate_blocks(blocks: list[dict]) -> tuple[dict, dict]:
