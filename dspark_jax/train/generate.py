@@ -4,9 +4,10 @@ After target pretraining, the target continues corpus prefixes: ``prefix_tokens`
 train split, then ``new_tokens`` tokens decoded one at a time in one jitted loop over a batch of
 ``batch_size`` sequences (half of the rows greedy, half sampled at temperature 1). The drafter then
 trains on windows cut from these sequences, mixed with a share of corpus windows. A first batch,
-all greedy, continues prefixes of the held-out split (``heldout_sequences`` of them are kept): on
-them ``simulate_rounds`` replays greedy speculative decoding (the confidences and acceptances the scheduler sees in free decoding), which
-gives the decoding accept length and the data that STS is fitted on.
+all greedy, continues prefixes of the held-out split (``heldout_sequences`` of them are kept, the
+batch has the compiled shape): on them ``simulate_rounds`` replays greedy speculative decoding
+(the confidences and acceptances the scheduler sees in free decoding), which gives the decoding
+accept length and the data that STS is fitted on.
 """
 
 from __future__ import annotations
