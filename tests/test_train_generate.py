@@ -113,7 +113,7 @@ def test_pinned_packages_join_the_training_split(tmp_path, monkeypatch):
     assert c.stats()["packages"] == {"fakepkg": "1.0"}
     # the same files from an archive give the same corpus
     assert corpus_lib.pack_packages(("fakepkg",), str(tmp_path / "p.zip"), str(tmp_path / "m.json")) == 3
-    from_zip = corpus_lib.build_corpus(cfg.__class__(**{**cfg.__dict__, "packages_archive": str(tmp_path / "p.zip")}))
+    from_zip = corpus_lib.build_corpus(dataclasses.replace(cfg, packages_archive=str(tmp_path / "p.zip")))
     assert from_zip.stats()["content_sha256"] == c.stats()["content_sha256"]
     # a changed file, in the archive or installed, fails with the file's name
     with zipfile.ZipFile(tmp_path / "bad.zip", "w") as zf:
