@@ -27,7 +27,7 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     toy = toy.replace(num_hidden_layers=1, compress_ratios=(4,),
                       dspark=dataclasses.replace(toy.dspark, target_layer_ids=(0,), num_stages=1))
     model = DeepSeekV4(toy, training_numerics(jnp.float32), rngs=nnx.Rngs(0))
-    cfg = GenerateConfig(sequences=4, prefix_tokens=6, new_tokens=10, batch_size=4)
+    cfg = GenerateConfig(sequences=4, prefix_tokens=6, new_tokens=10, batch_size=4, heldout_sequences=4)
     graphdef, state = nnx.split(model)
     prefixes = np.random.default_rng(0).integers(4, model.cfg.vocab_size, (4, 6)).astype(np.int32)
     temps = jnp.asarray([0.0, 1.0, 0.0, 1.0])
