@@ -1,7 +1,8 @@
 """Memory planner for the KV caches: bytes per token and how many tokens / requests fit.
 
 Costs that grow with the context (per token of a request, summed over target layers):
-- C4 layers: one compressed KV row per 4 tokens + one indexer key (index_head_dim, bf16) per 4 tokens;
+- C4 layers: one compressed KV row per 4 tokens + one indexer key (index_head_dim, in the compute
+  dtype or, in the fp8 layout, fp8 with a scale per 32 dims: 132 B) per 4 tokens;
 - Cm layers: one compressed KV row per m tokens.
 Fixed costs per request (independent of its length):
 - a window ring per target layer (``window_ring_size`` rows, in the pool's layout);
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 
 from dspark_jax import config as config_lib
 from dspark_jax.config import ModelConfig
+from dspark_jax.cache import KEY_BLOCK
 from pallas_kernels.kv_fp8 import row_bytes
 
 LAYOUTS = ("bf16", "fp8")
@@ -86,7 +88,8 @@ def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: 
         raise ValueError(f"gamma must be >= 0, got {gamma}")
     item = jnp.dtype(dtype).itemsize
     row = item * cfg.head_dim if layout == "bf16" else row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, layout)
-    index_key = item * cfg.index_head_dim  # indexer keys in the compute dtype
+    # indexer keys: in the compute dtype, or fp8 codes + one scale byte per 32 dims (cache.Fp8Keys)
+    index_key = item * cfg.index_head_dim if layout == "bf16" else cfg.index_head_dim + cfg.index_head_dim // KEY_BLOCK
     ring = cfg.window_ring_size
 
     c4 = [r for r in cfg.compress_ratios if r == 4]

@@ -114,3 +114,21 @@ def test_slot_count_follows_the_memory_budget():
         count(4, per_slot - 1)
     fp8 = plan(model.config, 1 << 40, "fp8", seq_len=CONTEXT, gamma=5, dtype=jnp.float32).bytes_per_request
     assert gen.slot_count(model, 100, CONTEXT, 5, "fp8", 5 * per_slot) == 5 * per_slot // fp8 > 5
+
+
+def test_fp8_indexer_keys_hold_the_reference_keys_exactly():
+    """The reference rounds indexer keys to e2m1 with a power-of-two scale per 32 dims; the fp8
+    key layout (132 B per 128-d key) stores those values bit for bit, other values to e4m3."""
+    from dspark_jax.cache import Fp8Keys, dequantize_keys, quantize_keys
+    from dspark_jax.model.quant import fp4_sim, hadamard
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 50, 128)) * np.exp(rng.uniform(-8, 8, (3, 50, 1)))
+    ref = fp4_sim(hadamard(jnp.asarray(x, jnp.float32)), 32).astype(jnp.bfloat16)
+    keys = quantize_keys(ref)
+    assert isinstance(keys, Fp8Keys) and keys.codes.dtype == keys.scales.dtype == jnp.uint8
+    assert keys.codes.shape == (3, 50, 128) and keys.scales.shape == (3, 50, 4)
+    np.testing.assert_array_equal(np.asarray(dequantize_keys(keys, jnp.float32)), np.asarray(ref, np.float32))
+    back = np.asarray(dequantize_keys(quantize_keys(jnp.asarray(x, jnp.float32)), jnp.float32))
+    amax = np.abs(x.reshape(3, 50, 4, 32)).max(-1, keepdims=True)
+    assert np.all(np.abs(back - x).reshape(3, 50, 4, 32) <= amax / 16) and not np.array_equal(back, x)

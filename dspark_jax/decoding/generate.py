@@ -238,7 +238,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     requests or one per request. mesh: a ``jax.sharding.Mesh`` (``dspark_jax.sharding.make_mesh``)
     to spread the model over; a model loaded with ``mesh=`` already is. seed: derives the seeds of
     requests whose SamplingParams have none. kv_cache: "bf16" (KV rows in the compute dtype) or
-    "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row: about 1.4x the context in the
+    "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row, and indexer keys in e4m3 with a
+    scale per 32 dims, 132 B per key: 1.58x the DeepSeek-V4-Flash requests of 32K tokens in the
     same memory; exact for models run with ``quant_sim``). speculative: DSpark drafting + lossless
     verification (False: target-only decoding). progress: a progress bar on stderr with the
     phases prefill / compiling / decode.

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dspark_jax.cache import CompressorState
+from dspark_jax.cache import CompressorState, read_kv
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.compressor import Compressor
@@ -43,7 +43,7 @@ class Indexer(nnx.Module):
         keys, state = self.compressor(x, chunk, state)  # [b, n, d_I]
 
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
+        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), read_kv(keys, jnp.float32))
         score = jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w.astype(jnp.float32))
         n = keys.shape[1]
         limit = visible_entries(pos, 4)[..., None]
