@@ -9,6 +9,11 @@ One round (DESIGN 3), a single jitted function with the batch state donated:
 Target-only decoding is the same round with γ = 0 (verify = [anchor]). The host dispatches rounds
 and reads each round's tokens one round later, so it never waits for the device in between;
 requests stop on the device (stop token ids, max_new_tokens), so a late read costs no capacity.
+
+The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
+back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
+rounds run over the whole pool, slots without a running request committing nothing; the host
+loop that streams requests through the pool is ``serving.serve``.
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ class Engine:
         params, seeds = [SamplingParams()] * s_count, [0] * s_count
         for s, (p, seed) in entering.items():
             admit[s], params[s], seeds[s] = True, p, seed
-        self._shapes.add(("admit", s_count))
+        self._shapes.add(("admit", s_count, bs.cache.max_len))
         return self._admit(bs, jnp.asarray(admit), jnp.asarray(release, bool),
                            jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
                            jnp.asarray(self._stop_array(params, bs.stop_ids.shape[1])),
@@ -238,13 +243,13 @@ class Engine:
         prefilling), then the first generated token of the slots whose prompt it completes
         (``is_last``); returns the state and those tokens [slots] (None if no prompt completed)."""
         b, c = ids.shape
-        self._shapes.add(("prefill", b, c))
+        self._shapes.add(("prefill", b, bs.cache.max_len, c))
         last = jnp.zeros((b, self.model.config.vocab_size), jnp.float32)
         bs, last = self._prefill(self.model.state, bs, jnp.asarray(ids, jnp.int32), jnp.asarray(n_valid, jnp.int32),
                                  last, jnp.asarray(is_last, bool))
         if not np.any(is_last):
             return bs, None
-        self._shapes.add(("first", b))
+        self._shapes.add(("first", b, bs.cache.max_len))
         return self._first(self.model.state, bs, last, jnp.asarray(is_last, bool))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
@@ -266,16 +271,17 @@ class Engine:
         return bs, np.asarray(first)
 
     def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
-        self._shapes.add(("round", bs.anchor.shape[0], sampled, top_k, top_p))
+        self._shapes.add(("round", bs.anchor.shape[0], bs.cache.max_len, sampled, top_k, top_p))
         return self._round(self.model.state, bs, sampled=sampled, top_k=top_k, top_p=top_p)
 
-    def round_flags(self, slots: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
+    def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
         """The round variant to run for requests that need these flags: a compiled variant for
-        ``slots`` slots that does at least as much if there is one (it gives the same tokens:
-        greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the narrowest
-        such; else exactly the flags needed (compiled on first use)."""
+        this pool (slots x max_len) that does at least as much if there is one (it gives the same
+        tokens: greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the
+        narrowest such; else exactly the flags needed (compiled on first use)."""
         need = (sampled, top_k, top_p)
-        have = [k[2:] for k in self._shapes if k[:2] == ("round", slots) and all(h >= n for h, n in zip(k[2:], need))]
+        have = [k[3:] for k in self._shapes
+                if k[:3] == ("round", slots, max_len) and all(h >= n for h, n in zip(k[3:], need))]
         pick = min(have, key=sum) if have else need
         return dict(zip(("sampled", "top_k", "top_p"), pick))
 
@@ -288,8 +294,8 @@ class Engine:
         return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round))
 
     def compiled_shapes(self) -> frozenset[tuple]:
-        """The shapes called so far: ("prefill", slots, chunk), ("first", slots), ("admit", slots),
-        ("round", slots, sampled, top_k, top_p)."""
+        """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
+        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p)."""
         return frozenset(self._shapes)
 
 

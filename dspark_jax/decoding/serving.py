@@ -76,8 +76,9 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                   confidences=[[] for _ in range(n)], reason=["length"] * n, admitted=[0.0] * n, first=[0.0] * n,
                   finished=[0.0] * n)
     done = [False] * n
-    flags = engine.round_flags(slots, sampled=any(p.temperature > 0 for p in params),
-                               top_k=any(p.top_k > 0 for p in params), top_p=any(p.top_p < 1.0 for p in params))
+    flags = engine.round_flags(slots, max_len, sampled=any(p.temperature > 0 for p in params),
+                               top_k=any(p.top_k > 0 for p in params),
+                               top_p=any(p.top_p < 1.0 for p in params))
 
     bs = engine.init_slots(slots, max_len)
     waiting = collections.deque(range(n))
