@@ -297,6 +297,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
             raise InputError(f"request {i}: prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) + "
                              f"{MAX_VERIFY_TOKENS} verify tokens exceeds the context of {context} tokens per slot")
     if slots is None:
+        if memory_budget is not None:
+            memory_budget = check_int("memory_budget", memory_budget, lo=1)
         slots = slot_count(model, len(ids), context, gamma, kv_cache, memory_budget)
     slots = check_int("slots", slots, lo=1)
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
