@@ -112,6 +112,13 @@ def test_slot_count_follows_the_memory_budget():
     assert count(1, None) == 1  # from the free memory
     with pytest.raises(dspark_jax.InputError, match="do not fit"):
         count(4, per_slot - 1)
+    sp = SamplingParams(max_new_tokens=200)
+    with pytest.raises(dspark_jax.InputError, match="context of 256 tokens per slot"):
+        dspark_jax.generate([[5] * 50], model=model, sampling=sp, context=CONTEXT)
+    with pytest.raises(dspark_jax.InputError, match="slots"):
+        dspark_jax.generate([[5] * 5], model=model, sampling=sp, slots=0)
+    with pytest.raises(dspark_jax.InputError, match="do not fit"):
+        dspark_jax.generate([[5] * 5], model=model, sampling=sp, memory_budget=1000)
     fp8 = plan(model.config, 1 << 40, "fp8", seq_len=CONTEXT, gamma=5, dtype=jnp.float32).bytes_per_request
     assert gen.slot_count(model, 100, CONTEXT, 5, "fp8", 5 * per_slot) == 5 * per_slot // fp8 > 5
 
