@@ -209,3 +209,34 @@ def test_shard_model_moves_a_loaded_model(tiny_dir):
     assert spec["head.weight"] == P("model") and spec["layers.0.ffn.experts.w3"] == P("model")
     a, b = flat_params(plain), flat_params(moved)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def small_ep():
+    """The expert-parallel check config (32 experts: ragged MoE; Pallas kernels in interpret mode)
+    and its unsharded target logits, drafter logits and greedy speculative tokens."""
+    from benchmarks import sharded
+
+    model = sharded.small_model()
+    ids, prompts = sharded.check_inputs(model.config.vocab_size)
+    target, draft = sharded.target_and_draft_logits(model, ids)
+    return model, ids, prompts, target, draft, sharded.greedy_tokens(model, prompts)
+
+
+# One mesh in CI: each mesh costs about 2.5 minutes of compilation on a CI CPU. (2, 4) splits requests
+# over data, heads / vocab over model and experts over both. `python -m benchmarks.sharded` checks
+# (1, 8), (2, 4) and (8, 1) the same way.
+@pytest.mark.slow
+@pytest.mark.parametrize("data, model", [(2, 4)])
+def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, model):
+    from benchmarks import sharded
+
+    plain, ids, prompts, target, draft, tokens = small_ep
+    assert plain.module.layers[0].ffn.impl == "grouped" and plain.numerics.kernels == "pallas"
+    m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
+    assert m.state["layers"][0]["ffn"]["experts"]["w1"][...].sharding.spec == P(("data", "model"))
+    got_target, got_draft = sharded.target_and_draft_logits(m, ids)
+    # fp32 math; sharded reductions differ from unsharded ones in the last bits only
+    np.testing.assert_allclose(got_target, target, rtol=0, atol=1e-5 * np.abs(target).max())
+    np.testing.assert_allclose(got_draft, draft, rtol=0, atol=1e-5 * np.abs(draft).max())
+    assert sharded.greedy_tokens(m, prompts) == tokens
