@@ -70,11 +70,11 @@ def small_model(seed: int = 3, kernels: str = "pallas") -> dspark_jax.Model:
 def _target_and_draft(graphdef, state, ids, cache, draft):
     model = nnx.merge(graphdef, state)
     with model.num.precision_scope():
-        b = ids.shape[0]
+        b, capture = ids.shape[0], model.cfg.dspark.target_layer_ids
         logits = []
         for start, width in ((0, ids.shape[1] - 4), (ids.shape[1] - 4, 4)):  # a prefill chunk, a verify chunk
             n = jnp.full((b,), width, jnp.int32)
-            lg, hid, new = model.forward(ids[:, start:start + width], n, cache, capture=model.cfg.dspark.target_layer_ids)
+            lg, hid, new = model.forward(ids[:, start:start + width], n, cache, capture=capture)
             draft = write_context(model.mtp, draft, hid, cache.lengths, n)
             cache = commit(new, n)
             logits.append(lg)
@@ -165,7 +165,8 @@ def main(argv=None) -> None:
     if args.check:
         t0 = time.perf_counter()
         ref = target_and_draft_logits(model, ids) + (greedy_tokens(model, prompts),)
-        print(f"unsharded reference: {time.perf_counter() - t0:.0f} s")
+        print(f"unsharded reference: {time.perf_counter() - t0:.0f} s; max |logit| target "
+              f"{np.abs(ref[0]).max():.3f}, drafter {np.abs(ref[1]).max():.3f}")
         for data, size in meshes:
             t0 = time.perf_counter()
             m = sharding.shard_model(model, sharding.make_mesh(model=size, data=data))
