@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import re
 import time
@@ -126,6 +127,18 @@ def collectives(hlo: str) -> dict[str, list[str]]:
         if m:
             out[m.group(3)].append(f"{m.group(2)} {m.group(1)}")
     return out
+
+
+_ITEMSIZE = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "u8": 1, "s8": 1,
+             "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s64": 8, "u64": 8}
+
+
+def result_bytes(shape_text: str) -> int:
+    """Bytes of an HLO result type such as ``f32[8,128]{1,0}`` or a tuple of them."""
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text):
+        total += math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
+    return total
 
 
 def flash_per_device(n_requests: int = 64, context: int = 65536, kv_layout: str = "fp8"):

@@ -286,14 +286,28 @@ def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx
     return nnx.from_flat_state(flat)
 
 
+def attach_mesh(module, mesh: Mesh):
+    """Tell the routed experts of ``module`` (placed by ``param_shardings``) that they are split
+    over ``mesh``, so that the grouped MoE path runs them per device (``moe.expert_parallel``)
+    instead of leaving the partitioner to gather every expert; returns ``module``."""
+    from dspark_jax.model.moe import Experts
+
+    axes = mesh_axes("experts", mesh)
+    split = bool(axes) and module.cfg.n_routed_experts % math.prod(mesh.shape[a] for a in axes) == 0
+    for _, mod in nnx.iter_modules(module):
+        if isinstance(mod, Experts):
+            mod.mesh = mesh if split else None
+    return module
+
+
 def shard_model(model, mesh: Mesh):
     """The same model with its parameters placed by ``param_shardings`` (a new ``Model``)."""
     from dspark_jax.api import Model
 
     graphdef, state = nnx.split(model.module)
     state = shard_state(state, param_shardings(state, model.config, mesh))
-    return Model(nnx.merge(graphdef, state), tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures,
-                 path=model.path)
+    return Model(attach_mesh(nnx.merge(graphdef, state), mesh), tokenizer=model.tokenizer,
+                 sts_temperatures=model.sts_temperatures, path=model.path)
 
 
 def model_mesh(model) -> Mesh | None:

@@ -1,5 +1,6 @@
 """Sharding rules and sharded loading on 8 virtual CPU devices."""
 
+import functools
 import math
 
 import jax
@@ -240,3 +241,37 @@ def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, mo
     np.testing.assert_allclose(got_target, target, rtol=0, atol=1e-5 * np.abs(target).max())
     np.testing.assert_allclose(got_draft, draft, rtol=0, atol=1e-5 * np.abs(draft).max())
     assert sharded.greedy_tokens(m, prompts) == tokens
+
+
+@pytest.mark.parametrize("data, model", [(1, 8), (2, 4), (8, 1)])
+def test_expert_parallel_moe_moves_tokens_not_experts(data, model):
+    """One grouped MoE layer (32 FP4 experts with their scales, as in the checkpoint) on each mesh:
+    the same output as on one device, and its compiled HLO all-reduces the routed outputs and
+    all-gathers less than one device's share of a single expert matrix (tokens, not weights)."""
+    from benchmarks import sharded
+
+    cfg = sharded.small_config()
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, weight_format="official", kernels="xla")
+    plain = dspark_jax.Model(DeepSeekV4(cfg, num, rngs=nnx.Rngs(1)))
+    assert plain.module.layers[1].ffn.impl == "grouped"
+    m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
+    assert m.module.layers[1].ffn.experts.mesh is not None and plain.module.layers[1].ffn.experts.mesh is None
+
+    @functools.partial(jax.jit, static_argnames="graphdef")
+    def moe(graphdef, state, x, ids):
+        return nnx.merge(graphdef, state).layers[1].ffn(x, ids)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 4, cfg.hidden_size)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 4)), jnp.int32)
+    want = np.asarray(moe(plain.graphdef, plain.state, x, ids))
+    got = np.asarray(moe(m.graphdef, m.state, x, ids))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    found = sharded.collectives(moe.lower(m.graphdef, m.state, x, ids).compile().as_text())
+    w1 = m.module.layers[1].ffn.experts.w1[...]
+    assert w1.sharding.spec != P() and w1.dtype == jnp.uint8  # packed FP4, split over the devices
+    one_share = w1.nbytes // 8
+    gathered = sum(sharded.result_bytes(item.rsplit(" ", 1)[0]) for item in found["all-gather"])
+    assert gathered < one_share, (gathered, one_share, found["all-gather"])
+    assert found["all-reduce"], found  # the routed partial sums
