@@ -30,7 +30,8 @@ each shard holds whole scale blocks, and its scale is split the same way, so a s
 describes exactly its weight shard.
 
 The mesh uses ``AxisType.Auto``: the model's math carries no sharding annotations and XLA's
-propagation places the intermediate results.
+propagation places the intermediate results, except for the routed experts of the grouped MoE
+path, which run per device in a ``shard_map`` (``attach_mesh``, ``moe.expert_parallel``).
 """
 
 from __future__ import annotations
