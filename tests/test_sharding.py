@@ -224,7 +224,7 @@ def small_ep():
     return model, ids, prompts, target, draft, sharded.greedy_tokens(model, prompts)
 
 
-# One mesh in CI: each mesh costs about 2.5 minutes of compilation on a CI CPU. (2, 4) splits requests
+# One mesh in CI: each mesh costs 1-2.5 minutes of compilation on a 2-core CPU. (2, 4) splits requests
 # over data, heads / vocab over model and experts over both. `python -m benchmarks.sharded` checks
 # (1, 8), (2, 4) and (8, 1) the same way.
 @pytest.mark.slow
