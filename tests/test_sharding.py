@@ -236,6 +236,7 @@ def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, mo
     assert plain.module.layers[0].ffn.impl == "grouped" and plain.numerics.kernels == "pallas"
     m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
     assert m.state["layers"][0]["ffn"]["experts"]["w1"][...].sharding.spec == P(("data", "model"))
+    assert all(layer.ffn.experts.mesh is not None for layer in (*m.module.layers, *m.module.mtp))  # shard_map path
     got_target, got_draft = sharded.target_and_draft_logits(m, ids)
     # fp32 math; sharded reductions differ from unsharded ones in the last bits only
     np.testing.assert_allclose(got_target, target, rtol=0, atol=1e-5 * np.abs(target).max())
