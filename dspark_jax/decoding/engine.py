@@ -28,7 +28,7 @@ from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
-from dspark_jax.sharding import batch_sharding, model_mesh
+from dspark_jax.sharding import model_mesh, state_shardings
 
 PREFILL_CHUNK = 256
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
@@ -232,7 +232,7 @@ class Engine:
                         max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sp)
         mesh = model_mesh(self.model)
-        return bs if mesh is None else jax.device_put(bs, batch_sharding(mesh, b))
+        return bs if mesh is None else jax.device_put(bs, state_shardings(bs, mesh))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
         """Chunked prefill of every prompt, then the first generated token of each request."""
