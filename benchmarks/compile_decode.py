@@ -6,7 +6,8 @@ the round's run time. Writes compile_decode.json under $OUT and prints one line 
     python benchmarks/compile_decode.py --only flash4 --limit 300    # a 4-layer Flash slice (FP4 / FP8)
 
 Variants: ``shipped`` (the default model as ``generate`` loads it), with XLA autotuning off, with
-Triton GEMM fusion off, with mHC's Sinkhorn as a loop; ``flash4``: 4 layers at Flash dimensions
+Triton GEMM fusion off, with mHC's Sinkhorn as a loop or unrolled (the default on a GPU is the
+``hc_weights`` kernel); ``flash4``: 4 layers at Flash dimensions
 with FP8 linears and FP4 experts widened to e4m3 (weight_format="fp8").
 """
 
@@ -27,6 +28,7 @@ VARIANTS = {
     "shipped_autotune_off": {"xla_flags": "--xla_gpu_autotune_level=0"},
     "shipped_triton_gemm_off": {"xla_flags": "--xla_gpu_enable_triton_gemm=false"},
     "shipped_sinkhorn_loop": {"sinkhorn": "loop"},
+    "shipped_sinkhorn_unrolled": {"sinkhorn": "unrolled"},
     "flash4": {"flash_layers": 4},
 }
 

@@ -1,121 +1,569 @@
-"""Per-user decode speed: DSpark rounds vs target-only decoding, at real Flash dimensions.
+"""Per-user decode speed of DSpark rounds vs target-only steps at DeepSeek-V4-Flash dimensions.
 
-A round's cost does not depend on how many drafts are accepted (static shapes), so one timing of
-the speculative round and one of the target-only step give the speed-up for any accept length τ
-(tokens per round): speedup(τ) = τ * t_target / t_round. The script times the full jitted rounds
-plus their parts (draft pass, verify forward), measures the device ceilings in the same run, and
-writes decode.json and decode.png under $OUT.
+Measured on slices of the model and extrapolated to the full 43 layers + 3 drafter stages.
 
-    python benchmarks/decode.py --layers 4 --experts 128 --batch 1,16 --context 2048
+What runs. For every weight format, batch and context the script times the jitted round of the
+engine (``Engine._round``, compiled ahead of time) in two modes: ``target`` (γ = 0, one token per
+step) and ``dspark`` (γ = 5: the 3 drafter stages and the Markov loop, the 6-token verify forward,
+acceptance, commit). Rounds are dispatched back to back as the engine's host loop does and timed
+per round (``--rounds`` rounds per repeat, median of ``--repeats``).
+
+Acceptance-profile mode (the default, ``--accept-profile 0.896,0.776,0.656,0.552,0.450``): random
+weights accept almost nothing, so the DSpark engine runs with ``Engine(accept_profile=...)``
+(BENCHMARK ONLY, NOT LOSSLESS): every computation of the round runs, but the number of accepted
+drafts of each request is drawn from the given per-position marginal acceptance profile (mean
+accept length 1 + sum = 4.33 for the default). The accept length is measured from the rounds'
+outputs and gives the speed-up: speedup = tau * t_step / t_round. ``--accept-profile real`` keeps
+the real acceptance instead.
+
+Cheap prefill. No prompt is run: the caches are allocated once per batch at the largest context
+(+ slack for the timed rounds), every row of every cache (window rings, compressor rings,
+compressed entries, indexer keys, drafter context rings) is filled with random values, and the
+committed lengths are set to each context in turn. A round then does all its work at that
+context. The cost follows the committed lengths, except the C4 layers' indexer, which scores
+every allocated entry (max_len / 4 per request) in float32: at contexts below the allocation its
+cost is the allocation's (recorded as ``indexer_scores_allocated_entries``; ``--alloc each``
+allocates per context instead, one compile per context).
+
+Extrapolation to the full model (written into the JSON as ``method``). The slices are the first n
+layers of Flash (``flash_slice``), always with 3 drafter taps (the last 3 layers of the slice;
+the 2-layer slice taps layers 0, 0, 1) so the drafter has the real input size. With two depths
+d1 < d2 (default 2 and 4: layers 2 and 3 are one C4 layer with the indexer and hash-routed MoE and
+one C128 layer with learned routing; Flash's layers after the first two alternate C4 / C128):
+
+    per_layer = (t(d2) - t(d1)) / (d2 - d1)
+    t(43)     = t(d2) + (43 - d2) * per_layer
+
+for the target step and for the DSpark round alike. The drafter's 3 stages, the embedding, the
+head and the accept / commit step are in every measurement and cancel in the difference, so they
+enter t(43) as measured (the drafter does not depend on depth: it always reads 3 tapped layers).
+The 39 extrapolated layers (4..42) are 20 C4 + 19 C128; the pair average puts them at 19.5 each,
+an error of half a (C4 - C128) layer difference.
+
+Roofline. Bytes a step must read: the target's weights (embedding rows excepted; routed experts
+only those the step's tokens pick, expected distinct experts E * (1 - (1 - k/E)^tokens)) plus the
+KV it attends to (window rows, the indexer's top-k C4 entries, all C128 entries, and the C4
+indexer keys up to the committed length); the round adds the drafter's weights (for 5 tokens per
+request), its context rings, the head once and the Markov matrix once per draft. Divided by the
+copy bandwidth measured in the same run. Approximate FLOPs (2 per weight per token + attention
+and indexer dot products) against the bf16 matmul rate of the same run.
+
+Writes decode.json (after every measurement, so a killed run keeps its results), decode.png and
+decode.md (tables) under $OUT. Batches run in the order given, each compiling its 4 programs
+(2 depths x 2 modes) at once; ``--budget-s`` skips a batch when the time spent plus the previous
+batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB of weights.
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python benchmarks/decode.py --batch 1,32,8,64 --budget-s 470
+    python benchmarks/decode.py --weights official --batch 1,32 --budget-s 470   # FP4 experts
+    python benchmarks/decode.py --smoke     # the tiny config on CPU: checks the script runs
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
+import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import dspark_jax
-from benchmarks.common import ceilings, environment, median_time, out_dir, write_json
-from dspark_jax import SamplingParams
+from benchmarks.common import ceilings, environment, out_dir, write_json
+from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
-from dspark_jax.model.dspark import draft_block
+from pallas_kernels import kv_fp8
+
+DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
+
+METHOD = (
+    "Per-layer cost from two slice depths d1 < d2 (first n layers of the full model, 3 drafter taps "
+    "at every depth): per_layer = (t(d2) - t(d1)) / (d2 - d1); t(full) = t(d2) + (full - d2) * "
+    "per_layer, for the target step and for the DSpark round alike. Drafter stages, embedding, head "
+    "and accept / commit are in every measurement and enter t(full) as measured. speed-up = tau * "
+    "t_step / t_round with tau the accept length measured in the same rounds (acceptance profile: "
+    "benchmark only, every computation kept, accepted drafts drawn from the profile). Caches filled "
+    "with random rows, committed lengths set to the context (no prefill run).")
 
 
-def bench_batch(model, batch: int, context: int, rounds: int) -> dict:
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, model.config.vocab_size - 1, context) for _ in range(batch)]
-    params = [SamplingParams(max_new_tokens=4 * rounds)] * batch
-    max_len = -(-(context + 4 * rounds + 32) // 128) * 128
-    out = {"batch": batch, "context": context}
-    for name, gamma in (("target", 0), ("dspark", model.config.dspark.block_size)):
-        eng = Engine(model, gamma=gamma)
-        bs = eng.init_state(prompts, params, list(range(batch)), max_len)
-        bs, _ = eng.prefill(bs, prompts)
-        state = {"bs": bs}
+# ---------------------------------------------------------------------------- configs
+def sliced(full: config.ModelConfig, depth: int) -> config.ModelConfig:
+    """The first ``depth`` layers of ``full`` with 3 drafter taps: the slice's last three layers,
+    the first one repeated when the slice has fewer (the drafter keeps its real input size)."""
+    if not 1 <= depth <= full.num_hidden_layers:
+        raise ValueError(f"depth must lie in [1, {full.num_hidden_layers}], got {depth}")
+    n_taps = len(full.dspark.target_layer_ids)
+    taps = tuple(max(0, depth - n_taps + i) for i in range(n_taps))
+    return full.replace(num_hidden_layers=depth, compress_ratios=full.compress_ratios[:depth],
+                        num_hash_layers=min(full.num_hash_layers, depth),
+                        dspark=dataclasses.replace(full.dspark, target_layer_ids=taps))
 
-        def step():
-            state["bs"], res = eng.round(state["bs"], sampled=False, top_k=False, top_p=False)
-            return res.tokens
 
-        out[f"{name}_round_s"] = median_time(step, repeat=rounds, warmup=3)
-        if gamma:  # the parts of a round
-            graphdef, st = model.graphdef, model.state
+def layer_kinds(cfg: config.ModelConfig, layers) -> str:
+    names = {0: "window", 4: "C4"}
+    return ", ".join(f"{i}: {names.get(cfg.compress_ratios[i], f'C{cfg.compress_ratios[i]}')} "
+                     f"{'hash' if cfg.is_hash_layer(i) else 'learned'}" for i in layers)
 
-            @jax.jit
-            def draft(st, bs):
-                m = nnx.merge(graphdef, st)
-                return draft_block(m, bs.draft, bs.anchor, bs.cache.lengths,
-                                   lambda lg, k: jnp.argmax(lg, -1).astype(jnp.int32)).tokens
 
-            @jax.jit
-            def verify(st, bs):
-                m = nnx.merge(graphdef, st)
-                ids = jnp.zeros((batch, gamma + 1), jnp.int32)
-                lg, hid, _ = m.forward(ids, jnp.full((batch,), gamma + 1, jnp.int32), bs.cache,
-                                       capture=tuple(model.config.dspark.target_layer_ids))
-                return lg, hid
+# ---------------------------------------------------------------------------- extrapolation
+def extrapolate(times: dict[int, float], full_layers: int) -> dict | None:
+    """``times`` = {depth: seconds} of one program at two or more depths: the per-layer cost from
+    the smallest and the largest depth and the cost at ``full_layers`` (None with fewer than 2)."""
+    if len(times) < 2:
+        return None
+    d1, d2 = min(times), max(times)
+    per_layer = (times[d2] - times[d1]) / (d2 - d1)
+    return {"d1": d1, "d2": d2, "per_layer_s": per_layer, "fixed_s": times[d1] - d1 * per_layer,
+            "full_s": times[d2] + (full_layers - d2) * per_layer}
 
-            out["draft_s"] = median_time(draft, st, state["bs"], repeat=rounds)
-            out["verify_s"] = median_time(verify, st, state["bs"], repeat=rounds)
-        del state
-    t0, t1 = out["target_round_s"], out["dspark_round_s"]
-    out["speedup_by_tau"] = {str(tau): tau * t0 / t1 for tau in range(1, model.config.dspark.block_size + 2)}
-    out["target_tok_s_per_user"] = 1 / t0
-    out["breakeven_tau"] = t1 / t0
+
+# ---------------------------------------------------------------------------- roofline
+def weight_parts(cfg: config.ModelConfig, weight_format: str) -> dict:
+    """Bytes and matmul weight counts of the model by part, from the abstract model (no memory):
+    per target layer (non-routed bytes / weights, bytes / weights of one routed expert), the head,
+    the drafter stages (same split) and the Markov matrix."""
+    from flax import nnx
+
+    from dspark_jax.model.common import Numerics
+    from dspark_jax.model.deepseek_v4 import DeepSeekV4
+
+    def flat(fmt):
+        num = Numerics(dtype="bfloat16", param_dtype="bfloat16", weight_format=fmt)
+        state = nnx.state(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
+        return {tuple(str(x) for x in key): var for key, var in nnx.to_flat_state(state)}
+
+    stored, dense = flat(weight_format), flat("dense")  # bytes as stored; weights counted unpacked
+    zero = {"bytes": 0, "weights": 0, "expert_bytes": 0, "expert_weights": 0}
+    parts = {"layers": [dict(zero) for _ in range(cfg.num_hidden_layers)], "mtp": dict(zero),
+             "head": dict(zero), "markov_w2_bytes": 0}
+    for k, var in stored.items():
+        nbytes = math.prod(var.shape) * jnp.dtype(var.dtype).itemsize
+        logical = dense.get(k)  # scales exist only in the quantised formats
+        is_matrix = logical is not None and len(logical.shape) >= 2 and not k[-1].startswith("hc_")
+        weights = math.prod(logical.shape) if is_matrix else 0
+        if k[0] == "embed" or "markov_w1" in k:
+            continue  # a step reads one row per token of these tables
+        if k[0] == "layers":
+            part = parts["layers"][int(k[1])]
+        elif k[0] == "mtp":
+            part = parts["mtp"]
+            if "markov_w2" in k:
+                parts["markov_w2_bytes"] += nbytes
+        else:
+            part = parts["head"]
+        if "experts" in k and "shared_experts" not in k:
+            part["expert_bytes"] += nbytes / cfg.n_routed_experts
+            part["expert_weights"] += weights / cfg.n_routed_experts
+        else:
+            part["bytes"] += nbytes
+            part["weights"] += weights
+    return parts
+
+
+def distinct_experts(cfg: config.ModelConfig, tokens: int) -> float:
+    """Expected distinct routed experts picked by ``tokens`` tokens of k uniform distinct picks."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def kv_read_bytes(cfg: config.ModelConfig, layers: int, context: int, kv_layout: str = "bf16") -> float:
+    """KV bytes one request's queries read per layer stack at ``context`` committed tokens."""
+    row = kv_fp8.row_bytes(cfg.head_dim, cfg.qk_rope_head_dim) if kv_layout == "fp8" else 2 * cfg.head_dim
+    total = 0.0
+    for i in range(layers):
+        ratio = cfg.compress_ratios[i]
+        total += min(context, cfg.sliding_window) * row
+        if ratio == 4:
+            total += min(cfg.index_topk, context // 4) * row + (context // 4) * cfg.index_head_dim * 2
+        elif ratio:
+            total += (context // ratio) * row
+    return total
+
+
+def attention_flops(cfg: config.ModelConfig, layers: int, context: int) -> float:
+    """FLOPs of one query token's attention and indexer dot products over ``layers`` layers."""
+    h, d = cfg.num_attention_heads, cfg.head_dim
+    total = 0.0
+    for i in range(layers):
+        ratio = cfg.compress_ratios[i]
+        keys = min(context, cfg.sliding_window)
+        if ratio == 4:
+            keys += min(cfg.index_topk, context // 4)
+            total += 2 * cfg.index_n_heads * cfg.index_head_dim * (context // 4)
+        elif ratio:
+            keys += context // ratio
+        total += 4 * h * d * keys
+    return total
+
+
+def roofline(cfg: config.ModelConfig, parts: dict, batch: int, context: int, kv_layout: str) -> dict:
+    """Bytes and FLOPs of a target step (1 token per request) and a DSpark round (6-token verify +
+    the drafter on 5 tokens per request) over the model described by ``cfg`` / ``parts``."""
+    g = cfg.dspark.block_size
+    n = cfg.num_hidden_layers
+
+    def forward(tokens_per_request: int) -> tuple[float, float]:
+        tokens = batch * tokens_per_request
+        ex = distinct_experts(cfg, tokens)
+        k = cfg.num_experts_per_tok
+        nbytes = sum(p["bytes"] + ex * p["expert_bytes"] for p in parts["layers"]) + parts["head"]["bytes"]
+        nbytes += batch * kv_read_bytes(cfg, n, context, kv_layout)
+        flops = 2 * tokens * (sum(p["weights"] + k * p["expert_weights"] for p in parts["layers"])
+                              + parts["head"]["weights"])
+        flops += tokens * attention_flops(cfg, n, context)
+        return nbytes, flops
+
+    step_bytes, step_flops = forward(1)
+    verify_bytes, verify_flops = forward(g + 1)
+    m, s = parts["mtp"], cfg.dspark.num_stages  # m: all stages together (expert_*: one expert of each stage)
+    draft_tokens = batch * g
+    ring = cfg.sliding_window + g
+    draft_bytes = (m["bytes"] + distinct_experts(cfg, draft_tokens) * m["expert_bytes"] + parts["head"]["bytes"]
+                   + (g - 1) * parts["markov_w2_bytes"] + batch * s * ring * 2 * cfg.head_dim)
+    draft_flops = 2 * draft_tokens * (m["weights"] + cfg.num_experts_per_tok * m["expert_weights"]
+                                      + parts["head"]["weights"]) + draft_tokens * s * 4 * cfg.num_attention_heads \
+        * cfg.head_dim * ring
+    return {"step_bytes": step_bytes, "step_flops": step_flops,
+            "round_bytes": verify_bytes + draft_bytes, "round_flops": verify_flops + draft_flops}
+
+
+# ---------------------------------------------------------------------------- measurement
+def random_state(eng: Engine, batch: int, alloc: int, seed: int):
+    """A batch state with every cache row random (as after a long prefill) and lengths 0."""
+    cfg = eng.model.config
+    params = [SamplingParams(max_new_tokens=2**30)] * batch
+    bs = eng.init_state([np.zeros(1, np.int32)] * batch, params, list(range(batch)), alloc)
+    keys = iter(jax.random.split(jax.random.key(seed), 4096))
+
+    def fill(x):
+        if isinstance(x, kv_fp8.Fp8Rows):
+            return kv_fp8.quantize(jax.random.normal(next(keys), x.shape, jnp.float32))
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jax.random.normal(next(keys), x.shape, jnp.float32).astype(x.dtype)
+        return x
+
+    is_pool = lambda x: isinstance(x, kv_fp8.Fp8Rows)  # noqa: E731
+    cache = dataclasses.replace(bs.cache, layers=jax.tree.map(fill, bs.cache.layers, is_leaf=is_pool))
+    draft = None if bs.draft is None else jax.tree.map(fill, bs.draft)
+    anchor = jax.random.randint(next(keys), (batch,), 3, cfg.vocab_size - 1, jnp.int32)
+    return dataclasses.replace(bs, cache=cache, draft=draft, anchor=anchor)
+
+
+def at_context(bs, context: int):
+    """The same state with every request's committed length set to ``context``."""
+    lengths = jnp.full_like(bs.cache.lengths, context)
+    return dataclasses.replace(bs, cache=dataclasses.replace(bs.cache, lengths=lengths),
+                               n_generated=jnp.zeros_like(bs.n_generated), active=jnp.ones_like(bs.active))
+
+
+def time_rounds(compiled, params, bs, rounds: int, repeats: int, warmup: int = 2):
+    """Seconds per round (rounds dispatched back to back, median over repeats) and tokens per
+    round per request over the timed rounds; returns the final state too."""
+    for _ in range(warmup):
+        bs, res = compiled(params, bs)
+    jax.block_until_ready(res.n_new)
+    per_round, new = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            bs, res = compiled(params, bs)
+            new.append(res.n_new)
+        jax.block_until_ready(res.n_new)
+        per_round.append((time.perf_counter() - t0) / rounds)
+    tau = float(np.mean(np.stack([np.asarray(x) for x in new])))
+    return float(np.median(per_round)), tau, bs
+
+
+def compile_group(jobs: dict, threads: int) -> dict:
+    """Lower every (key -> (engine, state)) round in this thread, compile them in ``threads``
+    threads (XLA compiles without the interpreter lock); returns key -> (compiled, seconds)."""
+    lowered = {}
+    for key, (eng, bs) in jobs.items():
+        t0 = time.perf_counter()
+        lowered[key] = (eng._round.lower(eng.model.state, bs, sampled=False, top_k=False, top_p=False),
+                        time.perf_counter() - t0)
+
+    def one(key):
+        t0 = time.perf_counter()
+        return lowered[key][0].compile(), lowered[key][1] + time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return dict(zip(lowered, pool.map(one, lowered)))
+
+
+# ---------------------------------------------------------------------------- summary
+def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: dict,
+              kv_layout: str) -> list[dict]:
+    """Per (weights, batch, context): measured values per depth and the full-model extrapolation.
+    ``parts`` maps (weights, layers) to ``weight_parts`` of that slice (or of the full model); the
+    byte rooflines are given where it has an entry."""
+    bw, peak = ceil["copy_GBps"] * 1e9, ceil["bf16_matmul_TFLOPs"] * 1e12
+    rows = []
+    keys = sorted({(r["weights"], r["batch"], r["context"]) for r in results})
+    for w, b, c in keys:
+        sel = [r for r in results if (r["weights"], r["batch"], r["context"]) == (w, b, c)]
+        t = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "target"}
+        d = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "dspark"}
+        tau = {r["depth"]: r["tokens_per_round"] for r in sel if r["mode"] == "dspark"}
+        row = {"weights": w, "batch": b, "context": c, "measured": {}}
+        for depth in sorted(set(t) & set(d)):
+            row["measured"][str(depth)] = {
+                "step_ms": 1e3 * t[depth], "round_ms": 1e3 * d[depth], "tau": tau[depth],
+                "round_over_step": d[depth] / t[depth], "speedup": tau[depth] * t[depth] / d[depth]}
+            if (w, depth) in parts:
+                roof = roofline(sliced(full, depth), parts[(w, depth)], b, c, kv_layout)
+                row["measured"][str(depth)].update({
+                    "step_bytes": roof["step_bytes"], "round_bytes": roof["round_bytes"],
+                    "step_over_byte_roofline": t[depth] / (roof["step_bytes"] / bw),
+                    "round_over_byte_roofline": d[depth] / (roof["round_bytes"] / bw)})
+        et, ed = extrapolate(t, full.num_hidden_layers), extrapolate(d, full.num_hidden_layers)
+        if et and ed:
+            tau_full = tau[max(tau)]
+            step, rnd = et["full_s"], ed["full_s"]
+            roof = roofline(full, parts[(w, full.num_hidden_layers)], b, c, kv_layout)
+            step_roof = max(roof["step_bytes"] / bw, roof["step_flops"] / peak)
+            round_roof = max(roof["round_bytes"] / bw, roof["round_flops"] / peak)
+            roof_ratio = round_roof / step_roof
+            row["full"] = {
+                "layers": full.num_hidden_layers, "step_ms": 1e3 * step, "round_ms": 1e3 * rnd, "tau": tau_full,
+                "step_per_layer_ms": 1e3 * et["per_layer_s"], "round_per_layer_ms": 1e3 * ed["per_layer_s"],
+                "step_fixed_ms": 1e3 * et["fixed_s"], "round_fixed_ms": 1e3 * ed["fixed_s"],
+                "round_over_step": rnd / step, "speedup": tau_full * step / rnd,
+                "target_tok_s_per_user": 1 / step, "dspark_tok_s_per_user": tau_full / rnd,
+                "step_bytes": roof["step_bytes"], "step_flops": roof["step_flops"],
+                "round_bytes": roof["round_bytes"], "round_flops": roof["round_flops"],
+                "step_byte_roofline_ms": 1e3 * roof["step_bytes"] / bw,
+                "step_roofline_ms": 1e3 * step_roof, "round_roofline_ms": 1e3 * round_roof,
+                "step_over_byte_roofline": step / (roof["step_bytes"] / bw),
+                "step_over_roofline": step / step_roof, "round_over_roofline": rnd / round_roof,
+                "roofline_round_over_step": roof_ratio, "roofline_speedup": tau_full / roof_ratio}
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| weights | batch | context | depth | step ms | round ms | round / step | tau | speed-up "
+            "| target tok/s/user | DSpark tok/s/user | step / roofline | speed-up at the roofline |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        for depth, m in r["measured"].items():
+            lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | {depth} (measured) | "
+                         f"{m['step_ms']:.2f} | {m['round_ms']:.2f} | {m['round_over_step']:.2f} | {m['tau']:.2f} "
+                         f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | "
+                         f"{m.get('step_over_byte_roofline', math.nan):.1f} (bytes) | |")
+        if "full" in r:
+            f = r["full"]
+            lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | **{f['layers']} (extrapolated)** | "
+                         f"{f['step_ms']:.2f} | {f['round_ms']:.2f} | {f['round_over_step']:.2f} | {f['tau']:.2f} | "
+                         f"**{f['speedup']:.2f}** | {f['target_tok_s_per_user']:.0f} | "
+                         f"{f['dspark_tok_s_per_user']:.0f} | {f['step_over_roofline']:.1f} | "
+                         f"{f['roofline_speedup']:.2f} |")
+    return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> dict:
+    """The ratios the goals name, per weights and context (full-model extrapolation)."""
+    out = {}
+    for r in rows:
+        f = r.get("full")
+        if not f:
+            continue
+        key = f"{r['weights']} batch {r['batch']} context {r['context']}"
+        out[key] = {"step_over_byte_roofline": f["step_over_byte_roofline"],
+                    "step_over_roofline": f["step_over_roofline"],
+                    "round_over_step": f["round_over_step"], "speedup_with_profile": f["speedup"],
+                    "roofline_round_over_step": f["roofline_round_over_step"],
+                    "roofline_speedup_with_profile": f["roofline_speedup"]}
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--batch", default="1,16")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--weights", default="fp8", choices=("official", "fp8", "dense"),
-                    help="official: FP8 linears and FP4 experts as in the checkpoints; fp8: the FP4 experts "
-                         "widened to e4m3 (same values); dense: bf16")
+def plot(rows: list[dict], title: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = sorted({(r["weights"], r["context"]) for r in rows})
+    for w, c in series:
+        sel = sorted((r for r in rows if (r["weights"], r["context"]) == (w, c)), key=lambda r: r["batch"])
+        full = [r for r in sel if "full" in r]
+        if full:
+            bs_ = [r["batch"] for r in full]
+            line, = ax1.plot(bs_, [r["full"]["speedup"] for r in full], marker="o", label=f"{w} ctx {c}: full")
+            ax2.plot(bs_, [r["full"]["dspark_tok_s_per_user"] for r in full], marker="o", color=line.get_color(),
+                     label=f"{w} ctx {c}: DSpark, full")
+            ax2.plot(bs_, [r["full"]["target_tok_s_per_user"] for r in full], marker="s", ls=":",
+                     color=line.get_color(), label=f"{w} ctx {c}: target, full")
+        deepest = [(r["batch"], r["measured"][max(r["measured"], key=int)], max(r["measured"], key=int))
+                   for r in sel if r["measured"]]
+        if deepest:
+            ax1.plot([b for b, _, _ in deepest], [m["speedup"] for _, m, _ in deepest], marker="x", ls="--",
+                     alpha=0.6, label=f"{w} ctx {c}: {deepest[0][2]}-layer slice")
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+    ax1.set_ylabel("per-user speed-up (acceptance profile)")
+    ax2.set_ylabel("tokens / s per user")
+    ax2.set_yscale("log")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], depths: list[int], gamma: int,
+                  profile, args, meta: dict, save) -> None:
+    """Compile the target and DSpark rounds of every depth for one batch and cache allocation, then
+    time them at every context; each result is appended to ``meta`` and saved at once."""
+    g0 = time.perf_counter()
+    jobs = {}
+    for depth in depths:
+        for mode in ("target", "dspark"):
+            eng = Engine(models[depth], gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
+                         accept_profile=profile if mode == "dspark" else None)
+            jobs[(depth, mode)] = (eng, random_state(eng, b, alloc, seed=depth))
+    compiled = compile_group(jobs, args.compile_threads)
+    group_compile_s = time.perf_counter() - g0
+    for (depth, mode), (_, secs) in compiled.items():
+        meta["compiles"].append({"weights": w, "batch": b, "alloc": alloc, "depth": depth, "mode": mode,
+                                 "lower_compile_s": secs, "threads": args.compile_threads})
+    print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
+          f"({', '.join(f'{k[0]}L {k[1]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
+    for c in ctxs:
+        for depth in depths:
+            for mode in ("target", "dspark"):
+                eng, bs = jobs[(depth, mode)]
+                sec, tau, bs = time_rounds(compiled[(depth, mode)][0], eng.model.state, at_context(bs, c),
+                                           args.rounds, args.repeats)
+                jobs[(depth, mode)] = (eng, bs)
+                r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
+                     "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec}
+                meta["results"].append(r)
+                print(r, flush=True)
+                save()
+
+
+# ---------------------------------------------------------------------------- main
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", default="2,4", help="slice depths (layers); two give the per-layer cost")
+    ap.add_argument("--batch", default="1,32,8,64", help="batches, measured in this order")
+    ap.add_argument("--context", default="2048,8192,32768", help="committed tokens per request")
+    ap.add_argument("--weights", default="fp8",
+                    help="comma list of: official (FP8 linears, FP4 experts as in the checkpoints), fp8 (the FP4 "
+                         "experts widened to e4m3, same values), dense (bf16)")
+    ap.add_argument("--experts", type=int, default=0, help="routed experts (0 = the model's)")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="target KV pool layout")
+    ap.add_argument("--accept-profile", default=",".join(map(str, DEFAULT_PROFILE)),
+                    help="per-position marginal acceptance probabilities (benchmark only, not lossless), "
+                         "or 'real' for the real acceptance")
+    ap.add_argument("--alloc", default="max", choices=("max", "each"),
+                    help="max: one cache allocation per batch at the largest context (one compile per batch); "
+                         "each: one per context (the indexer then scores only that context's entries)")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds per timed repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile-threads", type=int, default=4, help="programs compiled at the same time")
+    ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining shapes once this is spent (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+
+    full = config.tiny() if args.smoke else config.flash()
+    if args.smoke:
+        args.depths, args.batch, args.context, args.rounds, args.repeats = "1,2", "2", "64,256", 2, 1
+    if args.experts:
+        full = full.replace(n_routed_experts=args.experts)
+    depths, batches, contexts = ints(args.depths), ints(args.batch), ints(args.context)
+    formats = args.weights.split(",")
+    profile = None if args.accept_profile == "real" else tuple(float(x) for x in args.accept_profile.split(","))
+    gamma = full.dspark.block_size
+    slack = -(-(gamma + 1) * (args.rounds * args.repeats + 2) // 128) * 128 + 128
 
     env = environment()
     print(env, flush=True)
     ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
     print(ceil, flush=True)
-    cfg = dspark_jax.config.flash_slice(args.layers).replace(n_routed_experts=args.experts)
-    if args.smoke:
-        cfg, args.context, args.batch = dspark_jax.config.tiny(), 64, "2"
-    model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(model.state))
-    results = []
-    for b in (int(x) for x in args.batch.split(",")):
-        r = bench_batch(model, b, args.context, args.rounds)
-        print(r, flush=True)
-        results.append(r)
-    write_json("decode.json", {"env": env, "ceilings": ceil, "config": {
-        "layers": args.layers, "experts": args.experts, "params": n_params, "context": args.context,
-        "weights": args.weights, "weight_bytes": sum(x.nbytes for x in jax.tree_util.tree_leaves(model.state))},
-        "results": results})
+    parts = {(w, n): weight_parts(full if n == full.num_hidden_layers else sliced(full, n), w)
+             for w in formats for n in {*depths, full.num_hidden_layers}}
+    meta = {
+        "env": env, "ceilings": ceil, "method": METHOD, "args": vars(args),
+        "acceptance": ("real acceptance" if profile is None else
+                       f"ACCEPTANCE PROFILE (benchmark only, not lossless): {profile}, expected accept length "
+                       f"{1 + sum(profile[:gamma]):.3f}"),
+        "prefill": "none: caches filled with random rows, committed lengths set to the context",
+        "cost_follows": {
+            "attention": "committed lengths (the ragged kernel walks only the keys its tokens see)",
+            "indexer": ("allocated entries: the C4 indexer scores all max_len / 4 entries per request in float32 "
+                        + ("(one allocation per batch at the largest context)" if args.alloc == "max"
+                           else "(allocated per context)")),
+            "compressors, window rings": "fixed per request"},
+        "indexer_scores_allocated_entries": True,
+        "config": {"full_layers": full.num_hidden_layers, "experts": full.n_routed_experts, "kv": args.kv,
+                   "slices": {str(d): layer_kinds(full, range(d)) for d in depths},
+                   "difference_layers": layer_kinds(full, range(min(depths), max(depths))),
+                   "extrapolated_layers": layer_kinds(full, range(max(depths), full.num_hidden_layers))},
+        "results": [], "skipped": [], "errors": [], "compiles": []}
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        taus = [int(t) for t in r["speedup_by_tau"]]
-        ax.plot(taus, list(r["speedup_by_tau"].values()), marker="o", label=f"batch {r['batch']}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("accept length τ (tokens per round)")
-    ax.set_ylabel("per-user speed-up vs target-only")
-    ax.set_title(f"Flash dims, {args.layers} layers, {args.experts} experts, ctx {args.context}\n{env['device']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir(), "decode.png"), dpi=120)
+    def save():
+        rows = summarize(meta["results"], full, parts, ceil, args.kv)
+        write_json("decode.json", {**meta, "summary": rows, "goals": goals(rows),
+                                   "elapsed_s": time.perf_counter() - start})
+        return rows
+
+    last_group_s = 0.0
+    for w in formats:
+        if args.budget_s and time.perf_counter() - start + last_group_s > args.budget_s:
+            meta["skipped"].append({"weights": w, "reason": "budget"})
+            continue
+        models = {}
+        for depth in depths:
+            t0 = time.perf_counter()
+            models[depth] = dspark_jax.init(sliced(full, depth), 0, dtype=jnp.bfloat16, weight_format=w,
+                                            quant_sim=True)
+            print(f"{w}: {depth}-layer slice initialised in {time.perf_counter() - t0:.1f} s "
+                  f"({models[depth].weight_bytes / 2**30:.1f} GiB)", flush=True)
+        groups = [(b, [max(contexts)], contexts) if args.alloc == "max" else (b, [c], [c])
+                  for b in batches for c in (contexts if args.alloc == "each" else [None])]
+        for b, alloc_ctx, ctxs in groups:
+            alloc = alloc_ctx[0] + slack
+            elapsed = time.perf_counter() - start
+            if args.budget_s and elapsed + last_group_s > args.budget_s:
+                meta["skipped"].append({"weights": w, "batch": b, "contexts": ctxs, "reason": "budget"})
+                print(f"skipped {w} batch {b} contexts {ctxs}: budget", flush=True)
+                save()
+                continue
+            g0 = time.perf_counter()
+            try:
+                measure_group(models, w, b, alloc, ctxs, depths, gamma, profile, args, meta, save)
+            except Exception as e:  # e.g. out of memory at a large batch: keep the other shapes
+                meta["errors"].append({"weights": w, "batch": b, "contexts": ctxs, "error": repr(e)[:2000]})
+                print(f"failed {w} batch {b}: {e!r}"[:2000], flush=True)
+                save()
+            last_group_s = time.perf_counter() - g0
+        del models
+    rows = save()
+    title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'}: depths {args.depths} -> "
+             f"{full.num_hidden_layers} layers; {env['device']}, {env['date']}, {env['commit']}; "
+             + ("real acceptance" if profile is None else
+                f"acceptance profile (benchmark only), expected accept length {1 + sum(profile[:gamma]):.2f}"))
+    if rows:
+        plot(rows, title, os.path.join(out_dir(), "decode.png"))
+    text = table(rows)
+    with open(os.path.join(out_dir(), "decode.md"), "w") as f:
+        f.write(f"{title}\n\n{text}\n")
+    print(text, flush=True)
+    for k, v in goals(rows).items():
+        print(k, {a: round(x, 3) for a, x in v.items()}, flush=True)
 
 
 if __name__ == "__main__":

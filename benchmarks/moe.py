@@ -45,6 +45,11 @@ TUNE = {  # row tile -> configurations tried
 }
 
 
+PREFILL_TUNE = [(bm, gm.GemmConfig(bn, 64, w, st)) for bm, bn, w, st in (
+    (64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 64, 4, 3),
+    (128, 128, 4, 3))]
+
+
 def ragged_dot_experts(x, w, idx, w1, w2, w3, limit):
     """The routed experts through XLA's ragged dot (bf16 weights), for comparison."""
     n, k = idx.shape
@@ -72,6 +77,8 @@ def main():
     ap.add_argument("--formats", default="official,fp8,dense",
                     help="weight formats: official (FP4 experts), fp8 (FP4 values as e4m3 codes), dense (bf16)")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-prefill", action="store_true",
+                    help="only the many-token regime: row tiles 64 / 128 x wider column tiles, 8192 tokens")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU: checks the script runs")
@@ -152,6 +159,20 @@ def main():
                         print("tune", tokens, c, f"{tt * 1e6:.1f} us", flush=True)
                     except Exception as e:
                         print("tune", tokens, c, "failed", type(e).__name__, str(e)[:200], flush=True)
+            if args.tune_prefill and tokens >= 4096:
+                for bm, c in PREFILL_TUNE:
+                    if over_budget():
+                        break
+                    try:
+                        tt = device_time(lambda x, w, idx, ws: routed(x, w, idx, ws, config=c, block_m=bm), x, w,
+                                         idx, ws, reps=args.reps)
+                        tuning.append({"tokens": tokens, "format": fmt, "block_m": bm, "config": c.__dict__,
+                                       "routed_s": tt,
+                                       "pct_matmul_peak": 100 * flops / tt / (ceil["bf16_matmul_TFLOPs"] * 1e12)})
+                        print("tune-prefill", fmt, tokens, bm, c, f"{tt * 1e6:.1f} us",
+                              f"{tuning[-1]['pct_matmul_peak']:.1f} % of peak", flush=True)
+                    except Exception as e:
+                        print("tune-prefill", fmt, tokens, bm, c, "failed", type(e).__name__, str(e)[:200], flush=True)
             write_json("moe.json", out)
         del moe, ws, state
 

@@ -220,6 +220,8 @@ def default_config(block_m: int, fmt: str) -> GemmConfig:
         return GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
     if fmt == "fp4":
         return GemmConfig(block_n=64, block_k=256 if block_m <= 32 else 128, num_warps=4, num_stages=3)
+    if fmt == "dense" and block_m >= 64:  # bf16 prefill: 256-column tiles, 46 % of the matmul peak at 8192
+        return GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3)  # tokens on an H200 (38 % at 128)
     return GemmConfig(block_n=128, block_k=64, num_warps=8 if block_m >= 64 else 4, num_stages=3)
 
 

@@ -44,9 +44,10 @@ def test_sinkhorn_is_doubly_stochastic():
 def test_numerics_sinkhorn_choice():
     from dspark_jax.model.common import Numerics
 
-    assert Numerics(sinkhorn="loop").sinkhorn_unroll() is False
-    assert Numerics(sinkhorn="unrolled").sinkhorn_unroll() is True
-    assert Numerics().sinkhorn_unroll() is None
+    assert Numerics(sinkhorn="loop").sinkhorn_impl() == "loop"
+    assert Numerics(sinkhorn="unrolled").sinkhorn_impl() == "unrolled"
+    assert Numerics(sinkhorn="kernel").sinkhorn_impl() == "kernel"
+    assert Numerics().sinkhorn_impl() == "loop"  # "auto" on the CPU; the kernel on a GPU
     with pytest.raises(ValueError, match="sinkhorn must be"):
         Numerics(sinkhorn="scan")
 
@@ -307,3 +308,22 @@ def test_matmul_f32_with_bf16_weights_is_as_exact_as_upcasting():
     two = np.asarray(jnp.einsum("...i,oi->...o", jnp.stack([hi, (jnp.asarray(x) - hi).astype(jnp.bfloat16)]), w,
                                 preferred_element_type=jnp.float32).sum(0))
     assert (np.abs(two - exact) / scale).max() > 10 * err_split.max()
+
+
+def test_index_scores_bf16_dot_equals_float32_scores():
+    """bf16 queries and keys are scored by a bf16 dot accumulating in float32 (no float32 copy of
+    the keys); the products are exact, so the scores equal float32 scoring up to summation order."""
+    from dspark_jax.model.indexer import index_scores
+
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 128)), jnp.bfloat16)
+    keys = jnp.asarray(rng.standard_normal((2, 50, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
+    got = np.asarray(index_scores(q, keys, w))
+    s = np.einsum("bthd,bnd->bthn", np.asarray(q, np.float64), np.asarray(keys, np.float64))
+    want = np.einsum("bthn,bth->btn", np.maximum(s, 0), np.asarray(w, np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    dots = [e for e in jax.make_jaxpr(index_scores)(q, keys, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots[0].invars[1].aval.dtype == jnp.bfloat16  # the keys enter the dot as stored
+    f32 = index_scores(q.astype(jnp.float32), keys.astype(jnp.float32), w)  # float32 models: float32 dot
+    np.testing.assert_allclose(np.asarray(f32), want, rtol=1e-5, atol=1e-4)

@@ -33,11 +33,12 @@ from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
-from dspark_jax.sharding import batch_sharding, model_mesh
+from dspark_jax.sharding import model_mesh, state_shardings
 
 PREFILL_CHUNK = 256
 MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to the engine's prefill_chunk
 STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
+STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
 
 
 @jax.tree_util.register_dataclass
@@ -71,16 +72,40 @@ def _stopped(tokens: Int[Array, "b n"], valid: Bool[Array, "b n"], stop_ids: Int
     return jnp.any(hit, axis=(1, 2))
 
 
+def profile_conditionals(profile, gamma: int) -> tuple[float, ...]:
+    """Conditional pass probabilities p_i / p_{i-1} (p_0 = 1) of the first γ positions of a marginal
+    acceptance profile (missing positions: 0)."""
+    p = [float(x) for x in profile]
+    if gamma < 1:
+        raise ValueError("accept_profile needs speculative decoding (gamma > 0)")
+    if any(not 0.0 <= x <= 1.0 for x in p) or any(b > a for a, b in zip(p, p[1:])):
+        raise ValueError(f"accept_profile must be non-increasing probabilities in [0, 1], got {profile}")
+    p = (p + [0.0] * gamma)[:gamma]
+    prev = [1.0] + p[:-1]
+    return tuple(x / q if q > 0 else 0.0 for x, q in zip(p, prev))
+
+
 class Engine:
     """Compiled prefill / round functions for one model, γ and drafter.
 
     gamma: draft tokens per round (0 = target-only decoding). drafter: None = the model's DSpark
     drafter; tests pass an oracle with the same signature as ``draft_block``. kv_layout: "bf16" or
     "fp8" target KV pools (the drafter's context rings stay in the compute dtype).
+
+    accept_profile: BENCHMARK ONLY, NOT LOSSLESS. None (the default) = real acceptance. A tuple
+    (p_1, p_2, ...) of per-position marginal acceptance probabilities (p_i = probability that draft
+    i is accepted; non-increasing, in [0, 1]; positions beyond the tuple have probability 0, those
+    beyond γ are ignored) keeps the round's work (draft, verify forward, target logits, argmax or
+    draw of the bonus) but replaces the number of accepted drafts a of each request by a draw from
+    the profile (the real acceptance test, a few comparisons per request, is then unused):
+    draft i passes with the conditional probability p_i / p_{i-1}, decided by a uniform from
+    (seed, position, STREAM_PROFILE), so runs are deterministic. The bonus token is the target's
+    token after those a drafts (argmax, or a draw for sampled requests). The emitted tokens are then
+    NOT the target's: this exists only to time decoding at a given accept length (E[a] = sum p_i).
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 kv_layout: str = "bf16"):
+                 kv_layout: str = "bf16", accept_profile: tuple[float, ...] | None = None):
         cfg = model.config
         if gamma > 0 and drafter is None and cfg.dspark is None:
             raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
@@ -88,6 +113,8 @@ class Engine:
             raise ValueError(f"gamma must be the drafter's block size {cfg.dspark.block_size if cfg.dspark else 0}, "
                              f"got {gamma}")
         self.model, self.gamma = model, gamma
+        self.accept_profile = None if accept_profile is None else tuple(float(x) for x in accept_profile)
+        self._profile_cond = None if accept_profile is None else profile_conditionals(accept_profile, gamma)
         self.drafter = drafter or draft_block
         self.prefill_chunk, self.kv_layout = prefill_chunk, kv_layout
         self.uses_rings = cfg.dspark is not None and gamma > 0
@@ -138,9 +165,11 @@ class Engine:
             stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling))
 
     def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
+        """One round; its phases are named scopes ("draft", "verify", "accept_commit") so that a
+        device profile can attribute every kernel (benchmarks/profile_step.py)."""
         model = nnx.merge(self.model.graphdef, state)
         sp, g = bs.sampling, self.gamma
-        lengths, was_active = bs.cache.lengths, bs.active
+        lengths = bs.cache.lengths
         b = lengths.shape[0]
         proc = functools.partial(process_logits, sp=sp, use_top_k=top_k, use_top_p=top_p)
 
@@ -148,16 +177,25 @@ class Engine:
             def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
                 return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
 
-            d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
+            with jax.named_scope("draft"):
+                d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
             drafts, q_logits, conf = d.tokens, d.logits, d.confidence
         else:
             drafts = jnp.zeros((b, 0), jnp.int32)
             q_logits = jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32)
             conf = jnp.zeros((b, 0), jnp.float32)
 
-        ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
-        logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+        with jax.named_scope("verify"):
+            ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
+            logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+        with jax.named_scope("accept_commit"):
+            return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
 
+    def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool):
+        """Acceptance (greedy or chain rejection sampling), the emitted tokens, and the commit."""
+        sp, g = bs.sampling, self.gamma
+        lengths, was_active = bs.cache.lengths, bs.active
+        b = lengths.shape[0]
         a, bonus = accept_greedy(drafts, logits)
         if sampled:
             u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_ACCEPT))
@@ -166,6 +204,9 @@ class Engine:
             keys = request_keys(sp.seed, lengths + a_s + 1, STREAM_BONUS)  # the bonus sits at L + a + 1
             bonus_s = jax.vmap(jax.random.categorical)(keys, resid).astype(jnp.int32)
             a, bonus = jnp.where(sp.greedy, a, a_s), jnp.where(sp.greedy, bonus, bonus_s)
+
+        if self.accept_profile is not None:  # benchmark only: a from the profile, not from the drafts
+            a, bonus = self._profile_accept(sp, lengths, logits, proc, sampled)
 
         n_new = jnp.where(was_active, a + 1, 0)
         col = jnp.arange(g + 1)[None]
@@ -179,6 +220,21 @@ class Engine:
         bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
                                  anchor=jnp.where(was_active, bonus, bs.anchor))
         return bs, RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(was_active, a, 0), confidence=conf)
+
+    def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool):
+        """Accepted drafts drawn from ``accept_profile`` (benchmark only) and the bonus token after them."""
+        g = self.gamma
+        u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_PROFILE))
+                       for k in range(g)], axis=1)  # [b, γ]
+        passed = u < jnp.asarray(self._profile_cond, jnp.float32)[None]
+        a = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
+        row = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]  # target logits after a drafts
+        bonus = jnp.argmax(row, axis=-1).astype(jnp.int32)
+        if sampled:
+            keys = request_keys(sp.seed, lengths + a + 1, STREAM_BONUS)
+            bonus_s = jax.vmap(jax.random.categorical)(keys, proc(row)).astype(jnp.int32)
+            bonus = jnp.where(sp.greedy, bonus, bonus_s)
+        return a, bonus
 
     # ------------------------------------------------------------------ host side
     @staticmethod
@@ -206,7 +262,7 @@ class Engine:
                         n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sampling)
         mesh = model_mesh(self.model)
-        return bs if mesh is None else jax.device_put(bs, batch_sharding(mesh, b))
+        return bs if mesh is None else jax.device_put(bs, state_shardings(bs, mesh))
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:

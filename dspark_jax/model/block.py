@@ -5,6 +5,7 @@ X -> hc_pre(attn) -> attn_norm -> attention -> hc_post -> hc_pre(ffn) -> ffn_nor
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -30,20 +31,28 @@ class Block(nnx.Module):
 
     def _pre(self, x, fn, base, scale):
         c = self.cfg
-        return hc_pre(x, fn[...], base[...], scale[...], iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-                      norm_eps=c.rms_norm_eps, unroll=self.num.sinkhorn_unroll())
+        with jax.named_scope("mhc"):
+            return hc_pre(x, fn[...], base[...], scale[...], iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
+                          norm_eps=c.rms_norm_eps, sinkhorn_impl=self.num.sinkhorn_impl())
 
     def attn_in(self, x: Float[Array, "b t n d"]):
         """Collapsed, normalised attention input and the mHC weights to expand its output."""
         y, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        return self.attn_norm(y), post, comb
+        with jax.named_scope("attention"):
+            return self.attn_norm(y), post, comb
 
     def ffn_residual(self, x: Float[Array, "b t n d"], ids: Int[Array, "b t"]) -> Float[Array, "b t n d"]:
         y, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return hc_post(self.ffn(self.ffn_norm(y), ids), x, post, comb)
+        with jax.named_scope("moe"):
+            f = self.ffn(self.ffn_norm(y), ids)
+        with jax.named_scope("mhc"):
+            return hc_post(f, x, post, comb)
 
     def __call__(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache
                  ) -> tuple[Float[Array, "b t n d"], LayerCache]:
         y, post, comb = self.attn_in(x)
-        f, cache = self.attn(y, chunk, cache)
-        return self.ffn_residual(hc_post(f, x, post, comb), chunk.ids), cache
+        with jax.named_scope("attention"):
+            f, cache = self.attn(y, chunk, cache)
+        with jax.named_scope("mhc"):
+            x = hc_post(f, x, post, comb)
+        return self.ffn_residual(x, chunk.ids), cache

@@ -39,8 +39,10 @@ class Numerics:
     kernels: attention / fp8-cache-write implementation for decode and verify chunks: "pallas"
         (the Pallas kernels: Triton on a GPU, interpret mode on CPU), "xla" (their pure-JAX
         references) or "auto" (pallas on a GPU, xla elsewhere).
-    sinkhorn: mHC's Sinkhorn iterations as a "loop" (fast to compile; training uses it) or
-        "unrolled" (no per-iteration loop overhead), or "auto" (unrolled on accelerators).
+    sinkhorn: how mHC's gates and Sinkhorn iterations run: "loop" (fast to compile; training uses
+        it), "unrolled" (no per-iteration loop overhead, but tens of small fusions per mHC unit on
+        a GPU and a long compile), "kernel" (``pallas_kernels.hc_weights``: one launch per unit;
+        inference only, no gradient) or "auto" (the kernel on a GPU, the loop elsewhere).
     matmul_precision: float32 matmuls (the lm_head, router and compressor of every model; all of
         an fp32 model) in true float32 like the PyTorch reference ("highest"), or at the backend's
         default ("default": TF32 on NVIDIA GPUs). Set by ``precision_scope`` in inference entry
@@ -65,8 +67,8 @@ class Numerics:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.kernels not in ("auto", "pallas", "xla"):
             raise ValueError(f"kernels must be 'auto', 'pallas' or 'xla', got {self.kernels!r}")
-        if self.sinkhorn not in ("auto", "loop", "unrolled"):
-            raise ValueError(f"sinkhorn must be 'auto', 'loop' or 'unrolled', got {self.sinkhorn!r}")
+        if self.sinkhorn not in ("auto", "loop", "unrolled", "kernel"):
+            raise ValueError(f"sinkhorn must be 'auto', 'loop', 'unrolled' or 'kernel', got {self.sinkhorn!r}")
         if self.matmul_precision not in ("highest", "default"):
             raise ValueError(f"matmul_precision must be 'highest' or 'default', got {self.matmul_precision!r}")
 
@@ -84,9 +86,13 @@ class Numerics:
                 return fn(*args, **kwargs)
         return wrapped
 
-    def sinkhorn_unroll(self) -> bool | None:
-        """``unroll`` for ``hyper.sinkhorn`` (None: chosen by backend when tracing)."""
-        return None if self.sinkhorn == "auto" else self.sinkhorn == "unrolled"
+    def sinkhorn_impl(self) -> str:
+        """``sinkhorn_impl`` for ``hyper.hc_pre`` ("auto" resolved when tracing)."""
+        if self.sinkhorn == "auto":
+            from pallas_kernels.backend import on_gpu
+
+            return "kernel" if on_gpu() else "loop"
+        return self.sinkhorn
 
     def kernel_impl(self) -> str:
         """The implementation the kernel dispatchers get (resolved when tracing)."""

@@ -40,6 +40,11 @@ class Compressor(nnx.Module):
     def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
                  ) -> tuple[KVPool, CompressorState]:
         """Compress every window closed inside the chunk; returns all entries and the new state."""
+        with jax.named_scope("compressor"):
+            return self._compress(x, chunk, state)
+
+    def _compress(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
+                  ) -> tuple[KVPool, CompressorState]:
         m, w = self.ratio, self.width
         kv_new, score_new = self.wkv(x), self.wgate(x)  # [b, t, coff*w] fp32
         b, t = chunk.ids.shape

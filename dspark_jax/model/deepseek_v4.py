@@ -40,14 +40,16 @@ class DeepSeekV4(nnx.Module):
         self.cfg, self.num = cfg, num
 
     def embed_streams(self, ids: Array) -> Float[Array, "b t n d"]:
-        e = self.embed(ids, self.num.dtype)
-        return jnp.repeat(e[:, :, None, :], self.cfg.hc_mult, axis=2)
+        with jax.named_scope("embed"):
+            e = self.embed(ids, self.num.dtype)
+            return jnp.repeat(e[:, :, None, :], self.cfg.hc_mult, axis=2)
 
     def logits_from_streams(self, x: Float[Array, "b t n d"]) -> Float[Array, "b t v"]:
         """hc_head -> norm -> lm_head, fp32 logits."""
-        y = hc_head(x, self.hc_head_fn[...], self.hc_head_base[...], self.hc_head_scale[...],
-                    hc_eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
-        return self.head(self.norm(y), jnp.float32)
+        with jax.named_scope("head"):
+            y = hc_head(x, self.hc_head_fn[...], self.hc_head_base[...], self.hc_head_scale[...],
+                        hc_eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
+            return self.head(self.norm(y), jnp.float32)
 
     def forward(self, ids: Int[Array, "b t"], n_valid: Int[Array, " b"], cache: TargetCache, *,
                 capture: tuple[int, ...] = (), logits: Literal["all", "last", "none"] = "all"
@@ -63,14 +65,17 @@ class DeepSeekV4(nnx.Module):
         x = self.embed_streams(ids)
         hidden, layers = {}, []
         for i, layer in enumerate(self.layers):
-            x, lc = layer(x, chunk, cache.layers[i])
-            layers.append(lc)
-            if i in capture:
-                hidden[i] = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
+            with jax.named_scope(f"layer{i}"):
+                x, lc = layer(x, chunk, cache.layers[i])
+                layers.append(lc)
+                if i in capture:
+                    hidden[i] = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
         out = None
         if logits == "last":
             b = x.shape[0]
-            out = self.logits_from_streams(x[jnp.arange(b), jnp.maximum(chunk.n_valid - 1, 0)][:, None])[:, 0]
+            with jax.named_scope("head"):
+                last = x[jnp.arange(b), jnp.maximum(chunk.n_valid - 1, 0)][:, None]
+            out = self.logits_from_streams(last)[:, 0]
         elif logits == "all":
             out = self.logits_from_streams(x)
         hid = jnp.stack([hidden[i] for i in capture], axis=2) if capture else None

@@ -77,6 +77,13 @@ class DSparkStage(Block):
         passes gathered context rows with ``ring_visible`` and takes the dense math (it needs
         gradients)."""
         y, post, comb = self.attn_in(x)
+        with jax.named_scope("attention"):
+            f = self._block_attention(y, pos, ring, ring_visible, lengths)
+        with jax.named_scope("mhc"):
+            x = hc_post(f, x, post, comb)
+        return self.ffn_residual(x, ids)
+
+    def _block_attention(self, y, pos, ring, ring_visible, lengths) -> Float[Array, "b g d"]:
         q, _ = self.attn.project_q(y, pos)
         kv = self.attn.project_kv(y, pos).astype(ring.dtype)
         b, g, h, d = q.shape
@@ -90,8 +97,7 @@ class DSparkStage(Block):
             meta = attention_metadata.draft(lengths, block=g, window=self.cfg.sliding_window)
             o = ragged_attention(q.reshape(b * g, h, d), scatter_rows(ring, slots, kv), None, sink, meta,
                                  scale=scale, impl=self.num.kernel_impl()).reshape(b, g, h, d)
-        x = hc_post(self.attn.project_out(o, pos), x, post, comb)
-        return self.ffn_residual(x, ids)
+        return self.attn.project_out(o, pos)
 
 
 @jax.tree_util.register_dataclass
@@ -116,6 +122,12 @@ def context_input(stages, hidden: Float[Array, "b t k d"]) -> Float[Array, "b t 
 def write_context(stages, cache: DraftCache, hidden: Float[Array, "b t k d"], start: Int[Array, " b"],
                   n_commit: Int[Array, " b"]) -> DraftCache:
     """Insert context keys of the first ``n_commit[b]`` rows (positions start[b] + t) into every ring."""
+    with jax.named_scope("context"):
+        return _write_context(stages, cache, hidden, start, n_commit)
+
+
+def _write_context(stages, cache: DraftCache, hidden: Float[Array, "b t k d"], start: Int[Array, " b"],
+                   n_commit: Int[Array, " b"]) -> DraftCache:
     main_x = context_input(stages, hidden)
     t = hidden.shape[1]
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -143,20 +155,25 @@ def draft_block(model, cache: DraftCache, anchor: Int[Array, " b"], lengths: Int
     ids = jnp.concatenate([anchor[:, None], jnp.full((b, g - 1), ds.noise_token_id, jnp.int32)], axis=1)
     pos = lengths[:, None] + jnp.arange(g, dtype=jnp.int32)[None]
     x = model.embed_streams(ids)
-    for stage, ring in zip(stages, cache.rings):
-        x = stage.draft_layer(x, ids, pos, ring, lengths=lengths)
+    for s, (stage, ring) in enumerate(zip(stages, cache.rings)):
+        with jax.named_scope(f"stage{s}"):
+            x = stage.draft_layer(x, ids, pos, ring, lengths=lengths)
     last = stages[-1]
-    z = hc_head(x, last.hc_head_fn[...], last.hc_head_base[...], last.hc_head_scale[...], hc_eps=cfg.hc_eps,
-                norm_eps=cfg.rms_norm_eps)  # pre-norm hidden Z [b, g, d]
-    base = model.head(last.norm(z), jnp.float32)  # U [b, g, v]
+    with jax.named_scope("head"):
+        z = hc_head(x, last.hc_head_fn[...], last.hc_head_base[...], last.hc_head_scale[...], hc_eps=cfg.hc_eps,
+                    norm_eps=cfg.rms_norm_eps)  # pre-norm hidden Z [b, g, d]
+        base = model.head(last.norm(z), jnp.float32)  # U [b, g, v]
 
     markov = last.markov_head
     prev, tokens, logits, feats = anchor, [], [], []
-    for k in range(g):  # γ is small and static: unrolled, all inside the caller's jit
-        f = markov.feature(prev)
-        lk = base[:, k] + markov.bias(f)
-        prev = pick(lk, k).astype(jnp.int32)
-        tokens.append(prev), logits.append(lk), feats.append(f)
-    feats = jnp.stack(feats, axis=1)
-    conf = last.confidence_head.proj(jnp.concatenate([z.astype(jnp.float32), feats], axis=-1), jnp.float32)[..., 0]
+    with jax.named_scope("markov"):
+        for k in range(g):  # γ is small and static: unrolled, all inside the caller's jit
+            f = markov.feature(prev)
+            lk = base[:, k] + markov.bias(f)
+            prev = pick(lk, k).astype(jnp.int32)
+            tokens.append(prev), logits.append(lk), feats.append(f)
+        feats = jnp.stack(feats, axis=1)
+    with jax.named_scope("confidence"):
+        conf = last.confidence_head.proj(jnp.concatenate([z.astype(jnp.float32), feats], axis=-1),
+                                         jnp.float32)[..., 0]
     return DraftOutput(tokens=jnp.stack(tokens, axis=1), logits=jnp.stack(logits, axis=1), confidence=conf)

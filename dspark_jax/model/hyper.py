@@ -46,16 +46,28 @@ def _mixes(x: Float[Array, "b t n d"], fn: Array, eps: float) -> Float[Array, "b
 
 
 def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, iters: int, hc_eps: float,
-           norm_eps: float, unroll: bool | None = None
+           norm_eps: float, sinkhorn_impl: str = "loop"
            ) -> tuple[Float[Array, "b t d"], Float[Array, "b t n"], Float[Array, "b t n n"]]:
     """Collapse the streams for a sub-block; returns (block input, post weights, mixing matrix C).
-    ``unroll``: see ``sinkhorn``."""
+
+    sinkhorn_impl: how the gates and the Sinkhorn iterations run: "loop" / "unrolled" (plain JAX,
+    see ``sinkhorn``) or "kernel" (``pallas_kernels.hc_weights``: one launch on a GPU).
+    """
     n = x.shape[-2]
     mix = _mixes(x, fn, norm_eps)
-    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-    post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mix.shape[:-1], n, n)
-    comb = sinkhorn(comb, iters, hc_eps, unroll=unroll)
+    z = jnp.concatenate([mix[..., :n] * scale[0], mix[..., n:2 * n] * scale[1], mix[..., 2 * n:] * scale[2]],
+                        axis=-1) + base  # the gates' and C's pre-activations
+    if sinkhorn_impl == "kernel":
+        from pallas_kernels.hc_weights import weights_kernel
+
+        pre, post, comb = weights_kernel(z, n=n, iters=iters, eps=hc_eps)
+    elif sinkhorn_impl in ("loop", "unrolled"):
+        pre = jax.nn.sigmoid(z[..., :n]) + hc_eps
+        post = 2.0 * jax.nn.sigmoid(z[..., n:2 * n])
+        comb = sinkhorn(z[..., 2 * n:].reshape(*z.shape[:-1], n, n), iters, hc_eps,
+                        unroll=sinkhorn_impl == "unrolled")
+    else:
+        raise ValueError(f"sinkhorn_impl must be 'loop', 'unrolled' or 'kernel', got {sinkhorn_impl!r}")
     y = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2)
     return y.astype(x.dtype), post, comb
 

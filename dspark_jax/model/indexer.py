@@ -24,6 +24,18 @@ def visible_entries(positions: Int[Array, "b t"], ratio: int) -> Int[Array, "b t
     return (positions + 1) // ratio
 
 
+def index_scores(q: Float[Array, "b t h d"], keys: Float[Array, "b n d"], w: Float[Array, "b t h"]
+                 ) -> Float[Array, "b t n"]:
+    """score[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]) in float32.
+
+    bf16 x bf16 products are exact in float32, so bf16 operands go to a bf16 dot accumulating in
+    float32: the reference's float32 scores (up to summation order), without float32 copies of
+    the keys."""
+    dt = jnp.promote_types(q.dtype, keys.dtype)
+    s = jnp.einsum("bthd,bnd->bthn", q.astype(dt), keys.astype(dt), preferred_element_type=jnp.float32)
+    return jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w.astype(jnp.float32))
+
+
 class Indexer(nnx.Module):
     def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
@@ -34,6 +46,11 @@ class Indexer(nnx.Module):
 
     def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState
                  ) -> tuple[Int[Array, "b t k"], CompressorState]:
+        with jax.named_scope("indexer"):
+            return self._top_entries(x, qr, chunk, state)
+
+    def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
+                     state: CompressorState) -> tuple[Int[Array, "b t k"], CompressorState]:
         b, t, _ = x.shape
         pos = chunk.positions
         q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim)
@@ -43,8 +60,7 @@ class Indexer(nnx.Module):
         keys, state = self.compressor(x, chunk, state)  # [b, n, d_I]
 
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), read_kv(keys, jnp.float32))
-        score = jnp.einsum("bthn,bth->btn", jax.nn.relu(s), w.astype(jnp.float32))
+        score = index_scores(q, read_kv(keys, q.dtype), w)  # fp8 key pools: exact in bf16
         n = keys.shape[1]
         limit = visible_entries(pos, 4)[..., None]
         score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)

@@ -1,0 +1,98 @@
+"""benchmarks/decode.py without a device: slice configs, the depth extrapolation and the roofline
+arithmetic on synthetic timings."""
+
+import math
+
+import pytest
+
+from benchmarks import decode
+from dspark_jax import config, memory
+
+
+@pytest.fixture(scope="module")
+def flash_fp8_parts():
+    return decode.weight_parts(config.flash(), "fp8")
+
+
+def test_slices_keep_three_drafter_taps():
+    full = config.flash()
+    two = decode.sliced(full, 2)
+    assert two.dspark.target_layer_ids == (0, 0, 1) and two.compress_ratios == (0, 0) and two.num_hash_layers == 2
+    four = decode.sliced(full, 4)
+    assert four == config.flash_slice(4)  # the slice the other benchmarks use
+    assert decode.layer_kinds(full, range(2, 4)) == "2: C4 hash, 3: C128 learned"
+    with pytest.raises(ValueError):
+        decode.sliced(full, 44)
+
+
+def test_extrapolation_of_a_linear_cost():
+    """t(d) = 6 + 2 d: the per-layer cost is 2, the fixed part 6 and t(43) = 92, from any two depths."""
+    assert decode.extrapolate({2: 10.0}, 43) is None
+    for times in ({2: 10.0, 4: 14.0}, {1: 8.0, 3: 12.0, 2: 10.0}):
+        e = decode.extrapolate(times, 43)
+        assert e["per_layer_s"] == pytest.approx(2.0)
+        assert e["fixed_s"] == pytest.approx(6.0)
+        assert e["full_s"] == pytest.approx(92.0)
+
+
+def test_summary_of_synthetic_timings(flash_fp8_parts):
+    """Step 1 + 0.5 d ms, round 9 + 0.6 d ms, accept length 4.33: the 43-layer step is 22.5 ms, the
+    round 34.8 ms, the speed-up 4.33 * 22.5 / 34.8; the roofline ratio is the step over bytes / bandwidth."""
+    full = config.flash()
+    results = []
+    for d in (2, 4):
+        results.append({"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": "target",
+                        "round_s": 1e-3 * (1 + 0.5 * d), "tokens_per_round": 1.0})
+        results.append({"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": "dspark",
+                        "round_s": 1e-3 * (9 + 0.6 * d), "tokens_per_round": 4.33})
+    parts = {("fp8", 43): flash_fp8_parts, ("fp8", 4): decode.weight_parts(decode.sliced(full, 4), "fp8")}
+    ceil = {"copy_GBps": 2000.0, "bf16_matmul_TFLOPs": 600.0}
+    (row,) = decode.summarize(results, full, parts, ceil, "bf16")
+    f = row["full"]
+    assert f["step_ms"] == pytest.approx(22.5) and f["round_ms"] == pytest.approx(34.8)
+    assert f["speedup"] == pytest.approx(4.33 * 22.5 / 34.8)
+    assert f["step_over_byte_roofline"] == pytest.approx(22.5e-3 / (f["step_bytes"] / 2000e9))
+    assert row["measured"]["4"]["speedup"] == pytest.approx(4.33 * 3.0 / 11.4)
+    four = row["measured"]["4"]
+    assert four["step_over_byte_roofline"] == pytest.approx(3e-3 / (four["step_bytes"] / 2000e9))
+    assert four["step_bytes"] < f["step_bytes"] / 5 and "step_bytes" not in row["measured"]["2"]
+    assert "| **43 (extrapolated)** |" in decode.table([row])
+    # one request reads the non-expert weights, 6 experts per layer and its KV: a few GB at most
+    assert 5e9 < f["step_bytes"] < 20e9
+
+
+def test_weight_parts_add_up_to_the_model():
+    cfg = config.tiny()
+    parts = decode.weight_parts(cfg, "official")
+    tables = (cfg.hidden_size + cfg.dspark.markov_rank) * cfg.vocab_size * 2  # embedding, markov_w1: rows only
+    total = (sum(p["bytes"] + cfg.n_routed_experts * p["expert_bytes"] for p in parts["layers"])
+             + parts["mtp"]["bytes"] + cfg.n_routed_experts * parts["mtp"]["expert_bytes"] + parts["head"]["bytes"])
+    assert math.isclose(total + tables, sum(memory.weight_bytes(cfg, "official").values()))
+    dense = decode.weight_parts(cfg, "dense")  # FLOPs count unpacked weights: the same in every format
+    assert parts["layers"][3]["expert_weights"] == dense["layers"][3]["expert_weights"] == 3 * 128 * 128
+    assert parts["layers"][3]["expert_bytes"] < dense["layers"][3]["expert_bytes"] / 3
+
+
+def test_kv_read_bytes_per_layer_kind():
+    cfg = config.flash()
+    row = 2 * cfg.head_dim
+    assert decode.kv_read_bytes(cfg, 1, 32768) == 128 * row  # window only
+    c4 = decode.kv_read_bytes(cfg, 3, 32768) - decode.kv_read_bytes(cfg, 2, 32768)
+    assert c4 == 128 * row + 512 * row + 8192 * cfg.index_head_dim * 2
+    c128 = decode.kv_read_bytes(cfg, 4, 32768) - decode.kv_read_bytes(cfg, 3, 32768)
+    assert c128 == 128 * row + 256 * row
+    assert decode.distinct_experts(cfg, 1) == pytest.approx(6)
+    assert 250 < decode.distinct_experts(cfg, 384) < 256
+
+
+def test_round_roofline_adds_the_drafter_once(flash_fp8_parts):
+    """At a batch where every step touches every expert, a round reads what a step reads plus the
+    drafter's weights (each stage's experts once), the head and the Markov matrix again, and its rings."""
+    cfg = config.flash()
+    parts = flash_fp8_parts
+    batch = 4096
+    r = decode.roofline(cfg, parts, batch, 2048, "bf16")
+    m = parts["mtp"]
+    drafter = m["bytes"] + cfg.n_routed_experts * m["expert_bytes"]
+    extra = parts["head"]["bytes"] + 4 * parts["markov_w2_bytes"] + batch * 3 * 133 * 1024
+    assert r["round_bytes"] - r["step_bytes"] == pytest.approx(drafter + extra, rel=1e-6)
