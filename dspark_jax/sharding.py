@@ -102,11 +102,11 @@ SCALE_RULES: tuple[tuple[str, str], ...] = (
 
 # Cache and per-request decoding state (``TargetCache``, ``DraftCache``, the engine's
 # ``BatchState``; paths with or without the ``cache.`` / ``draft.`` prefix). Every leaf has the
-# request as its leading dim; fp8 pools are ``.nope`` / ``.rope`` pairs.
+# request as its leading dim; fp8 pools are ``.nope`` / ``.rope`` pairs, fp8 indexer keys ``.codes`` / ``.scales``.
 STATE_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^(cache\.)?layers\.\d+\.window(\.nope|\.rope)?$", ("batch", None, None)),
     (r"^(cache\.)?layers\.\d+\.(compressor|indexer)\.(kv|score)$", ("batch", None, None)),
-    (r"^(cache\.)?layers\.\d+\.(compressor|indexer)\.entries(\.nope|\.rope)?$", ("batch", None, None)),
+    (r"^(cache\.)?layers\.\d+\.(compressor|indexer)\.entries(\.nope|\.rope|\.codes|\.scales)?$", ("batch", None, None)),
     (r"^(cache\.)?lengths$", ("batch",)),
     (r"^(draft\.)?rings\.\d+$", ("batch", None, None)),
     (r"^(anchor|active|n_generated|max_new)$", ("batch",)),
