@@ -45,7 +45,7 @@ def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("targ
 
     import dspark_jax
     from dspark_jax import SamplingParams
-    from dspark_jax.decoding.engine import Engine
+    from dspark_jax.decoding.engine import Engine, chunk_width
     from dspark_jax.decoding.generate import default_model
 
     spec = VARIANTS[variant]
@@ -71,12 +71,12 @@ def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("targ
             continue
         eng = Engine(model, gamma=gamma)
         bs = eng.init_state(prompts, params, list(range(batch)), prompt_len + 8 * rounds + 32)
-        c = min(eng.prefill_chunk, max(16, 1 << (prompt_len - 1).bit_length()))
+        c = chunk_width(prompt_len, eng.prefill_chunk)
         ids = jnp.zeros((batch, c), jnp.int32)
         n = jnp.full((batch,), c, jnp.int32)
         last = jnp.zeros((batch, model.config.vocab_size), jnp.float32)
         steps = {"prefill": (eng._prefill, (model.state, bs, ids, n, last, jnp.ones((batch,), bool)), {}),
-                 "first": (eng._first, (model.state, bs, last), {}),
+                 "first": (eng._first, (model.state, bs, last, jnp.ones((batch,), bool)), {}),
                  "round": (eng._round, (model.state, bs), dict(sampled=False, top_k=False, top_p=False))}
         for step, (fn, args, static) in steps.items():
             t1 = time.time()

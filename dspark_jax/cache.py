@@ -26,8 +26,48 @@ from pallas_kernels import kv_fp8
 from pallas_kernels.attention_metadata import ring_positions  # noqa: F401 (slot -> position, re-exported)
 
 KV_LAYOUTS = ("bf16", "fp8")
-# A pool of 512-d KV latents: a plain array [b, r, d] (the compute dtype) or packed fp8 rows.
-KVPool = Array | kv_fp8.Fp8Rows
+KEY_BLOCK = 32  # indexer key dims per scale in the fp8 layout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Fp8Keys:
+    """Indexer keys in the fp8 layout: ``codes`` uint8 [..., d] holds float8_e4m3fn codes and
+    ``scales`` uint8 [..., d / KEY_BLOCK] the ue8m0 exponent (log2(scale) + 127) of each block of
+    32 dims: d + d / 32 bytes per key (132 B for 128 dims instead of 256 B in bf16). The scale is
+    2 ** ceil(log2(amax / 448)); the reference's keys (e2m1 values times a power of two per 32
+    dims, ``quant.fp4_sim``) are stored exactly."""
+
+    codes: Array
+    scales: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+
+def quantize_keys(keys: Float[Array, "... d"]) -> Fp8Keys:
+    x = keys.astype(jnp.float32)
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // KEY_BLOCK, KEY_BLOCK)
+    ratio = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), 1e-30) / kv_fp8.FP8_MAX
+    mant, exp = jnp.frexp(ratio)  # ratio = mant * 2**exp, mant in [0.5, 1): 2**ceil(log2 ratio)
+    k = jnp.where(mant == 0.5, exp - 1, exp).astype(jnp.int32)
+    codes = jnp.clip(xb / jnp.ldexp(jnp.float32(1), k)[..., None], -kv_fp8.FP8_MAX, kv_fp8.FP8_MAX)
+    codes = jax.lax.bitcast_convert_type(codes.astype(jnp.float8_e4m3fn), jnp.uint8).reshape(x.shape)
+    return Fp8Keys(codes=codes, scales=(k + 127).astype(jnp.uint8))
+
+
+def dequantize_keys(keys: Fp8Keys, dtype) -> Float[Array, "... d"]:
+    codes = jax.lax.bitcast_convert_type(keys.codes, jnp.float8_e4m3fn).astype(jnp.float32)
+    lead, d = codes.shape[:-1], codes.shape[-1]
+    k = keys.scales.astype(jnp.int32) - 127
+    vals = codes.reshape(*lead, d // KEY_BLOCK, KEY_BLOCK) * jnp.ldexp(jnp.float32(1), k)[..., None]
+    return vals.reshape(*lead, d).astype(dtype)
+
+
+# A pool of KV latents or indexer keys: a plain array [b, r, d] (the compute dtype), packed fp8
+# KV rows, or fp8 indexer keys.
+KVPool = Array | kv_fp8.Fp8Rows | Fp8Keys
 
 
 @jax.tree_util.register_dataclass
@@ -67,19 +107,28 @@ def new_kv_pool(lead: tuple[int, ...], width: int, dtype, layout: str, fill: flo
     return jnp.full((*lead, width), fill, dtype)
 
 
+def new_key_pool(lead: tuple[int, ...], width: int, dtype, layout: str, fill: float = 0.0) -> KVPool:
+    """A pool of indexer keys: ``bf16`` = plain keys in the compute dtype, ``fp8`` = ``Fp8Keys``."""
+    if layout == "fp8":
+        return quantize_keys(jnp.full((*lead, width), fill, jnp.float32))
+    return jnp.full((*lead, width), fill, dtype)
+
+
 def _compressor_state(batch: int, ratio: int, width: int, ring: int, n_entries: int, dtype, fill,
-                      layout: str = "bf16") -> CompressorState:
+                      layout: str = "bf16", keys: bool = False) -> CompressorState:
     coff = 2 if ratio == 4 else 1
+    new_pool = new_key_pool if keys else new_kv_pool
     return CompressorState(kv=jnp.full((batch, ring, coff * width), fill, jnp.float32),
                            score=jnp.full((batch, ring, coff * width), fill, jnp.float32),
-                           entries=new_kv_pool((batch, n_entries), width, dtype, layout, fill))
+                           entries=new_pool((batch, n_entries), width, dtype, layout, fill))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, kv_layout: str = "bf16",
                fill: float = 0.0) -> TargetCache:
     """Empty caches for ``batch`` requests of up to ``max_len`` tokens each (prompt + generation +
     one verify block of slack). ``kv_layout`` = "fp8" stores the window rings and compressed
-    entries as packed fp8 rows (640 B instead of 1024 B; indexer keys stay in ``dtype``).
+    entries as packed fp8 rows (640 B instead of 1024 B) and the indexer keys as ``Fp8Keys``
+    (132 B instead of 256 B).
     ``fill`` lets tests poison unwritten storage."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -97,7 +146,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
             ring = cfg.compressor_ring_size(ratio)
             comp = _compressor_state(batch, ratio, cfg.head_dim, ring, n, dtype, fill, kv_layout)
             if ratio == 4:
-                idx = _compressor_state(batch, ratio, cfg.index_head_dim, ring, n, dtype, fill)
+                idx = _compressor_state(batch, ratio, cfg.index_head_dim, ring, n, dtype, fill, kv_layout, keys=True)
         layers.append(LayerCache(window=window, compressor=comp, indexer=idx))
     return TargetCache(layers=tuple(layers), lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len)
 
@@ -123,7 +172,11 @@ def scatter_rows(buf: Float[Array, "b r ..."], slots: Int[Array, "b t"], rows: F
 
 def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla") -> KVPool:
     """pool[b, slots[b, t]] = rows[b, t] (out-of-range slots dropped); fp8 pools quantise the rows
-    with the fp8 write kernel (``impl``: "pallas" or "xla")."""
+    with the fp8 write kernel (``impl``: "pallas" or "xla"), fp8 keys with ``quantize_keys``."""
+    if isinstance(pool, Fp8Keys):
+        new = quantize_keys(rows)
+        return Fp8Keys(codes=scatter_rows(pool.codes, slots, new.codes),
+                       scales=scatter_rows(pool.scales, slots, new.scales))
     if not isinstance(pool, kv_fp8.Fp8Rows):
         return scatter_rows(pool, slots, rows)
     b, r = pool.shape[:2]
@@ -133,7 +186,9 @@ def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"]
 
 
 def read_kv(pool: KVPool, dtype) -> Float[Array, "b r d"]:
-    """All rows of a pool in ``dtype`` (fp8 rows dequantised)."""
+    """All rows of a pool in ``dtype`` (fp8 rows and keys dequantised)."""
+    if isinstance(pool, Fp8Keys):
+        return dequantize_keys(pool, dtype)
     return kv_fp8.dequantize(pool, dtype) if isinstance(pool, kv_fp8.Fp8Rows) else pool
 
 

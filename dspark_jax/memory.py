@@ -1,15 +1,18 @@
 """Memory planner for the KV caches: bytes per token and how many tokens / requests fit.
 
 Costs that grow with the context (per token of a request, summed over target layers):
-- C4 layers: one compressed KV row per 4 tokens + one indexer key (index_head_dim, bf16) per 4 tokens;
+- C4 layers: one compressed KV row per 4 tokens + one indexer key (index_head_dim, in the compute
+  dtype or, in the fp8 layout, fp8 with a scale per 32 dims: 132 B) per 4 tokens;
 - Cm layers: one compressed KV row per m tokens.
 Fixed costs per request (independent of its length):
 - a window ring per target layer (``window_ring_size`` rows, in the pool's layout);
 - compressor input rings (fp32 kv and gate scores) of every compressed layer and C4 indexer;
-- the drafter's context rings (``window_ring_size`` rows per stage, always bf16), unless gamma = 0.
+- the drafter's context rings (``window_ring_size`` rows per stage, in the compute dtype), unless gamma = 0;
+- the committed length (4 B).
 
 A KV row is ``head_dim`` latents: 1024 B in bf16, 640 B in the fp8 layout (``pallas_kernels.kv_fp8``).
-Sizes follow ``dspark_jax.cache`` (entries sized by ceil(length / m) per request).
+Sizes follow ``dspark_jax.cache`` (entries sized by ceil(length / m) per request) byte for byte.
+``plan_slots`` sizes generate's slot pool: requests of a given context in the free device memory.
 
     python -m dspark_jax.memory            # DeepSeek-V4-Flash figures for both layouts
 """
@@ -19,12 +22,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+
+import jax.numpy as jnp
 
 from dspark_jax import config as config_lib
 from dspark_jax.config import ModelConfig
+from dspark_jax.cache import KEY_BLOCK
 from pallas_kernels.kv_fp8 import row_bytes
 
 LAYOUTS = ("bf16", "fp8")
+LENGTH_BYTES = 4  # the committed length of a request (int32)
+FREE_FRACTION = 0.9  # share of the free device memory the slot pool may take by default
 _GiB = 1 << 30
 
 
@@ -57,12 +66,17 @@ class MemoryPlan:
 
 
 def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: int = 32768,
-         gamma: int | None = None) -> MemoryPlan:
-    """How many requests of ``seq_len`` tokens fit into ``budget_bytes`` of cache memory.
+         gamma: int | None = None, dtype="bfloat16") -> MemoryPlan:
+    """How many requests of ``seq_len`` cache tokens fit into ``budget_bytes`` of cache memory.
 
     layout: 'bf16' or 'fp8' for the target's KV pools (window rings and compressed entries).
     gamma: speculative block size; 0 = target-only decoding (no draft rings); None = the
         config's drafter if it has one.
+    dtype: the compute dtype, which the 'bf16' layout's rows, the indexer keys and the draft
+        rings are stored in (bfloat16 for served checkpoints, float32 for the CPU tests).
+    seq_len: ``init_cache``'s ``max_len`` (prompt + new tokens + one verify block), so that
+        ``bytes_per_request`` is exactly the bytes of one slot's caches (``cache.cache_bytes`` of
+        the target caches plus the draft rings).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -72,8 +86,10 @@ def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: 
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if gamma is not None and gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
-    row = row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, layout)
-    index_key = 2 * cfg.index_head_dim  # bf16 indexer keys
+    item = jnp.dtype(dtype).itemsize
+    row = item * cfg.head_dim if layout == "bf16" else row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, layout)
+    # indexer keys: in the compute dtype, or fp8 codes + one scale byte per 32 dims (cache.Fp8Keys)
+    index_key = item * cfg.index_head_dim if layout == "bf16" else cfg.index_head_dim + cfg.index_head_dim // KEY_BLOCK
     ring = cfg.window_ring_size
 
     c4 = [r for r in cfg.compress_ratios if r == 4]
@@ -96,8 +112,8 @@ def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: 
     draft_stages = 0
     if cfg.dspark is not None and gamma != 0:
         draft_stages = cfg.dspark.num_stages
-    draft_rings = draft_stages * ring * row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, "bf16")
-    fixed = window_rings + states + draft_rings
+    draft_rings = draft_stages * ring * item * cfg.head_dim
+    fixed = window_rings + states + draft_rings + LENGTH_BYTES
     per_request = fixed + entries_for_len
     n_req = int(budget_bytes // per_request)
     return MemoryPlan(layout=layout, budget_bytes=int(budget_bytes), seq_len=seq_len,
@@ -105,6 +121,31 @@ def plan(cfg: ModelConfig, budget_bytes: int, layout: str = "bf16", *, seq_len: 
                       bytes_per_request=per_request, max_requests=n_req, max_tokens=n_req * seq_len,
                       breakdown=dict(per_tok, window_rings_per_request=window_rings,
                                      compressor_states_per_request=states, draft_rings_per_request=draft_rings))
+
+
+def free_device_bytes(device=None) -> int:
+    """Memory not yet in use on ``device`` (default: the first device): the allocator's limit
+    minus its bytes in use on accelerators, the available host memory on the CPU."""
+    import jax
+
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_slots(cfg: ModelConfig, context: int, *, layout: str = "bf16", gamma: int | None = None,
+               dtype="bfloat16", budget_bytes: int | None = None, fraction: float = FREE_FRACTION) -> MemoryPlan:
+    """The slot pool that fits: requests of ``context`` cache tokens in ``budget_bytes`` (None:
+    ``fraction`` of the free device memory); ``max_requests`` is the number of slots."""
+    if budget_bytes is None:
+        budget_bytes = int(fraction * free_device_bytes())
+    return plan(cfg, budget_bytes, layout, seq_len=context, gamma=gamma, dtype=dtype)
 
 
 def weight_bytes(cfg: ModelConfig, weight_format: str = "official", param_dtype="bfloat16") -> dict[str, int]:

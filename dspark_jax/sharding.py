@@ -1,20 +1,42 @@
-"""Device meshes and where every parameter lives on them (DESIGN 7).
+"""Device meshes and where every parameter and cache array lives on them (DESIGN 7).
 
-One place maps parameter paths to logical axes and logical axes to mesh axes. The default for
-8 GPUs puts everything on a ``model`` axis: attention heads (``wq_b`` rows, sinks), output groups
-(``wo_a`` rows, ``wo_b`` columns), indexer heads, routed experts, the shared expert's
-intermediate dim, and the vocabulary of the embedding, the lm_head and the Markov head
-(vocab-parallel). Small tensors (norms, mHC, the router, compressors, low-rank ``wq_a`` /
-``wkv``) are replicated. A logical axis is sharded only when its unit count (heads, groups,
-experts, vocabulary rows, ...) divides by the mesh axis size, so shards always hold whole heads
-or groups; otherwise that dim is replicated.
+One table maps array paths to logical axes (``PARAM_RULES`` for the model, ``STATE_RULES`` for
+caches and per-request decoding state) and one maps logical axes to mesh axes (``LOGICAL_AXES``).
+Every leaf must match a rule: a path that matches none raises ``UnknownPathError`` naming it, so
+no array is replicated by omission; small arrays are replicated by rules that say so
+(``REPLICATED``).
+
+The mesh is ``(data, model)``:
+
+- ``model``: attention heads (``wq_b`` rows, sinks), output groups (``wo_a`` rows, ``wo_b``
+  columns), indexer heads, the shared expert's intermediate dim, and the vocabulary of the
+  embedding, the lm_head and the Markov head (vocab-parallel);
+- ``data`` x ``model``: the routed experts, spread over every device of the mesh (expert
+  parallelism; mesh axes of size 1 are left out of a spec, so a (1, 8) mesh puts them on
+  ``model`` and an (8, 1) mesh on ``data``);
+- ``data``: requests. Every cache array and every per-request array is split by request over
+  ``data`` and replicated over ``model``: the KV latent is one 512-d row per token shared by all
+  query heads (MQA), so there is no head axis to split it by, and each device of a ``model`` group
+  holds its requests' whole caches. Cache memory therefore divides by ``data`` only.
+
+Replicated: norms, mHC, the router (weight, bias, hash table), the compressors, the low-rank
+``wq_a`` / ``wkv`` shared by all heads, the drafter's ``main_proj`` and confidence head.
+
+A logical axis is sharded only when its unit count (heads, groups, experts, vocabulary rows,
+requests) divides by the size of its mesh axes, so a shard always holds whole units; otherwise
+that dim is replicated. FP8 block scales (one e8m0 byte per 128 x 128 block) and FP4 expert
+scales (per 32 inputs) follow their weight (``SCALE_RULES``): a weight dim is split only where
+each shard holds whole scale blocks, and its scale is split the same way, so a scale shard
+describes exactly its weight shard.
 
 The mesh uses ``AxisType.Auto``: the model's math carries no sharding annotations and XLA's
-propagation places the intermediate results.
+propagation places the intermediate results, except for the routed experts of the grouped MoE
+path, which run per device in a ``shard_map`` (``attach_mesh``, ``moe.expert_parallel``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -26,39 +48,88 @@ from dspark_jax.config import ModelConfig
 
 MODEL = "model"
 DATA = "data"
+REPLICATED: tuple[str | None, ...] = ()
 
-# Logical axis -> mesh axis.
-LOGICAL_AXES: dict[str, str] = {
-    "vocab": MODEL,
-    "heads": MODEL,
-    "o_groups": MODEL,
-    "index_heads": MODEL,
-    "experts": MODEL,
-    "ffn": MODEL,
-    "batch": DATA,
+# Logical axis -> mesh axes (in mesh order).
+LOGICAL_AXES: dict[str, tuple[str, ...]] = {
+    "vocab": (MODEL,),
+    "heads": (MODEL,),
+    "o_groups": (MODEL,),
+    "index_heads": (MODEL,),
+    "experts": (DATA, MODEL),
+    "ffn": (MODEL,),
+    "batch": (DATA,),
 }
 
-# Parameter path (the official tensor name, routed experts stacked) -> logical axis of each dim.
-# First match wins; no match = replicated.
+# Parameter path (the official tensor name, routed experts stacked) -> logical axis of each dim
+# (trailing dims not named are not split). First match wins; every parameter must match.
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    # vocab-parallel
     (r"^embed\.weight$", ("vocab", None)),
     (r"^head\.weight$", ("vocab", None)),
-    (r"\.markov_head\.markov_w[12]\.weight$", ("vocab", None)),
+    (r"^mtp\.\d+\.markov_head\.markov_w[12]\.weight$", ("vocab", None)),
+    # attention of the target layers and of the drafter stages: heads and output groups
     (r"\.attn\.wq_b\.weight$", ("heads", None)),
     (r"\.attn\.attn_sink$", ("heads",)),
     (r"\.attn\.wo_a\.weight$", ("o_groups", None)),
     (r"\.attn\.wo_b\.weight$", (None, "o_groups")),
     (r"\.attn\.indexer\.wq_b\.weight$", ("index_heads", None)),
     (r"\.attn\.indexer\.weights_proj\.weight$", ("index_heads", None)),
+    # MoE: routed experts over the expert axis, the shared expert's intermediate dim over model
     (r"\.ffn\.experts\.w[123]$", ("experts", None, None)),
     (r"\.ffn\.shared_experts\.w[13]\.weight$", ("ffn", None)),
     (r"\.ffn\.shared_experts\.w2\.weight$", (None, "ffn")),
+    # replicated: low-rank projections shared by all heads, norms, compressors, router, mHC
+    (r"\.attn\.(wq_a|wkv)\.weight$", REPLICATED),
+    (r"\.attn\.(q_norm|kv_norm)\.weight$", REPLICATED),
+    (r"\.attn\.(indexer\.)?compressor\.(wkv|wgate|norm)\.weight$", REPLICATED),
+    (r"\.attn\.(indexer\.)?compressor\.ape$", REPLICATED),
+    (r"\.ffn\.gate\.(weight|bias|tid2eid)$", REPLICATED),
+    (r"^(layers|mtp)\.\d+\.(attn_norm|ffn_norm)\.weight$", REPLICATED),
+    (r"^(layers\.\d+\.hc_(attn|ffn)|mtp\.\d+\.hc_(attn|ffn|head)|hc_head)_(fn|base|scale)$", REPLICATED),
+    (r"^(mtp\.\d+\.)?norm\.weight$", REPLICATED),
+    (r"^mtp\.\d+\.main_norm\.weight$", REPLICATED),
+    (r"^mtp\.\d+\.main_proj\.weight$", REPLICATED),
+    (r"^mtp\.\d+\.confidence_head\.proj\.weight$", REPLICATED),
 )
-_COMPILED = tuple((re.compile(p), axes) for p, axes in PARAM_RULES)
+
+# Scale path -> its weight's path: FP8 linears ``x.weight`` / ``x.scale`` (128 x 128 blocks),
+# FP4 or widened-FP4 routed experts ``w1`` / ``w1_scale`` (per 32 inputs).
+SCALE_RULES: tuple[tuple[str, str], ...] = (
+    (r"^(.*)\.scale$", r"\1.weight"),
+    (r"^(.*\.experts\.w[123])_scale$", r"\1"),
+)
+
+# Cache and per-request decoding state (``TargetCache``, ``DraftCache``, the engine's
+# ``BatchState``; paths with or without the ``cache.`` / ``draft.`` prefix). Every leaf has the
+# request as its leading dim; fp8 pools are ``.nope`` / ``.rope`` pairs, fp8 indexer keys ``.codes`` / ``.scales``.
+STATE_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"^(cache\.)?layers\.\d+\.window(\.nope|\.rope)?$", ("batch", None, None)),
+    (r"^(cache\.)?layers\.\d+\.(compressor|indexer)\.(kv|score)$", ("batch", None, None)),
+    (r"^(cache\.)?layers\.\d+\.(compressor|indexer)\.entries(\.nope|\.rope|\.codes|\.scales)?$", ("batch", None, None)),
+    (r"^(cache\.)?lengths$", ("batch",)),
+    (r"^(draft\.)?rings\.\d+$", ("batch", None, None)),
+    (r"^(anchor|active|n_generated|max_new)$", ("batch",)),
+    (r"^stop_ids$", ("batch", None)),
+    (r"^sampling\.(temperature|top_k|top_p|seed)$", ("batch",)),
+)
+_PARAM = tuple((re.compile(p), axes) for p, axes in PARAM_RULES)
+_SCALE = tuple((re.compile(p), w) for p, w in SCALE_RULES)
+_STATE = tuple((re.compile(p), axes) for p, axes in STATE_RULES)
 
 
-def unit_count(axis: str, cfg: ModelConfig) -> int:
-    """How many indivisible units a logical axis has (a shard must hold whole units)."""
+class UnknownPathError(KeyError):
+    """An array path that no sharding rule names."""
+
+    def __str__(self):
+        return str(self.args[0])
+
+
+def unit_count(axis: str, cfg: ModelConfig | None, dim: int) -> int:
+    """How many indivisible units a logical axis has (a shard must hold whole units); ``batch``
+    counts requests (the dim itself)."""
+    if axis == "batch":
+        return dim
     return {
         "vocab": cfg.vocab_size,
         "heads": cfg.num_attention_heads,
@@ -82,28 +153,62 @@ def make_mesh(model: int | None = None, data: int = 1, *, devices=None) -> Mesh:
                          devices=devices[:model * data])
 
 
-def logical_axes(path: str) -> tuple[str | None, ...]:
-    for pattern, axes in _COMPILED:
+def _rule(path: str, rules) -> tuple[str | None, ...]:
+    for pattern, axes in rules:
         if pattern.search(path):
             return axes
-    return ()
+    raise UnknownPathError(f"no sharding rule for {path!r}: every array needs a rule in dspark_jax.sharding "
+                           f"(replicated ones too)")
 
 
-def partition_spec(path: str, shape: tuple[int, ...], cfg: ModelConfig, mesh: Mesh) -> PartitionSpec:
-    """The PartitionSpec of one parameter, replicating any dim whose units do not divide evenly."""
-    axes = logical_axes(path)
+def logical_axes(path: str) -> tuple[str | None, ...]:
+    """The logical axes of a parameter (``REPLICATED`` = not split); unknown paths raise."""
+    return _rule(path, _PARAM)
+
+
+def weight_of(path: str) -> str | None:
+    """The weight a scale path belongs to, or None for a path that is not a scale."""
+    for pattern, weight in _SCALE:
+        if pattern.match(path):
+            return pattern.sub(weight, path)
+    return None
+
+
+def mesh_axes(axis: str, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a logical axis is split over (those of more than one device)."""
+    return tuple(a for a in LOGICAL_AXES[axis] if mesh.shape.get(a, 1) > 1)
+
+
+def _spec(path: str, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, units,
+          scale_shape: tuple[int, ...] | None = None) -> PartitionSpec:
+    """A PartitionSpec splitting each named dim over its mesh axes when the shards hold whole units
+    (and, for a weight with block scales ``scale_shape``, whole scale blocks); else replicated."""
     if len(axes) > len(shape):
-        raise ValueError(f"sharding rule for {path} names {len(axes)} dims; the parameter has shape {shape}")
-    spec: list[str | None] = []
-    for dim, axis in zip(shape, axes + (None,) * (len(shape) - len(axes))):
-        mesh_axis = LOGICAL_AXES.get(axis) if axis is not None else None
-        size = mesh.shape.get(mesh_axis, 1) if mesh_axis is not None else 1
-        units = unit_count(axis, cfg) if size > 1 else 0
-        ok = size > 1 and units % size == 0 and dim % units == 0
-        spec.append(mesh_axis if ok else None)
+        raise ValueError(f"sharding rule for {path} names {len(axes)} dims; the array has shape {shape}")
+    spec: list[str | tuple[str, ...] | None] = []
+    for i, (dim, axis) in enumerate(zip(shape, axes + (None,) * (len(shape) - len(axes)))):
+        entry = None
+        if axis is not None:
+            names = mesh_axes(axis, mesh)
+            n = math.prod(mesh.shape[a] for a in names)
+            n_units = units(axis, dim)
+            ok = n > 1 and n_units % n == 0 and dim % n_units == 0
+            if ok and scale_shape is not None:
+                blocks = scale_shape[i]
+                block = -(-dim // blocks)
+                ok = blocks % n == 0 and dim // n == (blocks // n) * block
+            if ok:
+                entry = names[0] if len(names) == 1 else names
+        spec.append(entry)
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)
+
+
+def partition_spec(path: str, shape: tuple[int, ...], cfg: ModelConfig, mesh: Mesh,
+                   scale_shape: tuple[int, ...] | None = None) -> PartitionSpec:
+    """The PartitionSpec of one parameter (a weight with block scales: pass the scale's shape)."""
+    return _spec(path, logical_axes(path), shape, mesh, lambda axis, dim: unit_count(axis, cfg, dim), scale_shape)
 
 
 def _flat(state_or_module) -> list[tuple[str, Any]]:
@@ -112,9 +217,65 @@ def _flat(state_or_module) -> list[tuple[str, Any]]:
 
 
 def param_shardings(state_or_module, cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
-    """Parameter path -> NamedSharding for every variable of a (possibly abstract) model."""
-    return {path: NamedSharding(mesh, partition_spec(path, tuple(var.shape), cfg, mesh))
-            for path, var in _flat(state_or_module)}
+    """Parameter path -> NamedSharding for every variable of a (possibly abstract) model; a scale
+    gets its weight's spec. Raises ``UnknownPathError`` for a path no rule names."""
+    flat = dict(_flat(state_or_module))
+    scale_of = {}
+    for path in flat:
+        weight = weight_of(path)
+        if weight is not None:
+            if weight not in flat:
+                raise UnknownPathError(f"scale {path!r} has no weight {weight!r}")
+            scale_of[weight] = path
+    specs = {}
+    for path, var in flat.items():
+        if weight_of(path) is None:
+            scale = scale_of.get(path)
+            specs[path] = partition_spec(path, tuple(var.shape), cfg, mesh,
+                                         None if scale is None else tuple(flat[scale].shape))
+    for weight, scale in scale_of.items():
+        specs[scale] = specs[weight]
+    return {path: NamedSharding(mesh, specs[path]) for path in flat}
+
+
+def key_path(keys) -> str:
+    """A pytree key path as a dotted string (``cache.layers.2.window.nope``)."""
+    parts = []
+    for k in keys:
+        for attr in ("name", "idx", "key"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def state_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of one cache / per-request array (``STATE_RULES``)."""
+    return _spec(path, _rule(path, _STATE), shape, mesh, lambda axis, dim: unit_count(axis, None, dim))
+
+
+def state_shardings(tree, mesh: Mesh):
+    """NamedShardings (a pytree like ``tree``) for caches and per-request decoding state (arrays
+    or ``jax.ShapeDtypeStruct``): split by request over ``data`` when the batch divides by it,
+    replicated over ``model``. Raises ``UnknownPathError`` for a leaf no rule names."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [NamedSharding(mesh, state_spec(key_path(k), tuple(x.shape), mesh)) for k, x in leaves])
+
+
+def shard_bytes(abstract_tree, shardings) -> int:
+    """Bytes one device holds of ``abstract_tree`` placed by ``shardings``: a model (state or
+    module) with a path -> sharding dict from ``param_shardings``, or a pytree of arrays with a
+    pytree of shardings from ``state_shardings``. Every split is even, so every device holds
+    the same bytes."""
+    if isinstance(abstract_tree, (nnx.State, nnx.Module)):
+        items = [(tuple(v.shape), v.dtype, shardings[p]) for p, v in _flat(abstract_tree)]
+    else:
+        items = [(tuple(x.shape), x.dtype, sh) for x, sh in zip(jax.tree_util.tree_leaves(abstract_tree),
+                                                                  jax.tree_util.tree_leaves(shardings))]
+    return sum(math.prod(sh.shard_shape(shape)) * jax.numpy.dtype(dtype).itemsize for shape, dtype, sh in items)
 
 
 def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx.State:
@@ -126,14 +287,28 @@ def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx
     return nnx.from_flat_state(flat)
 
 
+def attach_mesh(module, mesh: Mesh):
+    """Tell the routed experts of ``module`` (placed by ``param_shardings``) that they are split
+    over ``mesh``, so that the grouped MoE path runs them per device (``moe.expert_parallel``)
+    instead of leaving the partitioner to gather every expert; returns ``module``."""
+    from dspark_jax.model.moe import Experts
+
+    axes = mesh_axes("experts", mesh)
+    split = bool(axes) and module.cfg.n_routed_experts % math.prod(mesh.shape[a] for a in axes) == 0
+    for _, mod in nnx.iter_modules(module):
+        if isinstance(mod, Experts):
+            mod.mesh = mesh if split else None
+    return module
+
+
 def shard_model(model, mesh: Mesh):
     """The same model with its parameters placed by ``param_shardings`` (a new ``Model``)."""
     from dspark_jax.api import Model
 
     graphdef, state = nnx.split(model.module)
     state = shard_state(state, param_shardings(state, model.config, mesh))
-    return Model(nnx.merge(graphdef, state), tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures,
-                 path=model.path)
+    return Model(attach_mesh(nnx.merge(graphdef, state), mesh), tokenizer=model.tokenizer,
+                 sts_temperatures=model.sts_temperatures, path=model.path)
 
 
 def model_mesh(model) -> Mesh | None:
@@ -143,10 +318,3 @@ def model_mesh(model) -> Mesh | None:
         if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
             return sh.mesh
     return None
-
-
-def batch_sharding(mesh: Mesh, batch: int) -> NamedSharding:
-    """Per-request state (caches, lengths, sampling arrays): split over ``data`` when the batch
-    divides by it, else replicated. The KV latent has no head axis to split over ``model``."""
-    data = mesh.shape.get(DATA, 1)
-    return NamedSharding(mesh, PartitionSpec(DATA) if data > 1 and batch % data == 0 else PartitionSpec())

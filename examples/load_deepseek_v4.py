@@ -23,7 +23,8 @@ What happens:
 
 Memory: Flash in bf16 is about 0.6 TB of parameters (routed experts grow 4x from FP4), i.e.
 about 75 GB per GPU on 8 GPUs of 141 GB (H200) or 288 GB (MI355X). Pro does not fit 8 GPUs in
-bf16.
+bf16. Kept as stored (``weight_format="official"``) Flash needs 21.9 GB of weights per GPU on
+the default (1, 8) mesh (``docs/sharding.md``).
 """
 
 from __future__ import annotations

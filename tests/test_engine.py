@@ -153,7 +153,7 @@ def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
 
     prompts, truth = greedy_truth
     assert len(jax.devices()) == 8
-    mesh = make_mesh(data=2)  # 2 x 4: requests over data, heads / experts / vocab over model
+    mesh = make_mesh(data=2)  # 2 x 4: requests over data, heads / vocab over model, experts over both
     res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=12, ignore_eos=True),
                               mesh=mesh)
     for r, t in zip(res, truth):

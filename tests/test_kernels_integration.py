@@ -9,7 +9,7 @@ from flax import nnx
 
 import dspark_jax
 from dspark_jax.api import forward_step
-from dspark_jax.cache import commit, init_cache, read_kv
+from dspark_jax.cache import Fp8Keys, commit, init_cache, read_kv
 from dspark_jax.model.quant import kv_sim
 from tests.helpers import perturb
 
@@ -38,8 +38,9 @@ def _decode(m, ids, layout, prefill=40, steps=(6, 1, 6)):
 
 
 def test_fp8_pools_reproduce_the_reference_kv_fake_quantisation():
-    """With quant_sim, cached KV values are already on the fp8 grid: fp8 pools give the same logits,
-    and every stored row dequantises to exactly kv_sim of itself."""
+    """With quant_sim, cached KV values and indexer keys are already on the fp8 / fp4 grids: fp8
+    pools give the same logits, every stored row dequantises to exactly kv_sim of itself and
+    every stored indexer key to the key the bf16 pools hold."""
     m = _model(jnp.bfloat16, True)
     ids = np.random.default_rng(0).integers(2, 500, (2, 60)).astype(np.int32)
     a, cache_bf16 = _decode(m, ids, "bf16")
@@ -52,6 +53,10 @@ def test_fp8_pools_reproduce_the_reference_kv_fake_quantisation():
         if lf.compressor is not None:
             np.testing.assert_array_equal(np.asarray(read_kv(lf.compressor.entries, jnp.bfloat16), np.float32),
                                           np.asarray(lb.compressor.entries, np.float32))
+        if lf.indexer is not None:  # fp8 keys hold the reference's fp4-rounded keys exactly
+            assert isinstance(lf.indexer.entries, Fp8Keys)
+            np.testing.assert_array_equal(np.asarray(read_kv(lf.indexer.entries, jnp.bfloat16), np.float32),
+                                          np.asarray(lb.indexer.entries, np.float32))
     assert cache_fp8.layers[0].window.nope.dtype == jnp.uint8  # really stored as fp8 rows
 
 

@@ -1,5 +1,8 @@
 """Sharding rules and sharded loading on 8 virtual CPU devices."""
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,35 +12,46 @@ from jax.sharding import PartitionSpec as P
 
 import dspark_jax
 from dspark_jax import config, sharding
+from dspark_jax.cache import init_cache
 from dspark_jax.checkpoint import hf
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
+from dspark_jax.model.dspark import init_draft_cache
 from tests.checkpoint_helpers import flat_params, random_model
 
 
-def _specs(cfg, mesh):
-    abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, Numerics(), rngs=nnx.Rngs(0)))
-    return {p: s.spec for p, s in sharding.param_shardings(abstract, cfg, mesh).items()}
+def _abstract(cfg, weight_format="dense"):
+    return nnx.eval_shape(lambda: DeepSeekV4(cfg, Numerics(weight_format=weight_format), rngs=nnx.Rngs(0)))
+
+
+def _specs(cfg, mesh, weight_format="dense"):
+    return {p: s.spec for p, s in sharding.param_shardings(_abstract(cfg, weight_format), cfg, mesh).items()}
 
 
 def test_rules_for_real_dimensions():
     assert len(jax.devices()) == 8
     cfg = config.flash_slice(4)  # real Flash widths: window-only, C4 + indexer and C128 layers + DSpark
-    specs = _specs(cfg, sharding.make_mesh())
+    specs = _specs(cfg, sharding.make_mesh(), "official")  # FP8 linears and FP4 experts with their scales
     model = "model"
     expect = {
         "embed.weight": P(model), "head.weight": P(model),
-        "layers.2.attn.wq_b.weight": P(model), "layers.2.attn.attn_sink": P(model),
-        "layers.2.attn.wo_a.weight": P(model), "layers.2.attn.wo_b.weight": P(None, model),
-        "layers.2.attn.indexer.wq_b.weight": P(model), "layers.2.attn.indexer.weights_proj.weight": P(model),
-        "layers.3.ffn.experts.w1": P(model), "layers.3.ffn.experts.w2": P(model),
-        "layers.3.ffn.shared_experts.w3.weight": P(model), "layers.3.ffn.shared_experts.w2.weight": P(None, model),
-        "mtp.2.markov_head.markov_w2.weight": P(model),
+        "layers.2.attn.wq_b.weight": P(model), "layers.2.attn.wq_b.scale": P(model),
+        "layers.2.attn.attn_sink": P(model),
+        "layers.2.attn.wo_a.weight": P(model), "layers.2.attn.wo_a.scale": P(model),
+        "layers.2.attn.wo_b.weight": P(None, model), "layers.2.attn.wo_b.scale": P(None, model),
+        "layers.2.attn.indexer.wq_b.weight": P(model), "layers.2.attn.indexer.wq_b.scale": P(model),
+        "layers.2.attn.indexer.weights_proj.weight": P(model),
+        "layers.3.ffn.experts.w1": P(model), "layers.3.ffn.experts.w1_scale": P(model),
+        "layers.3.ffn.experts.w2": P(model), "layers.3.ffn.experts.w2_scale": P(model),
+        "layers.3.ffn.shared_experts.w3.weight": P(model), "layers.3.ffn.shared_experts.w3.scale": P(model),
+        "layers.3.ffn.shared_experts.w2.weight": P(None, model), "layers.3.ffn.shared_experts.w2.scale": P(None, model),
+        "mtp.2.markov_head.markov_w2.weight": P(model), "mtp.2.ffn.experts.w3_scale": P(model),
         # small or shared tensors stay replicated
-        "layers.2.attn.wq_a.weight": P(), "layers.2.attn.wkv.weight": P(), "layers.2.attn.kv_norm.weight": P(),
+        "layers.2.attn.wq_a.weight": P(), "layers.2.attn.wq_a.scale": P(), "layers.2.attn.wkv.weight": P(),
+        "layers.2.attn.kv_norm.weight": P(),
         "layers.2.attn.compressor.wkv.weight": P(), "layers.2.attn.compressor.ape": P(),
         "layers.3.ffn.gate.weight": P(), "layers.3.ffn.gate.bias": P(), "layers.0.ffn.gate.tid2eid": P(),
-        "layers.0.hc_attn_fn": P(), "hc_head_fn": P(), "mtp.0.main_proj.weight": P(),
+        "layers.0.hc_attn_fn": P(), "hc_head_fn": P(), "mtp.0.main_proj.weight": P(), "mtp.0.main_proj.scale": P(),
         "mtp.2.confidence_head.proj.weight": P(),
     }
     for path, spec in expect.items():
@@ -45,9 +59,108 @@ def test_rules_for_real_dimensions():
     # 6 devices divide none of 64 heads, 8 groups, 256 experts, 2048 ffn rows or 129280 vocab rows
     six = _specs(cfg, sharding.make_mesh(model=6, devices=jax.devices()[:6]))
     assert all(s == P() for s in six.values())
-    # a (data, model) mesh shards over the model axis only
-    two_four = _specs(cfg, sharding.make_mesh(model=4, data=2))
+    # (data, model) meshes: experts over every device, the rest over model; size-1 axes left out
+    two_four = _specs(cfg, sharding.make_mesh(model=4, data=2), "official")
     assert two_four["layers.2.attn.wq_b.weight"] == P(model) and two_four["layers.2.attn.wo_b.weight"] == P(None, model)
+    assert two_four["layers.3.ffn.experts.w1"] == P(("data", model)) == two_four["layers.3.ffn.experts.w1_scale"]
+    eight_one = _specs(cfg, sharding.make_mesh(model=1, data=8), "official")
+    assert eight_one["layers.3.ffn.experts.w2"] == P("data") and eight_one["layers.2.attn.wq_b.weight"] == P()
+
+
+def test_unknown_paths_raise():
+    cfg = config.tiny()
+    mesh = sharding.make_mesh()
+    with pytest.raises(sharding.UnknownPathError, match=r"layers\.0\.attn\.new_proj\.weight"):
+        sharding.partition_spec("layers.0.attn.new_proj.weight", (8, 8), cfg, mesh)
+    with pytest.raises(sharding.UnknownPathError, match=r"cache\.layers\.0\.extra"):
+        sharding.state_shardings({"cache": {"layers": [{"extra": jnp.zeros((2, 3))}]}}, mesh)
+    state = nnx.state(_abstract(cfg, "official"))
+    flat = nnx.to_flat_state(state)
+    orphan = [(k, v) for k, v in flat if ".".join(map(str, k)) != "layers.1.attn.wq_b.weight"]
+    with pytest.raises(sharding.UnknownPathError, match=r"scale 'layers\.1\.attn\.wq_b\.scale' has no weight"):
+        sharding.param_shardings(nnx.from_flat_state(orphan), cfg, mesh)
+
+
+def test_scales_split_only_in_whole_blocks():
+    """A weight dim is split only where every shard holds whole 128-row scale blocks."""
+    cfg = config.tiny()  # 4 heads of 128 rows: wq_b [512, 128] with scales [4, 1]
+    four = sharding.make_mesh(model=4, devices=jax.devices()[:4])
+    path = "layers.0.attn.wq_b.weight"
+    assert sharding.partition_spec(path, (512, 128), cfg, four, scale_shape=(4, 1)) == P("model")
+    # 64-row heads: one scale block spans two heads, so 4 shards of one head each cannot hold whole blocks
+    assert sharding.partition_spec(path, (256, 128), cfg, four, scale_shape=(2, 1)) == P()
+    assert sharding.partition_spec(path, (256, 128), cfg, four) == P("model")  # unquantised: whole heads suffice
+
+
+@pytest.mark.parametrize("data, model", [(1, 8), (2, 4), (8, 1)])
+def test_flash_scale_shards_describe_their_weight_shards(data, model):
+    """On every device of each mesh, each FP8 / FP4 scale shard covers exactly the blocks of its weight shard."""
+    cfg = config.flash_slice(4)
+    mesh = sharding.make_mesh(model=model, data=data)
+    abstract = _abstract(cfg, "official")
+    shardings = sharding.param_shardings(abstract, cfg, mesh)
+    shapes = {".".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(nnx.state(abstract))}
+    n_scales = n_split = 0
+    for path, sh in shardings.items():
+        weight = sharding.weight_of(path)
+        if weight is None:
+            continue
+        n_scales += 1
+        w_shape, s_shape = shapes[weight], shapes[path]
+        w_idx, s_idx = shardings[weight].devices_indices_map(w_shape), sh.devices_indices_map(s_shape)
+        for device in mesh.devices.flat:
+            for dim, (w_n, s_n, ws, ss) in enumerate(zip(w_shape, s_shape, w_idx[device], s_idx[device])):
+                w_rows, s_rows = range(w_n)[ws], range(s_n)[ss]
+                if len(w_rows) == w_n:
+                    assert len(s_rows) == s_n, (path, dim)  # an unsplit weight dim has an unsplit scale dim
+                    continue
+                n_split += 1
+                block = -(-w_n // s_n)
+                assert s_rows.start * block == w_rows.start and min(s_rows.stop * block, w_n) == w_rows.stop, \
+                    (path, dim, device, w_rows, s_rows)
+    assert n_scales > 50 and n_split > 0
+
+
+_GB = 1e9
+H200, MI355X = 141 * _GB, 288 * _GB
+
+
+def test_flash_every_leaf_has_a_rule_and_fits_one_gpu_per_device():
+    """DeepSeek-V4-Flash with its checkpoint's FP4 experts and FP8 linears, plus caches of 64
+    requests x 65,536 tokens (fp8 KV pools, drafter rings): every leaf has a rule, no replicated
+    array is large, and what one device holds fits one H200 and one MI355X on 8 devices."""
+    cfg = config.flash()
+    abstract = _abstract(cfg, "official")
+    flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(abstract))}
+    n_req, ctx = 64, 65536
+    caches = jax.eval_shape(lambda: {"cache": init_cache(cfg, n_req, ctx, jnp.bfloat16, kv_layout="fp8"),
+                                     "draft": init_draft_cache(cfg, n_req)})
+    nbytes = lambda x: math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+    total_w = sum(nbytes(v) for v in flat.values())
+    experts = sum(nbytes(v) for p, v in flat.items() if ".ffn.experts." in p)
+    total_c = sum(nbytes(x) for x in jax.tree_util.tree_leaves(caches))
+    print(f"\nFlash: weights {total_w / _GB:.1f} GB (routed experts {experts / _GB:.1f}), caches of {n_req} x {ctx} "
+          f"tokens {total_c / _GB:.1f} GB")
+    for data, model in [(1, 8), (2, 4), (8, 1)]:
+        mesh = sharding.make_mesh(model=model, data=data)
+        shardings = sharding.param_shardings(abstract, cfg, mesh)  # raises on a path without a rule
+        assert shardings.keys() == flat.keys()
+        cache_shardings = sharding.state_shardings(caches, mesh)  # raises on a leaf without a rule
+        for x, sh in zip(jax.tree_util.tree_leaves(caches), jax.tree_util.tree_leaves(cache_shardings)):
+            assert sh.spec == (P("data") if data > 1 else P()), sh.spec  # by request over data, replicated over model
+        if model == 8:  # nothing large is replicated over the model axis
+            big = [p for p, v in flat.items() if shardings[p].spec == P() and nbytes(v) > 64 * 2**20]
+            assert not big, big
+        w = sharding.shard_bytes(abstract, shardings)
+        w_experts = sum(math.prod(shardings[p].shard_shape(tuple(v.shape))) * jnp.dtype(v.dtype).itemsize
+                        for p, v in flat.items() if ".ffn.experts." in p)
+        c = sharding.shard_bytes(caches, cache_shardings)
+        print(f"mesh (data={data}, model={model}): {(w + c) / _GB:.1f} GB per device = weights {w / _GB:.1f} "
+              f"(routed experts {w_experts / _GB:.1f}) + caches {c / _GB:.1f}")
+        assert w_experts * 8 == experts  # routed experts (and their scales) over all 8 devices
+        assert w - w_experts <= (total_w - experts) * (0.3 if model == 8 else 1)  # heads, vocab, ffn over model
+        assert c == total_c // data
+        assert w + c < H200 < MI355X
 
 
 def test_mesh_errors():
@@ -79,7 +192,8 @@ def test_sharded_load_equals_unsharded(tiny_dir, model_axis, data_axis):
         np.testing.assert_array_equal(b[path], a[path], err_msg=path)
     heads = "model" if 4 % model_axis == 0 else None  # tiny has 4 heads: sharded on 4 devices, not on 8
     assert want["layers.1.attn.wq_b.weight"].spec == (P(heads) if heads else P())
-    assert want["layers.1.ffn.experts.w1"].spec == P("model") and want["embed.weight"].spec == P("model")
+    experts = P("model") if data_axis == 1 else P(("data", "model"))  # over every device
+    assert want["layers.1.ffn.experts.w1"].spec == experts and want["embed.weight"].spec == P("model")
     if model_axis == 8:  # one forward is enough to show that XLA runs the sharded model (compile time)
         ids = np.random.default_rng(0).integers(0, plain.config.vocab_size, (2, 140))  # > one C128 window
         ref = np.asarray(plain.logits(ids))
@@ -96,3 +210,69 @@ def test_shard_model_moves_a_loaded_model(tiny_dir):
     assert spec["head.weight"] == P("model") and spec["layers.0.ffn.experts.w3"] == P("model")
     a, b = flat_params(plain), flat_params(moved)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def small_ep():
+    """The expert-parallel check config (32 experts: ragged MoE; Pallas kernels in interpret mode)
+    and its unsharded target logits, drafter logits and greedy speculative tokens."""
+    from benchmarks import sharded
+
+    model = sharded.small_model()
+    ids, prompts = sharded.check_inputs(model.config.vocab_size)
+    target, draft = sharded.target_and_draft_logits(model, ids)
+    return model, ids, prompts, target, draft, sharded.greedy_tokens(model, prompts)
+
+
+# One mesh in CI: each mesh costs 1-2.5 minutes of compilation on a 2-core CPU. (2, 4) splits requests
+# over data, heads / vocab over model and experts over both. `python -m benchmarks.sharded` checks
+# (1, 8), (2, 4) and (8, 1) the same way.
+@pytest.mark.slow
+@pytest.mark.parametrize("data, model", [(2, 4)])
+def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, model):
+    from benchmarks import sharded
+
+    plain, ids, prompts, target, draft, tokens = small_ep
+    assert plain.module.layers[0].ffn.impl == "grouped" and plain.numerics.kernels == "pallas"
+    m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
+    assert m.state["layers"][0]["ffn"]["experts"]["w1"][...].sharding.spec == P(("data", "model"))
+    assert all(layer.ffn.experts.mesh is not None for layer in (*m.module.layers, *m.module.mtp))  # shard_map path
+    got_target, got_draft = sharded.target_and_draft_logits(m, ids)
+    # fp32 math; sharded reductions differ from unsharded ones in the last bits only
+    np.testing.assert_allclose(got_target, target, rtol=0, atol=1e-5 * np.abs(target).max())
+    np.testing.assert_allclose(got_draft, draft, rtol=0, atol=1e-5 * np.abs(draft).max())
+    assert sharded.greedy_tokens(m, prompts) == tokens
+
+
+@pytest.mark.parametrize("data, model", [(1, 8), (2, 4), (8, 1)])
+def test_expert_parallel_moe_moves_tokens_not_experts(data, model):
+    """One grouped MoE layer (32 FP4 experts with their scales, as in the checkpoint) on each mesh:
+    the same output as on one device, and its compiled HLO all-reduces the routed outputs and
+    all-gathers less than one device's share of a single expert matrix (tokens, not weights)."""
+    from benchmarks import sharded
+
+    cfg = sharded.small_config()
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, weight_format="official", kernels="xla")
+    plain = dspark_jax.Model(DeepSeekV4(cfg, num, rngs=nnx.Rngs(1)))
+    assert plain.module.layers[1].ffn.impl == "grouped"
+    m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
+    assert m.module.layers[1].ffn.experts.mesh is not None and plain.module.layers[1].ffn.experts.mesh is None
+
+    @functools.partial(jax.jit, static_argnames="graphdef")
+    def moe(graphdef, state, x, ids):
+        return nnx.merge(graphdef, state).layers[1].ffn(x, ids)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 4, cfg.hidden_size)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 4)), jnp.int32)
+    want = np.asarray(moe(plain.graphdef, plain.state, x, ids))
+    got = np.asarray(moe(m.graphdef, m.state, x, ids))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    found = sharded.collectives(moe.lower(m.graphdef, m.state, x, ids).compile().as_text())
+    w1 = m.module.layers[1].ffn.experts.w1[...]
+    assert w1.sharding.spec != P() and w1.dtype == jnp.uint8  # packed FP4, split over the devices
+    one_share = w1.nbytes // 8
+    gathered = sum(sharded.result_bytes(item.rsplit(" ", 1)[0]) for item in found["all-gather"])
+    assert gathered < one_share, (gathered, one_share, found["all-gather"])
+    assert found["all-reduce"], found  # the routed partial sums

@@ -435,7 +435,8 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
             for q, value in _read_param(reader, p, flat, plans[p], shardings, cfg):
                 flat[q].set_value(value)
             bar.update(sum(s.nbytes for s in plans[p]))
-    return nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, state)
+    return module if mesh is None else shd.attach_mesh(module, mesh)
 
 
 # ---------------------------------------------------------------------------- writing

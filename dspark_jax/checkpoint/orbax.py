@@ -102,4 +102,7 @@ def restore(path: str | os.PathLike, *, mesh=None, dtype=None, quant_sim: bool |
         arrays = ckptr.restore(os.path.join(path, PARAMS_DIR), target)
     for p, var in flat.items():
         var.set_value(arrays[p])
-    return Model(nnx.merge(graphdef, state), tokenizer=load_tokenizer(path), path=path)
+    module = nnx.merge(graphdef, state)
+    if mesh is not None:
+        shd.attach_mesh(module, mesh)
+    return Model(module, tokenizer=load_tokenizer(path), path=path)

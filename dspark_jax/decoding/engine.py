@@ -9,6 +9,11 @@ One round (DESIGN 3), a single jitted function with the batch state donated:
 Target-only decoding is the same round with γ = 0 (verify = [anchor]). The host dispatches rounds
 and reads each round's tokens one round later, so it never waits for the device in between;
 requests stop on the device (stop token ids, max_new_tokens), so a late read costs no capacity.
+
+The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
+back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
+rounds run over the whole pool, slots without a running request committing nothing; the host
+loop that streams requests through the pool is ``serving.serve``.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
-from dspark_jax.sharding import batch_sharding, model_mesh
+from dspark_jax.sharding import model_mesh, state_shardings
 
 PREFILL_CHUNK = 256
+MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to the engine's prefill_chunk
+STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
 
 
@@ -115,6 +122,8 @@ class Engine:
         scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
         self._prefill = jax.jit(scoped(self._prefill_impl), donate_argnums=(1,))
         self._first = jax.jit(scoped(self._first_impl), donate_argnums=(1,))
+        self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
+        self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
                               static_argnames=("sampled", "top_k", "top_p"))
 
@@ -129,14 +138,31 @@ class Engine:
         bs = dataclasses.replace(bs, cache=commit(cache, n_valid), draft=draft)
         return bs, jnp.where(is_last[:, None], lg, last_logits)
 
-    def _first_impl(self, state, bs: BatchState, last_logits):
-        """The first generated token, drawn from the prompt's last logits."""
+    def _first_impl(self, state, bs: BatchState, last_logits, starting):
+        """The first generated token, drawn from the prompt's last logits, for the slots whose
+        prompt is complete (``starting``); the other slots keep their state."""
         sp = bs.sampling
         keys = request_keys(sp.seed, bs.cache.lengths, STREAM_BONUS)
         tok = pick_tokens(keys, process_logits(last_logits, sp), sp.greedy)
         n = jnp.ones_like(bs.n_generated)
         active = (n < bs.max_new) & ~_stopped(tok[:, None], jnp.ones_like(tok[:, None], bool), bs.stop_ids)
-        return dataclasses.replace(bs, anchor=tok, n_generated=n, active=active), tok
+        return dataclasses.replace(bs, anchor=jnp.where(starting, tok, bs.anchor),
+                                   n_generated=jnp.where(starting, n, bs.n_generated),
+                                   active=jnp.where(starting, active, bs.active)), tok
+
+    @staticmethod
+    def _admit_impl(bs: BatchState, admit, release, max_new, stop_ids, sampling: SamplingArrays):
+        """Slots taking a new request (``admit``) restart at length 0, inactive until their first
+        token, with the request's limits and sampling parameters; slots whose request the host
+        finished (``release``) stop. Nothing is cleared: the caches rewind by length."""
+        def pick(new, old):
+            return jnp.where(admit.reshape(admit.shape + (1,) * (old.ndim - 1)), new, old)
+
+        cache = dataclasses.replace(bs.cache, lengths=jnp.where(admit, 0, bs.cache.lengths))
+        return dataclasses.replace(
+            bs, cache=cache, anchor=jnp.where(admit, 0, bs.anchor), active=bs.active & ~admit & ~release,
+            n_generated=jnp.where(admit, 0, bs.n_generated), max_new=pick(max_new, bs.max_new),
+            stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling))
 
     def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
         """One round; its phases are named scopes ("draft", "verify", "accept_commit") so that a
@@ -211,35 +237,83 @@ class Engine:
         return a, bonus
 
     # ------------------------------------------------------------------ host side
-    def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
-                   max_len: int) -> BatchState:
-        cfg = self.model.config
-        dtype = self.model.numerics.dtype
-        b = len(prompts)
-        stop_ids = [[s for s in p.stop if isinstance(s, int)] for p in params]
-        width = max(1, max(len(s) for s in stop_ids))
-        stop = np.full((b, width), -1, np.int32)
-        for i, s in enumerate(stop_ids):
-            stop[i, :len(s)] = s
-        sp = SamplingArrays(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-                            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-                            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-                            seed=jnp.asarray(seeds, jnp.uint32).astype(jnp.int32))
+    @staticmethod
+    def _sampling_arrays(params: list[SamplingParams], seeds: list[int]) -> SamplingArrays:
+        return SamplingArrays(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                              top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                              top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                              seed=jnp.asarray(np.asarray(seeds, np.uint32).astype(np.int32)))
+
+    @staticmethod
+    def _stop_array(params: list[SamplingParams], width: int) -> np.ndarray:
+        """Stop token ids per request, -1 padded to ``width`` (ids past it are left to the host)."""
+        stop = np.full((len(params), width), -1, np.int32)
+        for i, p in enumerate(params):
+            ids = [s for s in p.stop if isinstance(s, int)][:width]
+            stop[i, :len(ids)] = ids
+        return stop
+
+    def _empty_state(self, b: int, max_len: int, stop: np.ndarray, max_new, sampling: SamplingArrays,
+                     active: bool) -> BatchState:
+        cfg, dtype = self.model.config, self.model.numerics.dtype
         bs = BatchState(cache=init_cache(cfg, b, max_len, dtype, kv_layout=self.kv_layout),
                         draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
-                        anchor=jnp.zeros((b,), jnp.int32), active=jnp.ones((b,), bool),
-                        n_generated=jnp.zeros((b,), jnp.int32),
-                        max_new=jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
-                        stop_ids=jnp.asarray(stop), sampling=sp)
+                        anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
+                        n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
+                        stop_ids=jnp.asarray(stop), sampling=sampling)
         mesh = model_mesh(self.model)
-        return bs if mesh is None else jax.device_put(bs, batch_sharding(mesh, b))
+        return bs if mesh is None else jax.device_put(bs, state_shardings(bs, mesh))
+
+    def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
+                   max_len: int) -> BatchState:
+        """A batch of these requests, one per row (a static batch: see ``prefill``)."""
+        width = max(1, max(len([s for s in p.stop if isinstance(s, int)]) for p in params))
+        return self._empty_state(len(prompts), max_len, self._stop_array(params, width),
+                                 [p.max_new_tokens for p in params], self._sampling_arrays(params, seeds), True)
+
+    def init_slots(self, slots: int, max_len: int) -> BatchState:
+        """A pool of ``slots`` free slots of ``max_len`` cache tokens each (see ``admit``)."""
+        free = [SamplingParams()] * slots
+        return self._empty_state(slots, max_len, self._stop_array(free, STOP_WIDTH), np.ones(slots),
+                                 self._sampling_arrays(free, [0] * slots), False)
+
+    def admit(self, bs: BatchState, entering: dict[int, tuple[SamplingParams, int]],
+              release: np.ndarray) -> BatchState:
+        """Slot s of ``entering`` takes a new request (its SamplingParams and seed): its length goes
+        back to 0 and it stays inactive until ``prefill_step`` has drawn its first token. Slots
+        set in ``release`` (requests the host finished) stop."""
+        s_count = bs.anchor.shape[0]
+        admit = np.zeros(s_count, bool)
+        params, seeds = [SamplingParams()] * s_count, [0] * s_count
+        for s, (p, seed) in entering.items():
+            admit[s], params[s], seeds[s] = True, p, seed
+        self._shapes.add(("admit", s_count, bs.cache.max_len))
+        return self._admit(bs, jnp.asarray(admit), jnp.asarray(release, bool),
+                           jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
+                           jnp.asarray(self._stop_array(params, bs.stop_ids.shape[1])),
+                           self._sampling_arrays(params, seeds))
+
+    def prefill_step(self, bs: BatchState, ids: np.ndarray, n_valid: np.ndarray,
+                      is_last: np.ndarray) -> tuple[BatchState, Array | None]:
+        """One prefill chunk ``ids`` [slots, c] (``n_valid`` real tokens per slot, 0 for slots not
+        prefilling), then the first generated token of the slots whose prompt it completes
+        (``is_last``); returns the state and those tokens [slots] (None if no prompt completed)."""
+        b, c = ids.shape
+        self._shapes.add(("prefill", b, bs.cache.max_len, c))
+        last = jnp.zeros((b, self.model.config.vocab_size), jnp.float32)
+        bs, last = self._prefill(self.model.state, bs, jnp.asarray(ids, jnp.int32), jnp.asarray(n_valid, jnp.int32),
+                                 last, jnp.asarray(is_last, bool))
+        if not np.any(is_last):
+            return bs, None
+        self._shapes.add(("first", b, bs.cache.max_len))
+        return self._first(self.model.state, bs, last, jnp.asarray(is_last, bool))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
-        """Chunked prefill of every prompt, then the first generated token of each request."""
+        """Chunked prefill of every prompt of a static batch, then the first generated token of each request."""
         b = len(prompts)
         lens = np.array([len(p) for p in prompts])
         longest = int(lens.max())
-        c = min(self.prefill_chunk, max(16, 1 << (longest - 1).bit_length()))
+        c = chunk_width(longest, self.prefill_chunk)
         padded = np.zeros((b, -(-longest // c) * c), np.int32)
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = p
@@ -249,12 +323,39 @@ class Engine:
             is_last = (lens > s) & (lens <= s + c)
             bs, last = self._prefill(self.model.state, bs, jnp.asarray(padded[:, s:s + c]), jnp.asarray(n_valid),
                                      last, jnp.asarray(is_last))
-        bs, first = self._first(self.model.state, bs, last)
+        bs, first = self._first(self.model.state, bs, last, jnp.ones((b,), bool))
         return bs, np.asarray(first)
 
     def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
+        self._shapes.add(("round", bs.anchor.shape[0], bs.cache.max_len, sampled, top_k, top_p))
         return self._round(self.model.state, bs, sampled=sampled, top_k=top_k, top_p=top_p)
+
+    def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
+        """The round variant to run for requests that need these flags: a compiled variant for
+        this pool (slots x max_len) that does at least as much if there is one (it gives the same
+        tokens: greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the
+        narrowest such; else exactly the flags needed (compiled on first use)."""
+        need = (sampled, top_k, top_p)
+        have = [k[3:] for k in self._shapes
+                if k[:3] == ("round", slots, max_len) and all(h >= n for h, n in zip(k[3:], need))]
+        pick = min(have, key=sum) if have else need
+        return dict(zip(("sampled", "top_k", "top_p"), pick))
 
     def compilations(self) -> int:
         """Number of distinct compiled round functions so far (for recompilation checks)."""
         return self._round._cache_size()
+
+    def compiled_programs(self) -> int:
+        """Number of distinct compiled programs of every kind (prefill, first, admit, round)."""
+        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round))
+
+    def compiled_shapes(self) -> frozenset[tuple]:
+        """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
+        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p)."""
+        return frozenset(self._shapes)
+
+
+def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
+    """Prefill chunk width for ``tokens`` prompt tokens: the smallest power of 2 >= tokens (at
+    least MIN_PREFILL_CHUNK), at most ``limit`` (longer prompts take several chunks)."""
+    return min(limit, max(MIN_PREFILL_CHUNK, 1 << (tokens - 1).bit_length()))

@@ -16,8 +16,12 @@ from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.progress import CompileWatch, TokenBar
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.serving import serve
+from dspark_jax.memory import plan_slots
 from dspark_jax.sharding import model_mesh, shard_model
 
+MIN_CONTEXT = 256  # smallest cache length per slot
+MAX_SLOTS = 64  # largest slot pool generate picks by itself (pass slots= for more)
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny")
 _LOADED: dict[tuple, tuple[tuple, Model]] = {}  # (directory, load options) -> (file stamps, model)
 
@@ -106,11 +110,23 @@ def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine
 
 
 def cache_length(config, ids: list[np.ndarray], params: list[SamplingParams]) -> int:
-    """KV-cache length of a batch: its longest prompt + max_new_tokens + one verify block, rounded
-    up to 128 (so batches of similar lengths share one compiled engine) but never past the model
-    context + one verify block."""
+    """Cache tokens per slot for these requests: the longest prompt + max_new_tokens + one verify
+    block, rounded up to a power of 2 (at least MIN_CONTEXT, so calls of similar lengths share
+    compiled programs) but never past the model context + one verify block."""
     need = max(len(p) + sp.max_new_tokens for p, sp in zip(ids, params)) + MAX_VERIFY_TOKENS
-    return min(-(-need // 128) * 128, config.max_position_embeddings + MAX_VERIFY_TOKENS)
+    return min(max(MIN_CONTEXT, 1 << (need - 1).bit_length()), config.max_position_embeddings + MAX_VERIFY_TOKENS)
+
+
+def slot_count(model: Model, n_requests: int, context: int, gamma: int, kv_cache: str,
+               memory_budget: int | None = None) -> int:
+    """Default slot pool size: the requests rounded up to a power of 2, at most MAX_SLOTS, and at
+    most what ``memory.plan_slots`` fits into the budget (default: the free device memory)."""
+    plan = plan_slots(model.config, context, layout=kv_cache, gamma=gamma, dtype=model.numerics.dtype,
+                      budget_bytes=memory_budget)
+    if plan.max_requests < 1:
+        raise InputError(f"the caches of one request of {context} tokens ({plan.bytes_per_request:,} B) do not "
+                         f"fit into {plan.budget_bytes:,} B of memory")
+    return min(plan.max_requests, MAX_SLOTS, 1 << (n_requests - 1).bit_length())
 
 
 def prompt_ids(model: Model, prompt) -> np.ndarray:
@@ -211,8 +227,9 @@ def _histogram_stats(accept: list[int], gamma: int) -> dict[str, Any]:
 
 def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              speculative: bool = True, mesh=None, seed: int = 0, progress: bool = False, kv_cache: str = "bf16",
-             drafter=None) -> list[Result]:
-    """Generate continuations for a batch of prompts.
+             drafter=None, slots: int | None = None, context: int | None = None,
+             memory_budget: int | None = None) -> list[Result]:
+    """Generate continuations for any number of prompts.
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
     directory (loaded with ``load``'s defaults, bf16, once: later calls with the same directory
@@ -221,26 +238,37 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     requests or one per request. mesh: a ``jax.sharding.Mesh`` (``dspark_jax.sharding.make_mesh``)
     to spread the model over; a model loaded with ``mesh=`` already is. seed: derives the seeds of
     requests whose SamplingParams have none. kv_cache: "bf16" (KV rows in the compute dtype) or
-    "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row: about 1.4x the context in the
+    "fp8" (448 e4m3 nope dims + 64 bf16 rope dims, 640 B per row, and indexer keys in e4m3 with a
+    scale per 32 dims, 132 B per key: 1.58x the DeepSeek-V4-Flash requests of 32K tokens in the
     same memory; exact for models run with ``quant_sim``). speculative: DSpark drafting + lossless
     verification (False: target-only decoding). progress: a progress bar on stderr with the
     phases prefill / compiling / decode.
 
+    Serving (``dspark_jax.decoding.serving``): the requests stream through a pool of ``slots``
+    slots with caches of ``context`` tokens each; a request takes a free slot when one opens,
+    its prompt is prefilled in chunks between decoding rounds, and the slot is reused as soon as
+    it finishes. context: cache tokens per slot (default: the longest prompt + max_new_tokens +
+    one verify block, rounded up to a power of 2). slots: default the number of prompts rounded
+    up to a power of 2, at most 64 and at most what fits into ``memory_budget`` bytes (default:
+    90% of the free device memory) by ``memory.plan_slots`` for this context and KV layout.
+    Calls with the same slots and context reuse every compiled program.
+
     Lossless: sampled output follows the target distribution exactly, and greedy output is the
     argmax of the target's logits at every step. Whether those logits, hence the greedy tokens,
     are the same as target-only decoding computes them depends on the arithmetic: in float32 on
-    the CPU greedy speculative output equals greedy target-only output (and a request in a batch
-    equals the request alone) token for token; in bf16, with ``quant_sim`` or fp8 KV rows, the
-    target's logits differ slightly between a (γ + 1)-token verify call and a 1-token call and
-    near ties can flip. ``stats["greedy_exact"]`` says which case a result is in; see
+    the CPU greedy speculative output equals greedy target-only output (and a request among
+    others equals the request alone) token for token; in bf16, with ``quant_sim`` or fp8 KV rows,
+    the target's logits differ slightly between a (γ + 1)-token verify call and a 1-token call
+    and near ties can flip. ``stats["greedy_exact"]`` says which case a result is in; see
     ``greedy_exact``.
 
     Each ``Result.stats`` holds: ``new_tokens``, ``prompt_tokens``, ``gamma``, ``rounds``,
     ``mean_accept_length`` (tokens per round, bonus included), ``accept_length_histogram``,
     ``per_position_acceptance``, ``mean_confidence`` (DSpark), ``compile_s`` (seconds this call
     spent tracing and compiling, or loading compiled programs from the disk cache; 0 when every
-    program was compiled by an earlier call), ``prefill_s`` and ``decode_s`` (without compile
-    time), ``tokens_per_s`` (new tokens / decode_s) and ``greedy_exact``.
+    program was compiled by an earlier call), ``prefill_s`` (from taking a slot to the first
+    token) and ``decode_s`` (from there to the last token), both without compile time,
+    ``tokens_per_s`` (new tokens / decode_s), ``slots``, ``context`` and ``greedy_exact``.
     """
     prompts = _prompt_list(prompts)
     params = _sampling_list(sampling, len(prompts))
@@ -261,106 +289,42 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         if len(p) + sp.max_new_tokens > cfg.max_position_embeddings:
             raise InputError(f"request {i}: prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
                              f"the model context of {cfg.max_position_embeddings} tokens")
-    max_len = cache_length(cfg, ids, params)
+    if context is None:
+        context = cache_length(cfg, ids, params)
+    context = check_int("context", context, lo=1, hi=cfg.max_position_embeddings + MAX_VERIFY_TOKENS + 1)
+    for i, (p, sp) in enumerate(zip(ids, params)):
+        if len(p) + sp.max_new_tokens + MAX_VERIFY_TOKENS > context:
+            raise InputError(f"request {i}: prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) + "
+                             f"{MAX_VERIFY_TOKENS} verify tokens exceeds the context of {context} tokens per slot")
+    if slots is None:
+        if memory_budget is not None:
+            memory_budget = check_int("memory_budget", memory_budget, lo=1)
+        slots = slot_count(model, len(ids), context, gamma, kv_cache, memory_budget)
+    slots = check_int("slots", slots, lo=1)
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
     engine = _engine(model, gamma, drafter, kv_cache)
     with CompileWatch() as watch:
         bar = TokenBar([sp.max_new_tokens for sp in params], watch, progress)
         watch.on_start = bar.compiling
         try:
-            out, accepts, confs, reason, finish_time, t_prefill = _decode(model, engine, ids, params, seeds, max_len,
-                                                                          bar, track_confidence=drafter is None)
+            out = serve(engine, ids, params, seeds, slots=slots, max_len=context, tokenizer=model.tokenizer,
+                        on_progress=bar.show, track_confidence=drafter is None)
         finally:
             bar.close()
-    t0, t_decode = bar.t0, bar.t0 + t_prefill
 
     exact = greedy_exact(model, kv_cache)
     compile_s = watch.seconds()
-    prefill_s = t_prefill - watch.seconds(t0, t_decode)
     results = []
     for i in range(len(ids)):
-        decode_s = finish_time[i] - watch.seconds(t_decode, t_decode + finish_time[i])
-        stats = _histogram_stats(accepts[i], gamma)
-        stats.update(_confidence_stats(confs[i], model.sts_temperatures))
-        stats.update(new_tokens=len(out[i]), prompt_tokens=int(len(ids[i])), compile_s=compile_s, prefill_s=prefill_s,
-                     decode_s=decode_s, gamma=gamma, greedy_exact=exact,
-                     tokens_per_s=len(out[i]) / decode_s if decode_s > 0 else float("nan"))
-        text = model.tokenizer.decode(out[i]) if model.tokenizer is not None else None
-        results.append(Result(tokens=out[i], text=text, finish_reason=reason[i], stats=stats))
+        t_in, t_first, t_end = out.admitted[i], out.first[i], out.finished[i]
+        prefill_s = t_first - t_in - watch.seconds(t_in, t_first)
+        decode_s = t_end - t_first - watch.seconds(t_first, t_end)
+        stats = _histogram_stats(out.accepts[i], gamma)
+        stats.update(_confidence_stats(out.confidences[i], model.sts_temperatures))
+        tokens = out.tokens[i]
+        stats.update(new_tokens=len(tokens), prompt_tokens=int(len(ids[i])), compile_s=compile_s,
+                     prefill_s=prefill_s, decode_s=decode_s, gamma=gamma, greedy_exact=exact, slots=slots,
+                     context=context, tokens_per_s=len(tokens) / decode_s if decode_s > 0 else float("nan"))
+        text = model.tokenizer.decode(tokens) if model.tokenizer is not None else None
+        results.append(Result(tokens=tokens, text=text, finish_reason=out.reason[i], stats=stats))
     return results
-
-
-def _decode(model: Model, engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
-            max_len: int, bar: TokenBar, track_confidence: bool):
-    """Prefill and decoding rounds until every request has finished.
-
-    Returns the tokens, accepted drafts per round and draft confidences of each request, its
-    finish reason and finish time (seconds after prefill), and the prefill time (from bar.t0).
-    """
-    b, gamma = len(ids), engine.gamma
-    bs = engine.init_state(ids, params, seeds, max_len)
-    bs, first = engine.prefill(bs, ids)
-    t_decode = time.perf_counter()
-    t_prefill = t_decode - bar.t0
-
-    out = [[int(first[i])] for i in range(b)]
-    accepts: list[list[int]] = [[] for _ in range(b)]
-    confs: list[list[np.ndarray]] = [[] for _ in range(b)]
-    done = [False] * b
-    reason = ["length"] * b
-    finish_time = [0.0] * b
-    flags = dict(sampled=any(sp.temperature > 0 for sp in params), top_k=any(sp.top_k > 0 for sp in params),
-                 top_p=any(sp.top_p < 1.0 for sp in params))
-
-    def finish(i: int) -> bool:
-        """Truncate request i at stops / max_new_tokens; True if it is finished."""
-        toks, sp = out[i], params[i]
-        for j, t in enumerate(toks):
-            if t in sp.stop:
-                out[i], reason[i] = toks[:j], "stop"
-                return True
-        text_stops = [s for s in sp.stop if isinstance(s, str)]
-        if text_stops and model.tokenizer is not None:
-            text = model.tokenizer.decode(toks)
-            for s in text_stops:
-                if s in text:
-                    reason[i] = "stop"
-                    while toks and s in model.tokenizer.decode(toks):
-                        toks = toks[:-1]
-                    out[i] = toks
-                    return True
-        if len(toks) >= sp.max_new_tokens:
-            out[i] = toks[:sp.max_new_tokens]
-            return True
-        return False
-
-    for i in range(b):
-        done[i] = finish(i)
-        finish_time[i] = time.perf_counter() - t_decode
-    bar.show("decode", [len(o) for o in out], done)
-    pending = None
-    while True:
-        if not all(done):
-            if any(done):  # requests the host stopped (e.g. on a stop string) stop on the device too
-                bs = dataclasses.replace(bs, active=bs.active & jnp.asarray([not d for d in done]))
-            bs, res = engine.round(bs, **flags)
-        else:
-            res = None
-        if pending is not None:
-            toks, n_new, acc, conf = jax.device_get((pending.tokens, pending.n_new, pending.accepted,
-                                                     pending.confidence))
-            now = time.perf_counter() - t_decode
-            for i in range(b):
-                if done[i] or n_new[i] == 0:
-                    continue
-                out[i].extend(int(t) for t in toks[i, :n_new[i]])
-                accepts[i].append(int(acc[i]))
-                if gamma and track_confidence:
-                    confs[i].append(conf[i])
-                if finish(i):
-                    done[i], finish_time[i] = True, now
-            bar.show("decode", [len(o) for o in out], done)
-        if res is None:
-            break
-        pending = res
-    return out, accepts, confs, reason, finish_time, t_prefill

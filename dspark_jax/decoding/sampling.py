@@ -120,7 +120,7 @@ def process_logits(logits: Float[Array, "b ... v"], sp: SamplingArrays, *, use_t
         if use_top_p:
             probs = jax.nn.softmax(srt, axis=-1)
             before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly larger tokens
-            keep = before < expand(sp.top_p)
+            keep = (before < expand(sp.top_p)) | (expand(sp.top_p) >= 1.0)  # 1.0: all, despite rounding
             cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
             x = jnp.where(x < cutoff, -jnp.inf, x)
     return x

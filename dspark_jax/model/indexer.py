@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dspark_jax.cache import CompressorState
+from dspark_jax.cache import CompressorState, read_kv
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.compressor import Compressor
@@ -60,7 +60,7 @@ class Indexer(nnx.Module):
         keys, state = self.compressor(x, chunk, state)  # [b, n, d_I]
 
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        score = index_scores(q, keys, w)
+        score = index_scores(q, read_kv(keys, q.dtype), w)  # fp8 key pools: exact in bf16
         n = keys.shape[1]
         limit = visible_entries(pos, 4)[..., None]
         score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)

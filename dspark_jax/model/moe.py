@@ -81,6 +81,7 @@ class Experts(nnx.Module):
             else:
                 setattr(self, name, nnx.Param(normal_init(rngs, shape, num.param_dtype)))
         self.cfg, self.num = cfg, num
+        self.mesh = None  # set by ``dspark_jax.sharding`` when the experts are split over a mesh
 
     def weights(self, name: str) -> gm.Weights:
         """``w1`` / ``w2`` / ``w3`` in the grouped matmul's format."""
@@ -108,9 +109,12 @@ class Experts(nnx.Module):
         """(token, expert) pairs sorted by expert into row tiles and two grouped matmuls (the Pallas
         kernel on GPUs, its loop-over-tiles reference elsewhere): each chosen expert's weights are
         read once per tile, unchosen experts never; memory grows with tokens x top-k only."""
-        return grouped_experts(x, w, idx, *(self.weights(n) for n in ("w1", "w2", "w3")),
-                               limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim,
-                               impl=self.num.kernel_impl(), **kernel_options)
+        weights = tuple(self.weights(n) for n in ("w1", "w2", "w3"))
+        options = dict(limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim, impl=self.num.kernel_impl(),
+                       **kernel_options)
+        if self.mesh is not None:
+            return expert_parallel(x, w, idx, *weights, mesh=self.mesh, **options)
+        return grouped_experts(x, w, idx, *weights, **options)
 
 
 def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
@@ -130,6 +134,32 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     h = gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)
     y = gm.grouped_matmul(act_in(h), w2, **meta)
     return jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
+
+
+def expert_parallel(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
+                    w2: gm.Weights, w3: gm.Weights, *, mesh, **options) -> Float[Array, "n d"]:
+    """``grouped_experts`` with the experts split over the mesh (``dspark_jax.sharding`` rules:
+    dim 0 over the expert mesh axes): every device gets all tokens and their routing, runs its own
+    experts on the (token, expert) pairs routed to them and the partial sums are added over the
+    devices. Expert weights never move; the tokens are gathered and the outputs all-reduced.
+    Pairs routed elsewhere go to local expert 0 with weight 0 (computed, contributing nothing)."""
+    from jax.sharding import PartitionSpec as P
+
+    from dspark_jax.sharding import mesh_axes
+
+    axes = mesh_axes("experts", mesh)
+    spec = P(axes if len(axes) > 1 else axes[0])
+
+    def local(x, w, idx, w1, w2, w3):
+        n_local = w1.shape[0]
+        first = jax.lax.axis_index(axes) * n_local
+        mine = (idx >= first) & (idx < first + n_local)
+        y = grouped_experts(x, jnp.where(mine, w, 0.0), jnp.where(mine, idx - first, 0), w1, w2, w3, **options)
+        return jax.lax.psum(y, axes)
+
+    weight_spec = lambda wt: gm.Weights(spec, None if wt.scales is None else spec, wt.fmt)  # noqa: E731
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), weight_spec(w1), weight_spec(w2), weight_spec(w3)),
+                         out_specs=P(), check_vma=False)(x, w, idx, w1, w2, w3)
 
 
 class MoE(nnx.Module):

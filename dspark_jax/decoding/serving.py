@@ -1,0 +1,155 @@
+"""Continuous batching: any number of requests streamed through a fixed pool of slots.
+
+The engine's state is a pool of S slots, each with its own rows of every cache (target pools,
+compressor rings, draft rings). A request takes a free slot; its slot's length goes back to 0
+(the caches rewind by length, nothing is cleared). Each step of the host loop
+
+  1 admits waiting requests into free slots (and stops on the device the slots of requests the
+    host finished, e.g. on a stop string),
+  2 prefills one chunk of every prompt still being read (at most ``prefill_chunk`` tokens per
+    slot, so a long prompt never holds up running requests for more than one chunk) and draws
+    the first token of every prompt that chunk completes,
+  3 runs one decoding round over the pool (slots without a running request compute but commit
+    nothing),
+  4 reads the previous step's tokens (so the host never waits for the device in between) and
+    frees the slots of requests that finished.
+
+Every call has one of a fixed set of shapes: S slots x (a power-of-2 prefill chunk, or the
+round's γ + 1 tokens), with the cache length fixed for the pool; nothing recompiles as requests
+come and go. Randomness is keyed by (request seed, position), so a request's tokens do not
+depend on its slot, its neighbours or when it entered.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from dspark_jax.decoding.engine import Engine, chunk_width
+from dspark_jax.decoding.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Outputs:
+    """What the loop returns per request (times in seconds on the perf_counter clock)."""
+
+    tokens: list[list[int]]
+    accepts: list[list[int]]  # accepted drafts per round
+    confidences: list[list[np.ndarray]]  # raw draft confidences per round
+    reason: list[str]  # "stop" or "length"
+    admitted: list[float]  # when the request took a slot
+    first: list[float]  # when its first token was read
+    finished: list[float]
+
+
+def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tuple[list[int], str | None]:
+    """The tokens truncated at the first stop (token id or string) or at max_new_tokens, and the
+    finish reason; (tokens, None) while the request goes on."""
+    for j, t in enumerate(tokens):
+        if t in params.stop:
+            return tokens[:j], "stop"
+    text_stops = [s for s in params.stop if isinstance(s, str)]
+    if text_stops and tokenizer is not None:
+        text = tokenizer.decode(tokens)
+        for s in text_stops:
+            if s in text:
+                while tokens and s in tokenizer.decode(tokens):
+                    tokens = tokens[:-1]
+                return tokens, "stop"
+    if len(tokens) >= params.max_new_tokens:
+        return tokens[:params.max_new_tokens], "length"
+    return tokens, None
+
+
+def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], seeds: list[int], *, slots: int,
+          max_len: int, tokenizer=None, on_progress=None, track_confidence: bool = True) -> Outputs:
+    """Run every request through a pool of ``slots`` slots of ``max_len`` cache tokens each.
+
+    on_progress(phase, kept, done): called after each step with the tokens each request holds.
+    """
+    n = len(ids)
+    out = Outputs(tokens=[[] for _ in range(n)], accepts=[[] for _ in range(n)],
+                  confidences=[[] for _ in range(n)], reason=["length"] * n, admitted=[0.0] * n, first=[0.0] * n,
+                  finished=[0.0] * n)
+    done = [False] * n
+    flags = engine.round_flags(slots, max_len, sampled=any(p.temperature > 0 for p in params),
+                               top_k=any(p.top_k > 0 for p in params),
+                               top_p=any(p.top_p < 1.0 for p in params))
+
+    bs = engine.init_slots(slots, max_len)
+    waiting = collections.deque(range(n))
+    owner = [-1] * slots  # request held by each slot, -1 = free
+    fed = [0] * slots  # prompt tokens of the slot's request prefilled so far
+    decoding = [False] * slots  # the slot's request has its first token
+    release = np.zeros(slots, bool)  # slots the host freed since the last admit call
+    pending: list[tuple] = []  # the previous step's device outputs, read one step late
+
+    def take(i: int, new: list[int]) -> None:
+        """Append tokens of request i; finish it (and free its slot) on a stop or its length."""
+        out.tokens[i], reason = finish_request(out.tokens[i] + new, params[i], tokenizer)
+        if reason is not None:
+            done[i], out.reason[i], out.finished[i] = True, reason, time.perf_counter()
+            s = owner.index(i)
+            owner[s], release[s] = -1, True
+
+    while waiting or any(o >= 0 for o in owner) or pending:
+        # 1 admit: free slots take waiting requests
+        entering = {}
+        for s in range(slots):
+            if owner[s] < 0 and waiting:
+                i = waiting.popleft()
+                owner[s], fed[s], decoding[s] = i, 0, False
+                entering[s] = (params[i], seeds[i])
+                out.admitted[i] = time.perf_counter()
+        if entering or release.any():
+            bs = engine.admit(bs, entering, release)
+            release[:] = False
+
+        # 2 one prefill chunk for the prompts still being read
+        step: list[tuple] = []
+        reading = [s for s in range(slots) if owner[s] >= 0 and not decoding[s]]
+        if reading:
+            c = chunk_width(max(len(ids[owner[s]]) - fed[s] for s in reading), engine.prefill_chunk)
+            chunk = np.zeros((slots, c), np.int32)
+            n_valid = np.zeros(slots, np.int32)
+            is_last = np.zeros(slots, bool)
+            for s in reading:
+                part = ids[owner[s]][fed[s]:fed[s] + c]
+                chunk[s, :len(part)], n_valid[s] = part, len(part)
+                fed[s] += len(part)
+                is_last[s] = decoding[s] = fed[s] == len(ids[owner[s]])
+            bs, first = engine.prefill_step(bs, chunk, n_valid, is_last)
+            if first is not None:
+                step.append(("first", first, list(owner), is_last))
+
+        # 3 one decoding round over the pool
+        if any(owner[s] >= 0 and decoding[s] for s in range(slots)):
+            bs, res = engine.round(bs, **flags)
+            step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence), list(owner)))
+
+        # 4 the previous step's tokens (the device works on this step meanwhile)
+        for kind, arrays, owners, *rest in pending:
+            if kind == "first":
+                first = np.asarray(arrays)
+                for s in np.flatnonzero(rest[0]):
+                    i = owners[s]
+                    out.first[i] = time.perf_counter()
+                    take(i, [int(first[s])])
+                continue
+            toks, n_new, acc, conf = jax.device_get(arrays)
+            for s, i in enumerate(owners):
+                if i < 0 or done[i] or n_new[s] == 0:
+                    continue
+                out.accepts[i].append(int(acc[s]))
+                if engine.gamma and track_confidence:
+                    out.confidences[i].append(conf[s])
+                take(i, [int(t) for t in toks[s, :n_new[s]]])
+        pending = step
+        if on_progress is not None:
+            phase = "decode" if any(out.first) else "prefill"
+            on_progress(phase, [len(t) for t in out.tokens], done)
+    return out

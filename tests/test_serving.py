@@ -1,0 +1,141 @@
+"""Serving: continuous batching over a slot pool equals each request alone, nothing recompiles
+across calls, prompts are prefilled in chunks between rounds, and the memory plan is the caches'
+real size."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dspark_jax
+from dspark_jax import SamplingParams, config
+from dspark_jax.cache import init_cache
+from dspark_jax.decoding import generate as gen
+from dspark_jax.memory import plan, plan_slots
+from dspark_jax.model.dspark import init_draft_cache
+
+SLOTS, CONTEXT, CHUNK = 2, 256, 16
+
+
+def test_continuous_batching_equals_each_request_alone(monkeypatch):
+    """Six requests through two slots: prompts up to 40 tokens (prefilled in 16-token chunks),
+    greedy and sampled, stops on a token id and on a string, lengths 3 to 24. Each request's
+    tokens and finish reason equal the request run alone; a second call and the runs alone
+    compile nothing."""
+    model = gen.default_model()
+    eng = gen._engine(model, model.config.dspark.block_size, None)
+    monkeypatch.setattr(eng, "prefill_chunk", CHUNK)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (9, 40, 5, 14, 12, 7)]
+
+    def run(prompts, params):
+        return dspark_jax.generate(prompts, model=model, sampling=params, slots=SLOTS, context=CONTEXT)
+
+    # a first call without stops: it compiles the pool's programs and shows what the requests say
+    first_params = [SamplingParams(max_new_tokens=24, ignore_eos=True),
+                    SamplingParams(max_new_tokens=20, ignore_eos=True),
+                    SamplingParams(max_new_tokens=20, temperature=1.0, seed=11, ignore_eos=True),
+                    SamplingParams(max_new_tokens=20, ignore_eos=True),
+                    SamplingParams(max_new_tokens=16, temperature=0.8, top_k=40, top_p=0.9, seed=5, ignore_eos=True),
+                    SamplingParams(max_new_tokens=3, ignore_eos=True)]
+    warm = run(prompts, first_params)
+    assert [len(r.tokens) for r in warm] == [p.max_new_tokens for p in first_params]
+    shapes, programs = eng.compiled_shapes(), eng.compiled_programs()
+    assert {k[0] for k in shapes} == {"admit", "prefill", "first", "round"}
+    assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes) and {k[3] for k in shapes if k[0] == "prefill"} == {CHUNK}
+
+    # the same requests with stops and other lengths
+    stop_tok = warm[1].tokens[6]
+    greedy3 = warm[3].tokens
+    stop_text = model.tokenizer.decode(greedy3[7:9]).strip()
+    assert stop_text and stop_text not in model.tokenizer.decode(greedy3[:5])
+    params = [dataclasses.replace(first_params[0], max_new_tokens=22),
+              dataclasses.replace(first_params[1], stop=(stop_tok,)),  # a stop token id
+              first_params[2],
+              dataclasses.replace(first_params[3], stop=(stop_text,)),  # a stop string
+              dataclasses.replace(first_params[4], max_new_tokens=9),
+              dataclasses.replace(first_params[5], max_new_tokens=5)]
+    log = []
+    prefill_step, round_ = eng.prefill_step, eng.round
+    monkeypatch.setattr(eng, "prefill_step", lambda bs, ids, n, last: log.append(("prefill", n.tolist()))
+                        or prefill_step(bs, ids, n, last))
+    monkeypatch.setattr(eng, "round", lambda bs, **kw: log.append(("round",)) or round_(bs, **kw))
+    batch = run(prompts, params)
+    monkeypatch.setattr(eng, "prefill_step", prefill_step)
+    monkeypatch.setattr(eng, "round", round_)
+
+    assert batch[1].finish_reason == "stop" and batch[1].tokens == warm[1].tokens[:warm[1].tokens.index(stop_tok)]
+    assert batch[3].finish_reason == "stop" and stop_text not in batch[3].text
+    assert batch[3].tokens == greedy3[:len(batch[3].tokens)] and len(batch[3].tokens) <= 8
+    assert [r.finish_reason for r in batch] == ["length", "stop", "length", "stop", "length", "length"]
+    assert batch[2].tokens == warm[2].tokens and batch[4].tokens == warm[4].tokens[:9]  # seeded: position-keyed
+    for p, sp, r in zip(prompts, params, batch):
+        alone = run([p], [sp])[0]
+        assert r.tokens == alone.tokens and r.finish_reason == alone.finish_reason
+    assert eng.compiled_shapes() == shapes and eng.compiled_programs() == programs
+
+    # the 40-token prompt (slot 1) was read in three chunks with decoding rounds in between
+    long_steps = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1][1] > 0][:3]
+    assert [log[i][1][1] for i in long_steps] == [16, 16, 8]
+    assert all(("round",) in log[a:b] for a, b in zip(long_steps, long_steps[1:]))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "flash"])
+def test_memory_plan_is_the_real_cache_bytes(preset):
+    """plan().bytes_per_request x slots == the bytes of the target caches + draft rings that
+    ``init_cache`` / ``init_draft_cache`` build (shapes only: nothing is allocated)."""
+    cfg = config.tiny() if preset == "tiny" else config.flash()
+    slots, context = 3, 1040 if preset == "tiny" else 8192 + 16
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for layout in ("bf16", "fp8"):
+            for gamma in (0, cfg.dspark.block_size):
+                def pools():
+                    cache = init_cache(cfg, slots, context, dtype, kv_layout=layout)
+                    return cache, init_draft_cache(cfg, slots, dtype) if gamma else None
+                real = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(jax.eval_shape(pools)))
+                p = plan(cfg, 1 << 40, layout, seq_len=context, gamma=gamma, dtype=dtype)
+                assert p.bytes_per_request * slots == real, (dtype, layout, gamma)
+    # the pool generate would build: as many slots as the budget holds
+    p = plan_slots(cfg, context, layout="fp8", dtype=jnp.bfloat16, budget_bytes=10**9)
+    assert p.max_requests == 10**9 // p.bytes_per_request
+
+
+def test_slot_count_follows_the_memory_budget():
+    model = gen.default_model()
+    per_slot = plan(model.config, 1 << 40, "bf16", seq_len=CONTEXT, gamma=5, dtype=jnp.float32).bytes_per_request
+    count = lambda n, budget: gen.slot_count(model, n, CONTEXT, 5, "bf16", budget)  # noqa: E731
+    assert count(100, 5 * per_slot + 1) == 5  # memory-bound
+    assert count(3, 100 * per_slot) == 4  # the requests, rounded up to a power of 2
+    assert count(1000, 1000 * per_slot) == gen.MAX_SLOTS
+    assert count(1, None) == 1  # from the free memory
+    with pytest.raises(dspark_jax.InputError, match="do not fit"):
+        count(4, per_slot - 1)
+    sp = SamplingParams(max_new_tokens=200)
+    with pytest.raises(dspark_jax.InputError, match="context of 256 tokens per slot"):
+        dspark_jax.generate([[5] * 50], model=model, sampling=sp, context=CONTEXT)
+    with pytest.raises(dspark_jax.InputError, match="slots"):
+        dspark_jax.generate([[5] * 5], model=model, sampling=sp, slots=0)
+    with pytest.raises(dspark_jax.InputError, match="do not fit"):
+        dspark_jax.generate([[5] * 5], model=model, sampling=sp, memory_budget=1000)
+    fp8 = plan(model.config, 1 << 40, "fp8", seq_len=CONTEXT, gamma=5, dtype=jnp.float32).bytes_per_request
+    assert gen.slot_count(model, 100, CONTEXT, 5, "fp8", 5 * per_slot) == 5 * per_slot // fp8 > 5
+
+
+def test_fp8_indexer_keys_hold_the_reference_keys_exactly():
+    """The reference rounds indexer keys to e2m1 with a power-of-two scale per 32 dims; the fp8
+    key layout (132 B per 128-d key) stores those values bit for bit, other values to e4m3."""
+    from dspark_jax.cache import Fp8Keys, dequantize_keys, quantize_keys
+    from dspark_jax.model.quant import fp4_sim, hadamard
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 50, 128)) * np.exp(rng.uniform(-8, 8, (3, 50, 1)))
+    ref = fp4_sim(hadamard(jnp.asarray(x, jnp.float32)), 32).astype(jnp.bfloat16)
+    keys = quantize_keys(ref)
+    assert isinstance(keys, Fp8Keys) and keys.codes.dtype == keys.scales.dtype == jnp.uint8
+    assert keys.codes.shape == (3, 50, 128) and keys.scales.shape == (3, 50, 4)
+    np.testing.assert_array_equal(np.asarray(dequantize_keys(keys, jnp.float32)), np.asarray(ref, np.float32))
+    back = np.asarray(dequantize_keys(quantize_keys(jnp.asarray(x, jnp.float32)), jnp.float32))
+    amax = np.abs(x.reshape(3, 50, 4, 32)).max(-1, keepdims=True)
+    assert np.all(np.abs(back - x).reshape(3, 50, 4, 32) <= amax / 16) and not np.array_equal(back, x)
