@@ -519,27 +519,28 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     save(out)
 
     state = model.state
+
+    def timed_rounds(bs):
+        """``args.rounds`` rounds, each waited for; returns the state and the seconds of each."""
+        times = []
+        for _ in range(args.rounds):
+            t1 = time.perf_counter()
+            bs, res = compiled(state, bs)
+            jax.block_until_ready(res.tokens)
+            times.append(time.perf_counter() - t1)
+        return bs, times
+
     for _ in range(args.warmup):
         bs, res = compiled(state, bs)
     jax.block_until_ready(res.tokens)
-    times = []
-    for _ in range(args.rounds):
-        t1 = time.perf_counter()
-        bs, res = compiled(state, bs)
-        jax.block_until_ready(res.tokens)
-        times.append(time.perf_counter() - t1)
+    bs, times = timed_rounds(bs)
     out["wall_ms"] = 1e3 * float(np.median(times))
     print(name, "round (no profiler):", round(out["wall_ms"], 3), "ms", flush=True)
     save(out)
 
     trace_dir = os.path.join(trace_root, name)
-    traced = []
     with _trace(trace_dir):
-        for _ in range(args.rounds):
-            t1 = time.perf_counter()
-            bs, res = compiled(state, bs)
-            jax.block_until_ready(res.tokens)
-            traced.append(time.perf_counter() - t1)
+        bs, traced = timed_rounds(bs)
     out["traced_wall_ms"] = 1e3 * float(np.mean(traced))
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
