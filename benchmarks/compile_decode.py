@@ -71,7 +71,7 @@ def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("targ
             continue
         eng = Engine(model, gamma=gamma)
         bs = eng.init_state(prompts, params, list(range(batch)), prompt_len + 8 * rounds + 32)
-        c = chunk_width(prompt_len, eng.prefill_chunk)
+        c = chunk_width(prompt_len, eng.chunk_limit(batch))
         ids = jnp.zeros((batch, c), jnp.int32)
         n = jnp.full((batch,), c, jnp.int32)
         last = jnp.zeros((batch, model.config.vocab_size), jnp.float32)

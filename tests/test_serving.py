@@ -139,3 +139,17 @@ def test_fp8_indexer_keys_hold_the_reference_keys_exactly():
     back = np.asarray(dequantize_keys(quantize_keys(jnp.asarray(x, jnp.float32)), jnp.float32))
     amax = np.abs(x.reshape(3, 50, 4, 32)).max(-1, keepdims=True)
     assert np.all(np.abs(back - x).reshape(3, 50, 4, 32) <= amax / 16) and not np.array_equal(back, x)
+
+
+def test_prefill_chunks_keep_within_the_token_budget():
+    """One prefill program holds at most ``prefill_tokens`` rows x width (powers of 2, at least
+    16, at most ``prefill_chunk``): one request reads 2048-token chunks, a pool of 64 slots 32."""
+    from dspark_jax.decoding.engine import MIN_PREFILL_CHUNK, Engine
+
+    eng = Engine(gen.default_model(), gamma=0)
+    assert [eng.chunk_limit(r) for r in (1, 2, 8, 64, 1000)] == [2048, 1024, 256, 32, MIN_PREFILL_CHUNK]
+    small = Engine(gen.default_model(), gamma=0, prefill_chunk=512, prefill_tokens=3000)
+    assert [small.chunk_limit(r) for r in (1, 3, 7)] == [512, 512, 256]
+    for rows in range(1, 200):
+        c = eng.chunk_limit(rows)
+        assert c & (c - 1) == 0 and (rows * c <= eng.prefill_tokens or c == MIN_PREFILL_CHUNK)

@@ -35,8 +35,9 @@ from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DR
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
 
-PREFILL_CHUNK = 256
-MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to the engine's prefill_chunk
+PREFILL_CHUNK = 2048  # the longest prefill chunk of one row
+PREFILL_TOKENS = 2048  # rows x chunk width of one prefill program (its activations and temporaries)
+MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to ``Engine.chunk_limit``
 STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
 
@@ -105,7 +106,8 @@ class Engine:
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 kv_layout: str = "bf16", accept_profile: tuple[float, ...] | None = None):
+                 prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
+                 accept_profile: tuple[float, ...] | None = None):
         cfg = model.config
         if gamma > 0 and drafter is None and cfg.dspark is None:
             raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
@@ -116,7 +118,7 @@ class Engine:
         self.accept_profile = None if accept_profile is None else tuple(float(x) for x in accept_profile)
         self._profile_cond = None if accept_profile is None else profile_conditionals(accept_profile, gamma)
         self.drafter = drafter or draft_block
-        self.prefill_chunk, self.kv_layout = prefill_chunk, kv_layout
+        self.prefill_chunk, self.prefill_tokens, self.kv_layout = prefill_chunk, prefill_tokens, kv_layout
         self.uses_rings = cfg.dspark is not None and gamma > 0
         self.capture = tuple(cfg.dspark.target_layer_ids) if self.uses_rings else ()
         scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
@@ -313,7 +315,7 @@ class Engine:
         b = len(prompts)
         lens = np.array([len(p) for p in prompts])
         longest = int(lens.max())
-        c = chunk_width(longest, self.prefill_chunk)
+        c = chunk_width(longest, self.chunk_limit(b))
         padded = np.zeros((b, -(-longest // c) * c), np.int32)
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = p
@@ -325,6 +327,15 @@ class Engine:
                                      last, jnp.asarray(is_last))
         bs, first = self._first(self.model.state, bs, last, jnp.ones((b,), bool))
         return bs, np.asarray(first)
+
+    def chunk_limit(self, rows: int) -> int:
+        """The widest prefill chunk for ``rows`` rows: ``prefill_chunk``, narrowed to a power of 2 so
+        that rows x width stays within ``prefill_tokens`` (at least MIN_PREFILL_CHUNK). On a 4-layer
+        Flash slice (H200) one 2048-token chunk prefills 1.8x faster than 256-token chunks, for
+        8.8 GB of temporaries (docs/benchmarks.md); the token budget keeps a pool of many slots from
+        multiplying that."""
+        fit = max(1, self.prefill_tokens // max(rows, 1))
+        return max(MIN_PREFILL_CHUNK, min(self.prefill_chunk, 1 << (fit.bit_length() - 1)))
 
     def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
         self._shapes.add(("round", bs.anchor.shape[0], bs.cache.max_len, sampled, top_k, top_p))

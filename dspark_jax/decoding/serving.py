@@ -6,7 +6,7 @@ compressor rings, draft rings). A request takes a free slot; its slot's length g
 
   1 admits waiting requests into free slots (and stops on the device the slots of requests the
     host finished, e.g. on a stop string),
-  2 prefills one chunk of every prompt still being read (at most ``prefill_chunk`` tokens per
+  2 prefills one chunk of every prompt still being read (at most ``Engine.chunk_limit(slots)`` tokens per
     slot, so a long prompt never holds up running requests for more than one chunk) and draws
     the first token of every prompt that chunk completes,
   3 runs one decoding round over the pool (slots without a running request compute but commit
@@ -113,7 +113,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         step: list[tuple] = []
         reading = [s for s in range(slots) if owner[s] >= 0 and not decoding[s]]
         if reading:
-            c = chunk_width(max(len(ids[owner[s]]) - fed[s] for s in reading), engine.prefill_chunk)
+            c = chunk_width(max(len(ids[owner[s]]) - fed[s] for s in reading), engine.chunk_limit(slots))
             chunk = np.zeros((slots, c), np.int32)
             n_valid = np.zeros(slots, np.int32)
             is_last = np.zeros(slots, bool)
