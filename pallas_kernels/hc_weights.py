@@ -122,8 +122,7 @@ def weights_kernel(z: Float[Array, "... k"], *, n: int, iters: int, eps: float, 
 
 
 def weights_reference(z: Float[Array, "... k"], *, n: int, iters: int, eps: float, unroll: bool = False):
-    """Pure JAX: the same as ``model.hyper`` (``jax.nn.sigmoid``, ``hyper.sinkhorn``)."""
-    from dspark_jax.model.hyper import sinkhorn
+    """Pure JAX: ``model.hyper.mix_weights`` (``jax.nn.sigmoid``, ``hyper.sinkhorn``)."""
+    from dspark_jax.model.hyper import mix_weights
 
-    pre, post, comb = _split(z.astype(jnp.float32), n)
-    return jax.nn.sigmoid(pre) + eps, 2.0 * jax.nn.sigmoid(post), sinkhorn(comb, iters, eps, unroll=unroll)
+    return mix_weights(z, n=n, iters=iters, eps=eps, unroll=unroll)

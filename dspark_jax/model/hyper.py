@@ -38,6 +38,14 @@ def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float, *, unroll:
     return jax.lax.fori_loop(0, iters - 1, row_col, c)
 
 
+def mix_weights(z: Float[Array, "... k"], *, n: int, iters: int, eps: float, unroll: bool = False
+                ) -> tuple[Float[Array, "... n"], Float[Array, "... n"], Float[Array, "... n n"]]:
+    """The (2 + n) * n pre-activations z -> (pre = sigmoid + eps, post = 2 sigmoid, C = Sinkhorn)."""
+    z = z.astype(jnp.float32)
+    comb = sinkhorn(z[..., 2 * n:].reshape(*z.shape[:-1], n, n), iters, eps, unroll=unroll)
+    return jax.nn.sigmoid(z[..., :n]) + eps, 2.0 * jax.nn.sigmoid(z[..., n:2 * n]), comb
+
+
 def _mixes(x: Float[Array, "b t n d"], fn: Array, eps: float) -> Float[Array, "b t m"]:
     """(x_flat @ fn^T) * rsqrt(mean(x_flat^2) + eps), one RMS statistic over all n*d values."""
     xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
@@ -62,10 +70,7 @@ def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, 
 
         pre, post, comb = weights_kernel(z, n=n, iters=iters, eps=hc_eps)
     elif sinkhorn_impl in ("loop", "unrolled"):
-        pre = jax.nn.sigmoid(z[..., :n]) + hc_eps
-        post = 2.0 * jax.nn.sigmoid(z[..., n:2 * n])
-        comb = sinkhorn(z[..., 2 * n:].reshape(*z.shape[:-1], n, n), iters, hc_eps,
-                        unroll=sinkhorn_impl == "unrolled")
+        pre, post, comb = mix_weights(z, n=n, iters=iters, eps=hc_eps, unroll=sinkhorn_impl == "unrolled")
     else:
         raise ValueError(f"sinkhorn_impl must be 'loop', 'unrolled' or 'kernel', got {sinkhorn_impl!r}")
     y = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2)
