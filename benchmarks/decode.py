@@ -503,7 +503,8 @@ def main(argv=None):
         "prefill": "none: caches filled with random rows, committed lengths set to the context",
         "cost_follows": {
             "attention": "committed lengths (the ragged kernel walks only the keys its tokens see)",
-            "indexer": ("allocated entries: the C4 indexer scores all max_len / 4 entries per request in float32 "
+            "indexer": ("allocated entries: the C4 indexer scores all max_len / 4 entries per request "
+                        "(a bf16 dot accumulating in float32) "
                         + ("(one allocation per batch at the largest context)" if args.alloc == "max"
                            else "(allocated per context)")),
             "compressors, window rings": "fixed per request"},
