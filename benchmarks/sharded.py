@@ -16,6 +16,7 @@ Meshes are written ``DATAxMODEL``. On a CPU host the 8 devices are virtual
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -33,7 +34,7 @@ from flax import nnx
 import dspark_jax
 from dspark_jax import config, sharding
 from dspark_jax.cache import commit, init_cache
-from dspark_jax.decoding.engine import Engine
+from dspark_jax.decoding.engine import BatchState, Engine
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
@@ -44,9 +45,11 @@ COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "coll
 
 
 def small_config() -> config.ModelConfig:
-    """Tiny widths, a C4 + indexer layer and a C128 layer, 32 routed experts, one DSpark stage."""
-    ds = config.DSparkConfig(block_size=3, noise_token_id=511, target_layer_ids=(0, 1), markov_rank=16, num_stages=1)
-    return config.tiny().replace(num_hidden_layers=2, compress_ratios=(4, 128), num_hash_layers=1,
+    """Tiny widths, one C4 layer with its indexer and hash-routed experts, 32 routed experts, one
+    DSpark stage (window attention, learned routing). A C128 layer would add nothing here: the
+    check's 24 tokens never fill a 128-token window, so it would hold no compressed entry."""
+    ds = config.DSparkConfig(block_size=3, noise_token_id=511, target_layer_ids=(0,), markov_rank=16, num_stages=1)
+    return config.tiny().replace(num_hidden_layers=1, compress_ratios=(4,), num_hash_layers=1,
                                  n_routed_experts=32, dspark=ds)
 
 
@@ -58,54 +61,84 @@ def small_model(seed: int = 3, kernels: str = "pallas") -> dspark_jax.Model:
                         rngs=nnx.Rngs(seed))
     state = nnx.state(module)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    key = jax.random.key(seed)
+    rng = np.random.default_rng(seed)  # numpy noise: no random program to compile per parameter shape
     for i, x in enumerate(leaves):
         if jnp.issubdtype(x.dtype, jnp.floating):
-            std = jnp.maximum(jnp.std(x), 0.05) * 0.3
-            leaves[i] = x + std * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+            a = np.asarray(x)
+            std = max(float(a.std()), 0.05) * 0.3
+            leaves[i] = jnp.asarray(a + std * rng.standard_normal(a.shape).astype(a.dtype))
     nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
     return dspark_jax.Model(module)
 
 
+VERIFY = 4  # tokens of the check's verify chunk
+MAX_LEN = 72  # cache tokens per request of the check (18 C4 entries: pool sizes no activation of the round has)
+
+
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _target_and_draft(graphdef, state, ids, cache, draft):
+def _prefill_and_verify(graphdef, state, ids, n_prompt, cache, draft):
+    """Target forward over a prefill chunk (the first ``n_prompt`` [b] of the ``t - VERIFY`` first
+    columns of ``ids`` [b, t]), then over a verify chunk (each row's next VERIFY tokens, through the
+    attention kernels), both committed with their context rows written to the drafter rings; then
+    the first generated token (greedy) and the drafter's block after it, as a decoding round drafts it."""
     model = nnx.merge(graphdef, state)
     with model.num.precision_scope():
-        b, capture = ids.shape[0], model.cfg.dspark.target_layer_ids
+        b, t = ids.shape
+        capture = model.cfg.dspark.target_layer_ids
+        verify = jnp.take_along_axis(ids, n_prompt[:, None] + jnp.arange(VERIFY)[None], axis=1)
         logits = []
-        for start, width in ((0, ids.shape[1] - 4), (ids.shape[1] - 4, 4)):  # a prefill chunk, a verify chunk
-            n = jnp.full((b,), width, jnp.int32)
-            lg, hid, new = model.forward(ids[:, start:start + width], n, cache, capture=capture)
+        for chunk, n in ((ids[:, :t - VERIFY], n_prompt), (verify, jnp.full((b,), VERIFY, jnp.int32))):
+            lg, hid, new = model.forward(chunk, n, cache, capture=capture)
             draft = write_context(model.mtp, draft, hid, cache.lengths, n)
             cache = commit(new, n)
             logits.append(lg)
-        out = draft_block(model, draft, ids[:, -1], cache.lengths, lambda lg, k: jnp.argmax(lg, axis=-1))
-        return jnp.concatenate(logits, axis=1), out.logits
+        first = jnp.argmax(logits[1][:, -1], axis=-1).astype(jnp.int32)
+        out = draft_block(model, draft, first, cache.lengths, lambda lg, k: jnp.argmax(lg, axis=-1))
+        return logits[0], logits[1], out.logits, first, cache, draft
 
 
-def target_and_draft_logits(model: dspark_jax.Model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """fp32 target logits of ``ids`` [b, t] (a prefill chunk of t - 4 tokens, then a 4-token verify
-    chunk through the kernels) and the drafter's logits [b, block, vocab] for the block after them.
-    Caches are placed by ``sharding.state_shardings`` when the model is on a mesh."""
+@dataclasses.dataclass
+class Check:
+    """What the sharded == unsharded check compares (numpy arrays, token lists)."""
+
+    prefill: np.ndarray  # target logits of the prefill chunk [b, t - VERIFY, vocab] (rows >= n_prompt: 0)
+    verify: np.ndarray  # target logits of the verify chunk [b, VERIFY, vocab]
+    draft: np.ndarray  # drafter logits of the first round's block [b, block, vocab]
+    tokens: list[list[int]]  # greedy speculative generation, the first token included
+    round_hlo: str  # the compiled decoding round (after SPMD partitioning)
+    state: BatchState  # the engine's state after the last round
+
+
+def run_check(model: dspark_jax.Model, ids: np.ndarray, n_prompt: np.ndarray, max_new: int = 6) -> Check:
+    """fp32 target logits of a prefill and a verify chunk, the drafter's logits, and greedy
+    speculative generation of ``max_new`` tokens per request continuing from there: the engine's
+    decoding round, with the engine's state placement (``sharding.state_shardings`` on a mesh).
+    Two programs to compile (most of the check's time on a CPU): ``_prefill_and_verify``, which
+    also serves as the prefill, and the engine's round."""
     b = ids.shape[0]
-    state = {"cache": init_cache(model.config, b, 64, model.numerics.dtype),
-             "draft": init_draft_cache(model.config, b, model.numerics.dtype)}
-    mesh = sharding.model_mesh(model)
-    if mesh is not None:
-        state = jax.device_put(state, sharding.state_shardings(state, mesh))
-    target, draft = _target_and_draft(model.graphdef, model.state, jnp.asarray(ids), state["cache"], state["draft"])
-    return np.asarray(target), np.asarray(draft)
+    engine = Engine(model, gamma=model.config.dspark.block_size)
+    params = [SamplingParams(max_new_tokens=max_new, ignore_eos=True)] * b
+    bs = engine.init_state([ids[i] for i in range(b)], params, list(range(b)), MAX_LEN)
+    prefill, verify, draft, first, cache, rings = _prefill_and_verify(
+        model.graphdef, model.state, jnp.asarray(ids), jnp.asarray(n_prompt, jnp.int32), bs.cache, bs.draft)
+    bs = dataclasses.replace(bs, cache=cache, draft=rings, anchor=first, n_generated=jnp.ones((b,), jnp.int32))
+    if engine.mesh is not None:  # the engine's layout, which its round keeps
+        bs = jax.device_put(bs, sharding.state_shardings(bs, engine.mesh))
+    tokens = [[int(t)] for t in np.asarray(first)]
+    round_ = engine._round.lower(model.state, bs, sampled=False, top_k=False, top_p=False).compile()
+    while np.any(np.asarray(bs.active)):
+        bs, out = round_(model.state, bs)
+        for i, (row, n) in enumerate(zip(np.asarray(out.tokens), np.asarray(out.n_new))):
+            tokens[i] += row[:n].tolist()
+    valid = np.arange(prefill.shape[1])[None, :, None] < np.asarray(n_prompt)[:, None, None]
+    return Check(prefill=np.where(valid, np.asarray(prefill), 0), verify=np.asarray(verify), draft=np.asarray(draft),
+                 tokens=tokens, round_hlo=round_.as_text(), state=bs)
 
 
-def greedy_tokens(model: dspark_jax.Model, prompts: list[list[int]], max_new: int = 8) -> list[list[int]]:
-    """Speculative greedy generation (the model's DSpark drafter)."""
-    res = dspark_jax.generate(prompts, model=model, sampling=SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-    return [r.tokens for r in res]
-
-
-def check_inputs(vocab: int) -> tuple[np.ndarray, list[list[int]]]:
-    ids = np.random.default_rng(0).integers(2, vocab - 12, (2, 24)).astype(np.int32)
-    return ids, [ids[0, :9].tolist(), ids[1, :13].tolist()]
+def check_inputs(vocab: int, batch: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [batch, 24] and prompt lengths 20, 17, 14, 20, ... (ragged requests)."""
+    ids = np.random.default_rng(0).integers(2, vocab - 12, (batch, 20 + VERIFY)).astype(np.int32)
+    return ids, 20 - 3 * (np.arange(batch) % 3)
 
 
 def round_hlo(model: dspark_jax.Model, prompts: list[list[int]], max_len: int = 128) -> str:
@@ -139,6 +172,27 @@ def result_bytes(shape_text: str) -> int:
     for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text):
         total += math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype]
     return total
+
+
+def _shapes(shape_text: str) -> list[tuple[int, tuple[int, ...]]]:
+    """(itemsize, dims) of each array of an HLO result type."""
+    return [(_ITEMSIZE[dtype], tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text)]
+
+
+def forbidden_gathers(hlo: str, pools, stacks) -> list[str]:
+    """The all-gathers of a compiled program that could rebuild one of ``pools`` (arrays or shape
+    structs, e.g. KV pools: a result with the same itemsize and element count, in any shape) or
+    move matrices of one of ``stacks`` (e.g. expert weights [E, out, in]: a result of >= 3 dims
+    ending in the stack's two matrix dims, with its itemsize)."""
+    pool_keys = {(jnp.dtype(a.dtype).itemsize, math.prod(a.shape)) for a in pools}
+    stack_keys = {(jnp.dtype(a.dtype).itemsize, tuple(a.shape[-2:])) for a in stacks}
+    bad = []
+    for item in collectives(hlo)["all-gather"]:
+        for size, dims in _shapes(item.rsplit(" ", 1)[0]):
+            if (size, math.prod(dims)) in pool_keys or (len(dims) >= 3 and (size, dims[-2:]) in stack_keys):
+                bad.append(item)
+    return bad
 
 
 def flash_per_device(n_requests: int = 64, context: int = 65536, kv_layout: str = "fp8"):

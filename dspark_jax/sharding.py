@@ -179,6 +179,13 @@ def mesh_axes(axis: str, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in LOGICAL_AXES[axis] if mesh.shape.get(a, 1) > 1)
 
 
+def batch_axes(batch: int, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch of ``batch`` requests is split over: those of ``batch`` (``data``)
+    when the requests divide by their size, else none (as ``STATE_RULES`` place the caches)."""
+    names = mesh_axes("batch", mesh)
+    return names if names and batch % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
 def _spec(path: str, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, units,
           scale_shape: tuple[int, ...] | None = None) -> PartitionSpec:
     """A PartitionSpec splitting each named dim over its mesh axes when the shards hold whole units
