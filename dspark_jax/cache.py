@@ -16,6 +16,7 @@ by a rejected token is recomputed from the real token before any query can see i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -170,9 +171,21 @@ def scatter_rows(buf: Float[Array, "b r ..."], slots: Int[Array, "b t"], rows: F
     return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
 
 
-def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla") -> KVPool:
+def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla",
+             mesh=None) -> KVPool:
     """pool[b, slots[b, t]] = rows[b, t] (out-of-range slots dropped); fp8 pools quantise the rows
-    with the fp8 write kernel (``impl``: "pallas" or "xla"), fp8 keys with ``quantize_keys``."""
+    with the fp8 write kernel (``impl``: "pallas" or "xla"), fp8 keys with ``quantize_keys``.
+    mesh: the pools' mesh (``sharding.attach_mesh``); an fp8 write then runs per device on its own
+    requests in a ``shard_map`` (a ``pallas_call`` has no partitioning rule)."""
+    if isinstance(pool, kv_fp8.Fp8Rows) and mesh is not None:
+        from jax.sharding import PartitionSpec as P
+
+        from dspark_jax.sharding import batch_axes
+
+        axes = batch_axes(slots.shape[0], mesh)
+        req = P(axes) if axes else P()
+        return jax.shard_map(functools.partial(write_kv, impl=impl), mesh=mesh, in_specs=(req, req, req),
+                             out_specs=req, check_vma=False)(pool, slots, rows)
     if isinstance(pool, Fp8Keys):
         new = quantize_keys(rows)
         return Fp8Keys(codes=scatter_rows(pool.codes, slots, new.codes),

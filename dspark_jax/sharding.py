@@ -212,6 +212,14 @@ def _spec(path: str, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh:
     return PartitionSpec(*spec)
 
 
+def activation_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+                    cfg: ModelConfig) -> PartitionSpec:
+    """The PartitionSpec of an activation whose dims have these logical axes (e.g. queries
+    ``("batch", None, "heads")``), by the rules of the parameters and caches: a dim is split only
+    when its requests / heads / ... divide by its mesh axes, so it lines up with their layout."""
+    return _spec("activation", axes, shape, mesh, lambda axis, dim: unit_count(axis, cfg, dim))
+
+
 def partition_spec(path: str, shape: tuple[int, ...], cfg: ModelConfig, mesh: Mesh,
                    scale_shape: tuple[int, ...] | None = None) -> PartitionSpec:
     """The PartitionSpec of one parameter (a weight with block scales: pass the scale's shape)."""
@@ -295,16 +303,23 @@ def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx
 
 
 def attach_mesh(module, mesh: Mesh):
-    """Tell the routed experts of ``module`` (placed by ``param_shardings``) that they are split
-    over ``mesh``, so that the grouped MoE path runs them per device (``moe.expert_parallel``)
-    instead of leaving the partitioner to gather every expert; returns ``module``."""
+    """Tell the modules of ``module`` (placed by ``param_shardings``) which mesh they run on, so
+    that their kernels run per device in a ``shard_map``: the attention kernels and fp8 cache
+    writes on each device's requests and heads, and the routed experts (grouped MoE path,
+    ``moe.expert_parallel``) on each device's experts, when the experts are split (else the
+    partitioner would gather every expert); returns ``module``."""
+    from dspark_jax.model.attention import Attention
+    from dspark_jax.model.compressor import Compressor
     from dspark_jax.model.moe import Experts
 
     axes = mesh_axes("experts", mesh)
     split = bool(axes) and module.cfg.n_routed_experts % math.prod(mesh.shape[a] for a in axes) == 0
+    multi = mesh.size > 1
     for _, mod in nnx.iter_modules(module):
         if isinstance(mod, Experts):
             mod.mesh = mesh if split else None
+        elif isinstance(mod, (Attention, Compressor)):
+            mod.mesh = mesh if multi else None
     return module
 
 

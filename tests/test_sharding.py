@@ -214,14 +214,55 @@ def test_shard_model_moves_a_loaded_model(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def small_ep():
-    """The expert-parallel check config (32 experts: ragged MoE; Pallas kernels in interpret mode),
-    its check inputs (8 requests of ragged lengths) and its unsharded results (``sharded.run_check``)."""
+def small_model():
+    """The expert-parallel check config (32 experts: ragged MoE; Pallas kernels in interpret mode)."""
     from benchmarks import sharded
 
-    model = sharded.small_model()
-    ids, n_prompt = sharded.check_inputs(model.config.vocab_size)
-    return model, ids, n_prompt, sharded.run_check(model, ids, n_prompt)
+    return sharded.small_model()
+
+
+@pytest.fixture(scope="module")
+def small_ep(small_model):
+    """``small_model``, its check inputs (8 requests of ragged lengths) and its unsharded results
+    (``sharded.run_check``)."""
+    from benchmarks import sharded
+
+    ids, n_prompt = sharded.check_inputs(small_model.config.vocab_size)
+    return small_model, ids, n_prompt, sharded.run_check(small_model, ids, n_prompt)
+
+
+def _pallas_calls(jaxpr, inside: bool = False) -> list[bool]:
+    """For every ``pallas_call`` of a jaxpr (nested ones included): whether it runs inside a ``shard_map``."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(inside)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    found += _pallas_calls(sub, inside or eqn.primitive.name == "shard_map")
+    return found
+
+
+def test_kernels_run_per_device(small_model):
+    """On a mesh every Pallas kernel of a prefill + verify + draft step (ragged attention over the
+    window, the C4 entries and the drafter's ring, fp8 KV writes, grouped matmuls of the routed
+    experts) sits inside a ``shard_map``, i.e. runs on its device's shard; on one device none does."""
+    from benchmarks import sharded
+
+    ids, n_prompt = sharded.check_inputs(small_model.config.vocab_size)
+
+    def kernels(model):
+        cache = init_cache(model.config, ids.shape[0], sharded.MAX_LEN, jnp.float32, kv_layout="fp8")
+        draft = init_draft_cache(model.config, ids.shape[0], jnp.float32)
+        jaxpr = jax.make_jaxpr(sharded._prefill_and_verify, static_argnums=0)(
+            model.graphdef, model.state, ids, n_prompt, cache, draft)
+        return _pallas_calls(jaxpr.jaxpr)
+
+    plain = kernels(small_model)
+    assert len(plain) >= 8 and not any(plain)  # 2 ragged attentions, 2 x 2 fp8 writes, 3 x 2 grouped matmuls
+    assert all(kernels(sharding.shard_model(small_model, sharding.make_mesh(model=4, data=2))))
 
 
 # Every mesh shares one model and its unsharded reference. (1, 8) splits heads, vocab and experts

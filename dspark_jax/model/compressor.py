@@ -36,6 +36,7 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(jnp.zeros((ratio, coff * width), jnp.float32))
         self.norm = RMSNorm(width, cfg.rms_norm_eps)
         self.cfg, self.num = cfg, num
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the fp8 write kernel then runs per device
 
     def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
                  ) -> tuple[KVPool, CompressorState]:
@@ -76,7 +77,7 @@ class Compressor(nnx.Module):
         if self.num.quant_sim:  # without quantisation the indexer's Hadamard rotation cancels in q.k
             c = fp4_sim(hadamard(c), 32) if self.rotate else kv_sim(c, self.cfg.qk_rope_head_dim)
         n = state.entries.shape[1]
-        entries = write_kv(state.entries, jnp.where(win_ok, win, n), c, impl=self.num.kernel_impl())
+        entries = write_kv(state.entries, jnp.where(win_ok, win, n), c, impl=self.num.kernel_impl(), mesh=self.mesh)
 
         slots = ring_write_slots(start, chunk.n_valid, t, ring)
         return entries, dataclasses.replace(state, kv=scatter_rows(state.kv, slots, kv_new),
