@@ -217,11 +217,12 @@ def flash_per_device(n_requests: int = 64, context: int = 65536, kv_layout: str 
 LINKS = {"8 x H200": lambda g: 450e9, "8 x MI355X": lambda g: (g - 1) * 76.8e9}
 
 
-def _group_size(line: str, mesh_shape: dict[str, int]) -> int:
+def _group_size(line: str) -> int:
     """Devices per group of a collective (``replica_groups`` in any of its HLO spellings)."""
-    m = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
     if m:
-        return math.prod(mesh_shape[a.strip(" '")] for a in m.group(1).split(",") if a.strip(" '"))
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
     if m:
         return int(m.group(2))
@@ -231,7 +232,7 @@ def _group_size(line: str, mesh_shape: dict[str, int]) -> int:
     return 2  # collective-permute: point to point
 
 
-def traffic(hlo: str, mesh_shape: dict[str, int]) -> list[dict]:
+def traffic(hlo: str) -> list[dict]:
     """Every collective of a compiled program: kind, result type, group size g, the layer or
     drafter stage it belongs to (from its op_name) and the bytes one device sends (ring / direct
     algorithms: all-gather (g-1)/g x result, reduce-scatter (g-1) x result, all-reduce 2(g-1)/g x
@@ -242,7 +243,7 @@ def traffic(hlo: str, mesh_shape: dict[str, int]) -> list[dict]:
                      r"collective-permute)(-start)?\(", line)
         if not m:
             continue
-        kind, size, g = m.group(2), result_bytes(m.group(1)), _group_size(line, mesh_shape)
+        kind, size, g = m.group(2), result_bytes(m.group(1)), _group_size(line)
         if kind == "collective-permute":
             pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[-1].split("}}")[0] + "}")
             moved = size if any(a != b for a, b in pairs) else 0
@@ -343,7 +344,7 @@ def exchange_patterns(data: int, model: int, tokens: int = 384, hidden: int = 40
     out = {}
     for name, (fn, spec_in, spec_out) in programs.items():
         f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec_in, out_specs=spec_out, check_vma=False))
-        out[name] = traffic(f.lower(x).compile().as_text(), dict(mesh.shape))
+        out[name] = traffic(f.lower(x).compile().as_text())
     return out
 
 
@@ -396,7 +397,7 @@ def main(argv=None) -> None:
     for data, size in meshes:
         t0 = time.perf_counter()
         model_, hlo, bs = flash_round_hlo(data, size, args.requests, args.context)
-        rows = traffic(hlo, {"data": data, "model": size})
+        rows = traffic(hlo)
         pools = [x for x in jax.tree_util.tree_leaves((bs.cache, bs.draft)) if x.ndim == 3]
         stacks = [layer.ffn.experts.w1.get_value() for layer in (*model_.module.layers, *model_.module.mtp)]
         bad = forbidden_gathers(hlo, pools, stacks)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import MAX_VERIFY_TOKENS, ModelConfig
+from dspark_jax.sharding import per_request
 from pallas_kernels import kv_fp8
 from pallas_kernels.attention_metadata import ring_positions  # noqa: F401 (slot -> position, re-exported)
 
@@ -166,9 +167,10 @@ def ring_write_slots(lengths: Int[Array, " b"], n_valid: Int[Array, " b"], t: in
 
 
 def scatter_rows(buf: Float[Array, "b r ..."], slots: Int[Array, "b t"], rows: Float[Array, "b t ..."]) -> Array:
-    """buf[b, slots[b, t]] = rows[b, t]; out-of-range slots are dropped."""
-    b = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
+    """buf[b, slots[b, t]] = rows[b, t]; out-of-range slots are dropped. Written per request
+    (``vmap``: the request is a batch dim of the scatter), so that a mesh partitioner splitting
+    the requests keeps each scatter on its device instead of gathering every request's rows."""
+    return jax.vmap(lambda b, s, r: b.at[s].set(r, mode="drop"))(buf, slots, rows.astype(buf.dtype))
 
 
 def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla",
@@ -178,14 +180,7 @@ def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"]
     mesh: the pools' mesh (``sharding.attach_mesh``); an fp8 write then runs per device on its own
     requests in a ``shard_map`` (a ``pallas_call`` has no partitioning rule)."""
     if isinstance(pool, kv_fp8.Fp8Rows) and mesh is not None:
-        from jax.sharding import PartitionSpec as P
-
-        from dspark_jax.sharding import batch_axes
-
-        axes = batch_axes(slots.shape[0], mesh)
-        req = P(axes) if axes else P()
-        return jax.shard_map(functools.partial(write_kv, impl=impl), mesh=mesh, in_specs=(req, req, req),
-                             out_specs=req, check_vma=False)(pool, slots, rows)
+        return per_request(functools.partial(write_kv, impl=impl), mesh, pool, slots, rows)
     if isinstance(pool, Fp8Keys):
         new = quantize_keys(rows)
         return Fp8Keys(codes=scatter_rows(pool.codes, slots, new.codes),

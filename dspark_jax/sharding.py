@@ -220,6 +220,21 @@ def activation_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
     return _spec("activation", axes, shape, mesh, lambda axis, dim: unit_count(axis, cfg, dim))
 
 
+def per_request(fn, mesh: Mesh | None, *args, replicated: tuple = ()):
+    """``fn(*replicated, *args)`` where every array of ``args`` and of the result has the request
+    (or token) as its leading dim: on a mesh, every device runs ``fn`` in a ``shard_map`` on its
+    own requests (split over ``data`` as ``batch_axes`` splits them; ``replicated``, e.g. a
+    module's weights, whole on every device). For per-request work that XLA's partitioner would
+    otherwise run on gathered inputs: Pallas calls, top-k selections, gathers by position."""
+    if mesh is None:
+        return fn(*replicated, *args)
+    axes = batch_axes(jax.tree_util.tree_leaves(args)[0].shape[0], mesh)
+    req = PartitionSpec(axes) if axes else PartitionSpec()
+    n = len(replicated)
+    return jax.shard_map(lambda *a: fn(*a), mesh=mesh, in_specs=(PartitionSpec(),) * n + (req,) * len(args),
+                         out_specs=req, check_vma=False)(*replicated, *args)
+
+
 def partition_spec(path: str, shape: tuple[int, ...], cfg: ModelConfig, mesh: Mesh,
                    scale_shape: tuple[int, ...] | None = None) -> PartitionSpec:
     """The PartitionSpec of one parameter (a weight with block scales: pass the scale's shape)."""
@@ -304,13 +319,15 @@ def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx
 
 def attach_mesh(module, mesh: Mesh):
     """Tell the modules of ``module`` (placed by ``param_shardings``) which mesh they run on, so
-    that their kernels run per device in a ``shard_map``: the attention kernels and fp8 cache
-    writes on each device's requests and heads, and the routed experts (grouped MoE path,
+    that their per-request work runs per device in a ``shard_map``: the attention kernels, the
+    compressors, fp8 cache writes and top-k selections (indexer, router) on each device's requests
+    (and heads), and the routed experts (grouped MoE path,
     ``moe.expert_parallel``) on each device's experts, when the experts are split (else the
     partitioner would gather every expert); returns ``module``."""
     from dspark_jax.model.attention import Attention
     from dspark_jax.model.compressor import Compressor
-    from dspark_jax.model.moe import Experts
+    from dspark_jax.model.indexer import Indexer
+    from dspark_jax.model.moe import Experts, Gate
 
     axes = mesh_axes("experts", mesh)
     split = bool(axes) and module.cfg.n_routed_experts % math.prod(mesh.shape[a] for a in axes) == 0
@@ -318,7 +335,7 @@ def attach_mesh(module, mesh: Mesh):
     for _, mod in nnx.iter_modules(module):
         if isinstance(mod, Experts):
             mod.mesh = mesh if split else None
-        elif isinstance(mod, (Attention, Compressor)):
+        elif isinstance(mod, (Attention, Compressor, Indexer, Gate)):
             mod.mesh = mesh if multi else None
     return module
 

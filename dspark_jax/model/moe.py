@@ -6,11 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal_init, random_fp4
 from dspark_jax.model.quant import fp8_sim
+from dspark_jax.sharding import batch_axes, mesh_axes, per_request
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import swiglu
 from pallas_kernels.group_metadata import group_tiles
@@ -33,6 +35,7 @@ class Gate(nnx.Module):
         else:
             self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
         self.hash_routing, self.cfg = hash_routing, cfg
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Int[Array, "n k"]]:
         """Routing weights [n, k] (fp32) and expert indices [n, k]."""
@@ -42,7 +45,8 @@ class Gate(nnx.Module):
         if self.hash_routing:
             idx = self.tid2eid[...][ids]
         else:
-            _, idx = jax.lax.top_k(scores + self.bias[...], cfg.num_experts_per_tok)
+            idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh,
+                              scores + self.bias[...])
         w = jnp.take_along_axis(scores, idx, axis=-1)
         if cfg.scoring_func != "softmax" and cfg.norm_topk_prob:
             w = w / jnp.sum(w, axis=-1, keepdims=True)
@@ -156,10 +160,6 @@ def expert_parallel(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     On a (1, 8) mesh that is one all-reduce of the outputs; on (8, 1) with data-split tokens an
     all-gather of the inputs and a reduce-scatter of the outputs (no all-reduce); on (2, 4) both
     over data and an all-reduce of the data shard's outputs over model."""
-    from jax.sharding import PartitionSpec as P
-
-    from dspark_jax.sharding import mesh_axes
-
     axes = mesh_axes("experts", mesh)
     if not set(token_axes) <= set(axes):
         raise ValueError(f"tokens split over {token_axes} must be split over expert axes {axes}")
@@ -197,8 +197,6 @@ class MoE(nnx.Module):
     def token_axes(self, batch: int) -> tuple[str, ...]:
         """The mesh axes the step's tokens are split over on entering the routed experts: those
         of the requests (``sharding.batch_axes``), when the experts are split over a mesh."""
-        from dspark_jax.sharding import batch_axes
-
         mesh = self.experts.mesh
         return () if mesh is None else batch_axes(batch, mesh)
 
