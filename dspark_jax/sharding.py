@@ -29,9 +29,12 @@ scales (per 32 inputs) follow their weight (``SCALE_RULES``): a weight dim is sp
 each shard holds whole scale blocks, and its scale is split the same way, so a scale shard
 describes exactly its weight shard.
 
-The mesh uses ``AxisType.Auto``: the model's math carries no sharding annotations and XLA's
-propagation places the intermediate results, except for the routed experts of the grouped MoE
-path, which run per device in a ``shard_map`` (``attach_mesh``, ``moe.expert_parallel``).
+Activations have logical axes too (``activation_spec``: queries ``("batch", None, "heads")``).
+The mesh uses ``AxisType.Auto``: XLA's propagation places most intermediate results, but what it
+cannot partition well runs per device in a ``shard_map`` (set up by ``attach_mesh``): the
+attention kernels on each device's requests and heads (``Attention.per_device``), the
+compressors, fp8 cache writes and top-k selections on its requests (``per_request``), and the
+routed experts of the grouped MoE path on its experts (``moe.expert_parallel``).
 """
 
 from __future__ import annotations
