@@ -374,8 +374,9 @@ def main(argv=None) -> None:
     if args.check:
         t0 = time.perf_counter()
         ref = run_check(small, ids, n_prompt)
-        print(f"unsharded reference: {time.perf_counter() - t0:.0f} s; max |logit| prefill {np.abs(ref.prefill).max():.3f}, "
-              f"verify {np.abs(ref.verify).max():.3f}, drafter {np.abs(ref.draft).max():.3f}")
+        print(f"unsharded reference: {time.perf_counter() - t0:.0f} s; max |logit| prefill "
+              f"{np.abs(ref.prefill).max():.3f}, verify {np.abs(ref.verify).max():.3f}, "
+              f"drafter {np.abs(ref.draft).max():.3f}")
         for data, size in meshes:
             t0 = time.perf_counter()
             got = run_check(sharding.shard_model(small, sharding.make_mesh(model=size, data=data)), ids, n_prompt)

@@ -234,8 +234,8 @@ def per_request(fn, mesh: Mesh | None, *args, replicated: tuple = ()):
     axes = batch_axes(jax.tree_util.tree_leaves(args)[0].shape[0], mesh)
     req = PartitionSpec(axes) if axes else PartitionSpec()
     n = len(replicated)
-    return jax.shard_map(lambda *a: fn(*a), mesh=mesh, in_specs=(PartitionSpec(),) * n + (req,) * len(args),
-                         out_specs=req, check_vma=False)(*replicated, *args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(PartitionSpec(),) * n + (req,) * len(args), out_specs=req,
+                         check_vma=False)(*replicated, *args)
 
 
 def partition_spec(path: str, shape: tuple[int, ...], cfg: ModelConfig, mesh: Mesh,

@@ -223,7 +223,8 @@ class Engine:
         active = was_active & (n_gen < bs.max_new) & ~_stopped(tokens, col < n_new[:, None], bs.stop_ids)
         bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
                                  anchor=jnp.where(was_active, bonus, bs.anchor))
-        return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(was_active, a, 0), confidence=conf)
+        out = RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(was_active, a, 0), confidence=conf)
+        return self._placed(bs), out
 
     def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool):
         """Accepted drafts drawn from ``accept_profile`` (benchmark only) and the bonus token after them."""
