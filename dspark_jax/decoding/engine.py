@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
+from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
 
@@ -40,6 +41,7 @@ PREFILL_TOKENS = 2048  # rows x chunk width of one prefill program (its activati
 MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to ``Engine.chunk_limit``
 STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
+MIN_VERIFY_BUCKET = 8  # packed verify widths are powers of 2 from here (see ``verify_bucket``)
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +64,7 @@ class RoundOutput:
     n_new: Int[Array, " b"]  # a + 1 for active requests, else 0
     accepted: Int[Array, " b"]  # a: drafts accepted
     confidence: Float[Array, "b g"]  # raw confidence logits of the drafts (empty when γ = 0)
+    verify_lens: Int[Array, " b"]  # tokens verified (anchor + drafts), 0 for slots without a running request
 
 
 # A drafter maps (model, draft cache, anchor [b], lengths [b], pick) to a DraftOutput.
@@ -127,7 +130,7 @@ class Engine:
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
-                              static_argnames=("sampled", "top_k", "top_p"))
+                              static_argnames=("sampled", "top_k", "top_p", "tokens"))
 
     # ------------------------------------------------------------------ device functions
     def _prefill_impl(self, state, bs: BatchState, ids, n_valid, last_logits, is_last):
@@ -166,70 +169,99 @@ class Engine:
             n_generated=jnp.where(admit, 0, bs.n_generated), max_new=pick(max_new, bs.max_new),
             stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling))
 
-    def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
+    def _round_impl(self, state, bs: BatchState, verify_lens=None, *, sampled: bool, top_k: bool, top_p: bool,
+                    tokens: int | None = None):
         """One round; its phases are named scopes ("draft", "verify", "accept_commit") so that a
-        device profile can attribute every kernel (benchmarks/profile_step.py)."""
+        device profile can attribute every kernel (benchmarks/profile_step.py).
+
+        tokens None: every slot verifies γ + 1 tokens in the per-request layout [slots, γ + 1].
+        tokens T: ragged verify: slot r verifies its first ``verify_lens[r]`` tokens (anchor and
+        drafts; 0 = none: the slot commits nothing this round), packed on T rows."""
         model = nnx.merge(self.model.graphdef, state)
-        sp, g = bs.sampling, self.gamma
-        lengths = bs.cache.lengths
-        b = lengths.shape[0]
-        proc = functools.partial(process_logits, sp=sp, use_top_k=top_k, use_top_p=top_p)
-
-        if g > 0:
-            def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
-                return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
-
-            with jax.named_scope("draft"):
-                d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
-            drafts, q_logits, conf = d.tokens, d.logits, d.confidence
-        else:
-            drafts = jnp.zeros((b, 0), jnp.int32)
-            q_logits = jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32)
-            conf = jnp.zeros((b, 0), jnp.float32)
-
+        proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
+        with jax.named_scope("draft"):
+            drafts, q_logits, conf = self._draft(model, bs, proc)
+        lens = None if tokens is None else jnp.where(bs.active, verify_lens, 0).astype(jnp.int32)
         with jax.named_scope("verify"):
-            ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
-            logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+            logits, hid, cache, packing = self._verify(model, bs, drafts, lens, tokens)
         with jax.named_scope("accept_commit"):
-            return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
+            return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled,
+                                       lens, packing)
 
-    def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool):
-        """Acceptance (greedy or chain rejection sampling), the emitted tokens, and the commit."""
+    def _draft(self, model, bs: BatchState, proc):
+        """d_1..d_γ [b, γ], the logits they were drawn from [b, γ, v] and their confidences [b, γ]."""
+        sp, g, lengths = bs.sampling, self.gamma, bs.cache.lengths
+        b = lengths.shape[0]
+        if g == 0:
+            return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32),
+                    jnp.zeros((b, 0), jnp.float32))
+
+        def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
+            return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
+
+        d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
+        return d.tokens, d.logits, d.confidence
+
+    def _verify(self, model, bs: BatchState, drafts, lens, tokens: int | None):
+        """Target forward on [anchor, d_1..d_γ] at positions L..L+γ: all of them per request
+        (``lens`` None), or the first lens[r] of slot r packed on ``tokens`` rows. Returns logits
+        [b, γ + 1, v] (rows not verified: 0), captured hidden (in the layout of the forward), the
+        cache with the rows written tentatively, and the packing (None: per request)."""
+        ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
+        b, width = ids.shape
+        if lens is None:
+            logits, hid, cache = model.forward(ids, jnp.full((b,), width, jnp.int32), bs.cache, capture=self.capture)
+            return logits, hid, cache, None
+        packing = Packing.from_lens(lens, width=width, tokens=tokens)
+        logits, hid, cache = model.forward(packing.pack(ids), lens, bs.cache, capture=self.capture, packing=packing)
+        return packing.unpack(logits), hid, cache, packing
+
+    def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool,
+                       lens=None, packing: Packing | None = None):
+        """Acceptance (greedy or chain rejection sampling) of at most lens - 1 drafts (``lens``
+        None: all γ), the emitted tokens, and the commit (slots verifying nothing commit nothing)."""
         sp, g = bs.sampling, self.gamma
         lengths, was_active = bs.cache.lengths, bs.active
         b = lengths.shape[0]
-        a, bonus = accept_greedy(drafts, logits)
+        limit = None if lens is None else lens - 1  # drafts verified
+        a, bonus = accept_greedy(drafts, logits, limit)
         if sampled:
             u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_ACCEPT))
                            for k in range(g)] + [jnp.zeros((b,))], axis=1)[:, :g]
-            a_s, resid = accept_sampled(drafts, proc(q_logits), proc(logits), u)
+            a_s, resid = accept_sampled(drafts, proc(q_logits), proc(logits), u, limit)
             keys = request_keys(sp.seed, lengths + a_s + 1, STREAM_BONUS)  # the bonus sits at L + a + 1
             bonus_s = jax.vmap(jax.random.categorical)(keys, resid).astype(jnp.int32)
             a, bonus = jnp.where(sp.greedy, a, a_s), jnp.where(sp.greedy, bonus, bonus_s)
 
         if self.accept_profile is not None:  # benchmark only: a from the profile, not from the drafts
-            a, bonus = self._profile_accept(sp, lengths, logits, proc, sampled)
+            a, bonus = self._profile_accept(sp, lengths, logits, proc, sampled, limit)
 
-        n_new = jnp.where(was_active, a + 1, 0)
+        commits = was_active if lens is None else was_active & (lens > 0)
+        n_new = jnp.where(commits, a + 1, 0)
         col = jnp.arange(g + 1)[None]
         tokens = jnp.where(col < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
         tokens = jnp.where(col < n_new[:, None], tokens, -1)
         draft = bs.draft
         if self.uses_rings:
-            draft = write_context(model.mtp, draft, hid, lengths, n_new)
+            draft = write_context(model.mtp, draft, hid, lengths, n_new, packing)
         n_gen = bs.n_generated + n_new
         active = was_active & (n_gen < bs.max_new) & ~_stopped(tokens, col < n_new[:, None], bs.stop_ids)
         bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
-                                 anchor=jnp.where(was_active, bonus, bs.anchor))
-        return bs, RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(was_active, a, 0), confidence=conf)
+                                 anchor=jnp.where(commits, bonus, bs.anchor))
+        verified = jnp.where(was_active, g + 1, 0) if lens is None else lens
+        return bs, RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(commits, a, 0), confidence=conf,
+                               verify_lens=verified.astype(jnp.int32))
 
-    def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool):
-        """Accepted drafts drawn from ``accept_profile`` (benchmark only) and the bonus token after them."""
+    def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool, limit=None):
+        """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``) and
+        the bonus token after them."""
         g = self.gamma
         u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_PROFILE))
                        for k in range(g)], axis=1)  # [b, γ]
         passed = u < jnp.asarray(self._profile_cond, jnp.float32)[None]
         a = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
+        if limit is not None:
+            a = jnp.minimum(a, jnp.maximum(limit, 0))
         row = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]  # target logits after a drafts
         bonus = jnp.argmax(row, axis=-1).astype(jnp.int32)
         if sampled:
@@ -337,9 +369,27 @@ class Engine:
         fit = max(1, self.prefill_tokens // max(rows, 1))
         return max(MIN_PREFILL_CHUNK, min(self.prefill_chunk, 1 << (fit.bit_length() - 1)))
 
-    def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
-        self._shapes.add(("round", bs.anchor.shape[0], bs.cache.max_len, sampled, top_k, top_p))
-        return self._round(self.model.state, bs, sampled=sampled, top_k=top_k, top_p=top_p)
+    def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool,
+              verify_lens: np.ndarray | None = None) -> tuple[BatchState, RoundOutput]:
+        """One decoding round over the pool. verify_lens None: every slot verifies γ + 1 tokens
+        (the per-request layout). verify_lens [slots] in [0, γ + 1]: ragged verify, slot r
+        verifying its anchor and first verify_lens[r] - 1 drafts (0: the slot commits nothing
+        this round; slots without a running request verify nothing whatever they are given),
+        packed on ``verify_bucket(sum)`` rows (one compiled program per bucket)."""
+        b, max_len = bs.anchor.shape[0], bs.cache.max_len
+        flags = dict(sampled=sampled, top_k=top_k, top_p=top_p)
+        if verify_lens is None:
+            self._shapes.add(("round", b, max_len, sampled, top_k, top_p))
+            return self._round(self.model.state, bs, **flags)
+        lens = np.asarray(verify_lens)
+        if lens.shape != (b,) or not np.issubdtype(lens.dtype, np.integer):
+            raise ValueError(f"verify_lens must be integers of shape ({b},) (one per slot), got {lens.dtype} "
+                             f"{lens.shape}")
+        if lens.min() < 0 or lens.max() > self.gamma + 1:
+            raise ValueError(f"verify_lens must lie in [0, gamma + 1 = {self.gamma + 1}], got {lens.tolist()}")
+        tokens = verify_bucket(int(lens.sum()), b, self.gamma)
+        self._shapes.add(("ragged", b, max_len, sampled, top_k, top_p, tokens))
+        return self._round(self.model.state, bs, jnp.asarray(lens, jnp.int32), tokens=tokens, **flags)
 
     def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
         """The round variant to run for requests that need these flags: a compiled variant for
@@ -347,8 +397,8 @@ class Engine:
         tokens: greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the
         narrowest such; else exactly the flags needed (compiled on first use)."""
         need = (sampled, top_k, top_p)
-        have = [k[3:] for k in self._shapes
-                if k[:3] == ("round", slots, max_len) and all(h >= n for h, n in zip(k[3:], need))]
+        have = [k[3:6] for k in self._shapes
+                if k[0] in ("round", "ragged") and k[1:3] == (slots, max_len) and all(h >= n for h, n in zip(k[3:6], need))]
         pick = min(have, key=sum) if have else need
         return dict(zip(("sampled", "top_k", "top_p"), pick))
 
@@ -362,7 +412,8 @@ class Engine:
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
-        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p)."""
+        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
+        ("ragged", S, L, sampled, top_k, top_p, verify bucket)."""
         return frozenset(self._shapes)
 
 
@@ -370,3 +421,13 @@ def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
     """Prefill chunk width for ``tokens`` prompt tokens: the smallest power of 2 >= tokens (at
     least MIN_PREFILL_CHUNK), at most ``limit`` (longer prompts take several chunks)."""
     return min(limit, max(MIN_PREFILL_CHUNK, 1 << (tokens - 1).bit_length()))
+
+
+def verify_bucket(tokens: int, slots: int, gamma: int) -> int:
+    """Rows of a packed verify holding ``tokens`` verify tokens of a pool of ``slots`` slots: the
+    smallest power of 2 >= tokens (at least MIN_VERIFY_BUCKET), at most slots x (γ + 1) (every
+    slot verifying everything). A pool compiles at most log2(slots x (γ + 1) / 8) + 2 buckets."""
+    top = slots * (gamma + 1)
+    if not 0 <= tokens <= top:
+        raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
+    return min(top, max(MIN_VERIFY_BUCKET, 1 << max(tokens - 1, 0).bit_length()))

@@ -90,7 +90,7 @@ class Attention(nnx.Module):
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()
-        slots = ring_write_slots(chunk.start, chunk.n_valid, t, ring)
+        slots = ring_write_slots(chunk.start, chunk.n_valid, chunk.width, ring)  # per request
 
         new = {}
         entries = top = None
@@ -99,9 +99,9 @@ class Attention(nnx.Module):
             if self.ratio == 4:
                 top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k], -1 = none
 
-        if t <= ring - cfg.sliding_window + 1:
+        if chunk.width <= ring - cfg.sliding_window + 1:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.
-            new["window"] = write_kv(cache.window, slots, kv, impl=impl)
+            new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl)
             o = self._ragged(q, new["window"], entries, top, chunk, impl)
         else:
             # Prefill chunk: keys = the ring before the chunk + the chunk's own rows.
@@ -123,11 +123,16 @@ class Attention(nnx.Module):
         return self.project_out(o, pos), dataclasses.replace(cache, **new)
 
     def _ragged(self, q, window, entries, top, chunk: Chunk, impl: str) -> Float[Array, "b t h d"]:
-        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``)."""
+        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``); a
+        packed chunk's tokens go to it as they are (``cu_q_lens`` from the packing)."""
         cfg = self.cfg
         b, t, h, d = q.shape
-        meta, pos_flat = attention_metadata.verify_dense(chunk.n_valid, chunk.start, width=t,
-                                                        window=cfg.sliding_window)
+        if chunk.packing is None:
+            meta, pos_flat = attention_metadata.verify_dense(chunk.n_valid, chunk.start, width=t,
+                                                            window=cfg.sliding_window)
+        else:
+            meta, pos_flat = attention_metadata.verify(chunk.n_valid, chunk.start, window=cfg.sliding_window,
+                                                       num_tokens=t, max_q_len=chunk.width)
         if self.ratio == 4:
             meta = attention_metadata.with_topk_entries(meta, top.reshape(b * t, -1), pos_flat)
         elif self.ratio:
