@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
+from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, confidence_lengths, survival
 from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
@@ -42,6 +43,7 @@ MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to ``Engin
 STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
 MIN_VERIFY_BUCKET = 8  # packed verify widths are powers of 2 from here (see ``verify_bucket``)
+SCHEDULERS = ("static", "confidence", "lagged")
 
 
 @jax.tree_util.register_dataclass
@@ -106,12 +108,23 @@ class Engine:
     (seed, position, STREAM_PROFILE), so runs are deterministic. The bonus token is the target's
     token after those a drafts (argmax, or a draw for sampled requests). The emitted tokens are then
     NOT the target's: this exists only to time decoding at a given accept length (E[a] = sum p_i).
+
+    scheduler: how many tokens each slot verifies per round by default (``serving.serve`` and
+    ``generate`` take it per call too): "static" (γ + 1 each, the per-request layout),
+    "confidence" (Algorithm 1 on the round's own confidences: ``round_confidence``) or "lagged"
+    (capacity from confidences two rounds old, allocated by the current ones: ``round_lagged``),
+    with the rounds-per-second table ``sps_table`` (``scheduler.SPSTable``; None or uninitialised:
+    every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
-                 accept_profile: tuple[float, ...] | None = None):
+                 accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
+                 sps_table: SPSTable | None = None):
         cfg = model.config
+        check_scheduler(scheduler, gamma)
+        self.scheduler, self.sps_table = scheduler, sps_table
+        self.temperatures = model.sts_temperatures if drafter is None else None  # STS of the model's drafter
         if gamma > 0 and drafter is None and cfg.dspark is None:
             raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
         if gamma < 0 or (gamma > 0 and drafter is None and gamma != cfg.dspark.block_size):
@@ -130,7 +143,10 @@ class Engine:
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
-                              static_argnames=("sampled", "top_k", "top_p", "tokens"))
+                              static_argnames=("sampled", "top_k", "top_p"))
+        self._draft_step = jax.jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "table"))
+        self._verify_step = jax.jit(scoped(self._verify_impl), donate_argnums=(1,),
+                                    static_argnames=("sampled", "top_k", "top_p", "tokens"))
 
     # ------------------------------------------------------------------ device functions
     def _prefill_impl(self, state, bs: BatchState, ids, n_valid, last_logits, is_last):
@@ -169,26 +185,52 @@ class Engine:
             n_generated=jnp.where(admit, 0, bs.n_generated), max_new=pick(max_new, bs.max_new),
             stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling))
 
-    def _round_impl(self, state, bs: BatchState, verify_lens=None, *, sampled: bool, top_k: bool, top_p: bool,
-                    tokens: int | None = None):
-        """One round; its phases are named scopes ("draft", "verify", "accept_commit") so that a
-        device profile can attribute every kernel (benchmarks/profile_step.py).
-
-        tokens None: every slot verifies γ + 1 tokens in the per-request layout [slots, γ + 1].
-        tokens T: ragged verify: slot r verifies its first ``verify_lens[r]`` tokens (anchor and
-        drafts; 0 = none: the slot commits nothing this round), packed on T rows."""
+    def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
+        """One round in which every slot verifies γ + 1 tokens (per-request layout [slots, γ + 1]);
+        its phases are named scopes ("draft", "verify", "accept_commit") so that a device profile
+        can attribute every kernel (benchmarks/profile_step.py)."""
         model = nnx.merge(self.model.graphdef, state)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
         with jax.named_scope("draft"):
-            drafts, q_logits, conf = self._draft(model, bs, proc)
-        lens = None if tokens is None else jnp.where(bs.active, verify_lens, 0).astype(jnp.int32)
+            drafts, q_logits, conf = self._draft_tokens(model, bs, proc)
+        with jax.named_scope("verify"):
+            logits, hid, cache, _ = self._verify(model, bs, drafts, None, None)
+        with jax.named_scope("accept_commit"):
+            return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
+
+    def _draft_impl(self, state, bs: BatchState, *, top_k: bool, top_p: bool, table: tuple | None):
+        """The first program of a ragged round: the draft phase, and with an SPS table ``table`` =
+        (tokens, steps_per_s) the verify lengths of Algorithm 1 (early stopping) on its confidences."""
+        model = nnx.merge(self.model.graphdef, state)
+        proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
+        with jax.named_scope("draft"):
+            drafted = self._draft_tokens(model, bs, proc)
+        if table is None:
+            return drafted, None
+        sps = SPSTable(tokens=table[0], steps_per_s=table[1])
+        return drafted, confidence_lengths(survival(drafted[2], self.temperatures), bs.active, sps)
+
+    def _verify_impl(self, state, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
+                     top_p: bool, tokens: int):
+        """The second program of a ragged round: verify packed on ``tokens`` rows, acceptance and
+        commit. Slot r verifies its first l_r tokens (anchor and drafts; 0 = none: the slot
+        commits nothing this round; slots without a running request verify nothing): l_r =
+        ``verify_lens[r]``, or for ``capacity`` >= 0 (lagged) 1 + the slot's drafts among the
+        capacity's best by this round's survivals (``scheduler.allocate_topk``)."""
+        model = nnx.merge(self.model.graphdef, state)
+        proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
+        drafts, q_logits, conf = drafted
+        if self.gamma > 0:
+            top = allocate_topk(survival(conf, self.temperatures), bs.active, jnp.maximum(capacity, 0))
+            verify_lens = jnp.where(capacity >= 0, top, verify_lens)
+        lens = jnp.where(bs.active, verify_lens, 0).astype(jnp.int32)
         with jax.named_scope("verify"):
             logits, hid, cache, packing = self._verify(model, bs, drafts, lens, tokens)
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled,
                                        lens, packing)
 
-    def _draft(self, model, bs: BatchState, proc):
+    def _draft_tokens(self, model, bs: BatchState, proc):
         """d_1..d_γ [b, γ], the logits they were drawn from [b, γ, v] and their confidences [b, γ]."""
         sp, g, lengths = bs.sampling, self.gamma, bs.cache.lengths
         b = lengths.shape[0]
@@ -372,10 +414,10 @@ class Engine:
     def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool,
               verify_lens: np.ndarray | None = None) -> tuple[BatchState, RoundOutput]:
         """One decoding round over the pool. verify_lens None: every slot verifies γ + 1 tokens
-        (the per-request layout). verify_lens [slots] in [0, γ + 1]: ragged verify, slot r
-        verifying its anchor and first verify_lens[r] - 1 drafts (0: the slot commits nothing
-        this round; slots without a running request verify nothing whatever they are given),
-        packed on ``verify_bucket(sum)`` rows (one compiled program per bucket)."""
+        (one program, the per-request layout). verify_lens [slots] in [0, γ + 1]: ragged verify,
+        slot r verifying its anchor and first verify_lens[r] - 1 drafts (0: the slot commits
+        nothing this round; slots without a running request verify nothing whatever they are
+        given), packed on ``verify_bucket(sum)`` rows (see ``_ragged_round``)."""
         b, max_len = bs.anchor.shape[0], bs.cache.max_len
         flags = dict(sampled=sampled, top_k=top_k, top_p=top_p)
         if verify_lens is None:
@@ -387,9 +429,50 @@ class Engine:
                              f"{lens.shape}")
         if lens.min() < 0 or lens.max() > self.gamma + 1:
             raise ValueError(f"verify_lens must lie in [0, gamma + 1 = {self.gamma + 1}], got {lens.tolist()}")
-        tokens = verify_bucket(int(lens.sum()), b, self.gamma)
-        self._shapes.add(("ragged", b, max_len, sampled, top_k, top_p, tokens))
-        return self._round(self.model.state, bs, jnp.asarray(lens, jnp.int32), tokens=tokens, **flags)
+        drafted, _ = self._draft_program(bs, top_k, top_p, None)
+        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), **flags)
+
+    def round_lagged(self, bs: BatchState, capacity: int, busy: int, *, sampled: bool, top_k: bool,
+                     top_p: bool) -> tuple[BatchState, RoundOutput]:
+        """A ragged round of the lagged scheduler: ``capacity`` drafts in total (decided on the
+        host, ``scheduler.lagged_capacity``), given on the device to the best by the round's own
+        survivals (``scheduler.allocate_topk``). ``busy`` (slots that may hold a running request)
+        + capacity bounds the tokens, so the bucket is known before the round: no host sync."""
+        b = bs.anchor.shape[0]
+        if not 0 <= busy <= b or capacity < 0:
+            raise ValueError(f"need 0 <= busy <= {b} slots and capacity >= 0, got busy={busy}, capacity={capacity}")
+        capacity = min(int(capacity), busy * self.gamma)
+        drafted, _ = self._draft_program(bs, top_k, top_p, None)
+        return self._ragged_round(bs, drafted, jnp.zeros((b,), jnp.int32), capacity, busy + capacity,
+                                  sampled=sampled, top_k=top_k, top_p=top_p)
+
+    def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
+                         top_p: bool) -> tuple[BatchState, RoundOutput]:
+        """A ragged round of the confidence scheduler: the draft program also runs Algorithm 1
+        on its confidences (``scheduler.confidence_lengths``); the host waits for the lengths,
+        the only host sync of any round, to pick the verify bucket of their sum."""
+        if not table.initialised:
+            raise ValueError("the confidence scheduler needs an initialised SPS table")
+        table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
+        drafted, lens = self._draft_program(bs, top_k, top_p, (table.tokens, table.steps_per_s))
+        return self._ragged_round(bs, drafted, lens, -1, int(np.asarray(lens).sum()), sampled=sampled,
+                                  top_k=top_k, top_p=top_p)
+
+    def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: tuple | None):
+        self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
+        return self._draft_step(self.model.state, bs, top_k=top_k, top_p=top_p, table=table)
+
+    def _ragged_round(self, bs: BatchState, drafted, verify_lens, capacity: int, tokens: int, *, sampled: bool,
+                      top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
+        """Ragged rounds run as two programs: the draft (one per pool and flags) and the verify /
+        accept / commit of one token bucket (``verify_bucket``), whatever decides the lengths, so
+        the drafter compiles once for all buckets; without the confidence scheduler's sync the
+        host dispatches both at once."""
+        b = bs.anchor.shape[0]
+        bucket = verify_bucket(tokens, b, self.gamma)
+        self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
+        return self._verify_step(self.model.state, bs, drafted, verify_lens, jnp.int32(capacity), sampled=sampled,
+                                 top_k=top_k, top_p=top_p, tokens=bucket)
 
     def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
         """The round variant to run for requests that need these flags: a compiled variant for
@@ -398,22 +481,26 @@ class Engine:
         narrowest such; else exactly the flags needed (compiled on first use)."""
         need = (sampled, top_k, top_p)
         have = [k[3:6] for k in self._shapes
-                if k[0] in ("round", "ragged") and k[1:3] == (slots, max_len) and all(h >= n for h, n in zip(k[3:6], need))]
+                if k[0] in ("round", "verify") and k[1:3] == (slots, max_len) and all(h >= n for h, n in zip(k[3:6], need))]
         pick = min(have, key=sum) if have else need
         return dict(zip(("sampled", "top_k", "top_p"), pick))
 
     def compilations(self) -> int:
-        """Number of distinct compiled round functions so far (for recompilation checks)."""
-        return self._round._cache_size()
+        """Number of distinct compiled round functions so far, ragged rounds' draft and verify
+        programs included (for recompilation checks)."""
+        return sum(f._cache_size() for f in (self._round, self._draft_step, self._verify_step))
 
     def compiled_programs(self) -> int:
-        """Number of distinct compiled programs of every kind (prefill, first, admit, round)."""
-        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round))
+        """Number of distinct compiled programs of every kind (prefill, first, admit, round, and the
+        draft and verify programs of ragged rounds)."""
+        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round, self._draft_step,
+                                             self._verify_step))
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
         chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
-        ("ragged", S, L, sampled, top_k, top_p, verify bucket)."""
+        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with Algorithm 1)
+        and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
         return frozenset(self._shapes)
 
 
@@ -421,6 +508,13 @@ def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
     """Prefill chunk width for ``tokens`` prompt tokens: the smallest power of 2 >= tokens (at
     least MIN_PREFILL_CHUNK), at most ``limit`` (longer prompts take several chunks)."""
     return min(limit, max(MIN_PREFILL_CHUNK, 1 << (tokens - 1).bit_length()))
+
+
+def check_scheduler(scheduler: str, gamma: int) -> None:
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+    if scheduler != "static" and gamma == 0:
+        raise ValueError(f"the {scheduler!r} scheduler needs speculative decoding (gamma > 0)")
 
 
 def verify_bucket(tokens: int, slots: int, gamma: int) -> int:

@@ -25,12 +25,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 
 import jax
 import numpy as np
 
-from dspark_jax.decoding.engine import Engine, chunk_width
+from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.scheduler import UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity
+from dspark_jax.train.sts import survival
 
 
 @dataclasses.dataclass
@@ -39,6 +42,7 @@ class Outputs:
 
     tokens: list[list[int]]
     accepts: list[list[int]]  # accepted drafts per round
+    verified: list[list[int]]  # tokens verified per round (anchor + drafts)
     confidences: list[list[np.ndarray]]  # raw draft confidences per round
     reason: list[str]  # "stop" or "length"
     admitted: list[float]  # when the request took a slot
@@ -66,15 +70,27 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
 
 
 def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], seeds: list[int], *, slots: int,
-          max_len: int, tokenizer=None, on_progress=None, track_confidence: bool = True) -> Outputs:
+          max_len: int, tokenizer=None, on_progress=None, track_confidence: bool = True, scheduler: str | None = None,
+          sps_table: SPSTable | None = None) -> Outputs:
     """Run every request through a pool of ``slots`` slots of ``max_len`` cache tokens each.
 
+    scheduler / sps_table: the verify lengths of the rounds (see ``Engine``; None: the engine's).
     on_progress(phase, kept, done): called after each step with the tokens each request holds.
     """
     n = len(ids)
-    out = Outputs(tokens=[[] for _ in range(n)], accepts=[[] for _ in range(n)],
+    out = Outputs(tokens=[[] for _ in range(n)], accepts=[[] for _ in range(n)], verified=[[] for _ in range(n)],
                   confidences=[[] for _ in range(n)], reason=["length"] * n, admitted=[0.0] * n, first=[0.0] * n,
                   finished=[0.0] * n)
+    scheduler = engine.scheduler if scheduler is None else scheduler
+    table = engine.sps_table if sps_table is None else sps_table
+    check_scheduler(scheduler, engine.gamma)
+    if scheduler != "static" and (table is None or not table.initialised):
+        warnings.warn(UNINITIALISED_WARNING, stacklevel=2)
+        scheduler = "static"
+    if scheduler != "static":
+        table.check_covers(slots * (engine.gamma + 1))
+    history = SurvivalHistory(slots, engine.gamma) if scheduler == "lagged" else None
+    rounds = 0  # rounds dispatched
     done = [False] * n
     flags = engine.round_flags(slots, max_len, sampled=any(p.temperature > 0 for p in params),
                                top_k=any(p.top_k > 0 for p in params),
@@ -127,9 +143,19 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                 step.append(("first", first, list(owner), is_last))
 
         # 3 one decoding round over the pool
-        if any(owner[s] >= 0 and decoding[s] for s in range(slots)):
-            bs, res = engine.round(bs, **flags)
-            step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence), list(owner)))
+        running = [owner[s] if decoding[s] else -1 for s in range(slots)]
+        if any(o >= 0 for o in running):
+            if scheduler == "static":
+                bs, res = engine.round(bs, **flags)
+            elif scheduler == "confidence":
+                bs, res = engine.round_confidence(bs, table, **flags)
+            else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
+                busy = np.asarray(running) >= 0
+                capacity = lagged_capacity(history.lagged(rounds, running), busy, table)
+                bs, res = engine.round_lagged(bs, capacity, int(busy.sum()), **flags)
+            step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence, res.verify_lens),
+                         list(owner), rounds, running))
+            rounds += 1
 
         # 4 the previous step's tokens (the device works on this step meanwhile)
         for kind, arrays, owners, *rest in pending:
@@ -140,11 +166,14 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                     out.first[i] = time.perf_counter()
                     take(i, [int(first[s])])
                 continue
-            toks, n_new, acc, conf = jax.device_get(arrays)
+            toks, n_new, acc, conf, verified = jax.device_get(arrays)
+            if history is not None:
+                history.record(rest[0], rest[1], n_new > 0, survival(conf, engine.temperatures or np.ones(engine.gamma)))
             for s, i in enumerate(owners):
                 if i < 0 or done[i] or n_new[s] == 0:
                     continue
                 out.accepts[i].append(int(acc[s]))
+                out.verified[i].append(int(verified[s]))
                 if engine.gamma and track_confidence:
                     out.confidences[i].append(conf[s])
                 take(i, [int(t) for t in toks[s, :n_new[s]]])
