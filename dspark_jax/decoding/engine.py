@@ -525,3 +525,8 @@ def verify_bucket(tokens: int, slots: int, gamma: int) -> int:
     if not 0 <= tokens <= top:
         raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
     return min(top, max(MIN_VERIFY_BUCKET, 1 << max(tokens - 1, 0).bit_length()))
+
+
+def verify_buckets(slots: int, gamma: int) -> tuple[int, ...]:
+    """Every bucket ``verify_bucket`` can give a pool of ``slots`` slots, ascending."""
+    return tuple(sorted({verify_bucket(t, slots, gamma) for t in range(slots * (gamma + 1) + 1)}))

@@ -28,11 +28,14 @@ import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width
+from dspark_jax.config import MAX_VERIFY_TOKENS
+from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, verify_buckets
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.decoding.scheduler import UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity
+from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity, profile,
+                                           table_key)
 from dspark_jax.train.sts import survival
 
 
@@ -182,3 +185,47 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
             phase = "decode" if any(out.first) else "prefill"
             on_progress(phase, [len(t) for t in out.tokens], done)
     return out
+
+
+def decoding_pool(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, seed: int = 0):
+    """A pool of ``slots`` x ``max_len`` with every slot decoding after a ``prompt_len``-token
+    random prompt (greedy, no stops): a state to time rounds on."""
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(max_new_tokens=max_len - prompt_len - MAX_VERIFY_TOKENS, ignore_eos=True)
+    bs = engine.admit(engine.init_slots(slots, max_len), {s: (sp, s) for s in range(slots)}, np.zeros(slots, bool))
+    c = chunk_width(prompt_len, engine.chunk_limit(slots))
+    for start in range(0, prompt_len, c):
+        n = min(c, prompt_len - start)
+        ids = np.zeros((slots, c), np.int32)
+        ids[:, :n] = rng.integers(3, engine.model.config.vocab_size, (slots, n))
+        bs, _ = engine.prefill_step(bs, ids, np.full(slots, n, np.int32), np.full(slots, start + n == prompt_len))
+    return bs
+
+
+def round_seconds(engine: Engine, pool):
+    """``seconds(tokens)``: the wall time of one ragged greedy round on a copy of the state
+    ``pool`` (``decoding_pool``; the copy is not timed, and the context does not grow from call to
+    call) verifying ``tokens`` tokens in total, spread evenly over the slots, in their bucket;
+    for ``scheduler.profile``."""
+    slots, g1 = pool.anchor.shape[0], engine.gamma + 1
+
+    def seconds(tokens: int) -> float:
+        if not 1 <= tokens <= slots * g1:
+            raise ValueError(f"a pool of {slots} slots verifies 1 to {slots * g1} tokens, got {tokens}")
+        lens = np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
+        state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, pool))
+        t0 = time.perf_counter()
+        state, res = engine.round(state, sampled=False, top_k=False, top_p=False, verify_lens=lens)
+        jax.block_until_ready(res.tokens)
+        return time.perf_counter() - t0
+
+    return seconds
+
+
+def profile_sps(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, repeats: int = 5) -> SPSTable:
+    """The SPS table of ``engine`` for a pool of ``slots`` x ``max_len``: ragged rounds timed at
+    every token bucket of the pool (``round_seconds``), keyed by the device, model, γ and KV layout."""
+    key = table_key(engine.model, gamma=engine.gamma, kv_layout=engine.kv_layout)
+    seconds = round_seconds(engine, decoding_pool(engine, slots, max_len, prompt_len=prompt_len))
+    return profile(seconds, verify_buckets(slots, engine.gamma), key, repeats=repeats,
+                   meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len))
