@@ -10,6 +10,16 @@ Target-only decoding is the same round with γ = 0 (verify = [anchor]). The host
 and reads each round's tokens one round later, so it never waits for the device in between;
 requests stop on the device (stop token ids, max_new_tokens), so a late read costs no capacity.
 
+Ragged verify (schedulers "confidence" / "lagged", or verify lengths from the host): slot r
+verifies its first l_r tokens [anchor, d_1 .. d_{l_r - 1}], 0 <= l_r <= γ + 1, the tokens of all
+slots front-packed on one axis of a power-of-2 bucket (``verify_bucket``; ``model.common.Packing``):
+token-wise layers (projections, MoE, mHC, norms, lm_head) run on the packed tokens, attention
+through ``cu_q_lens``, the caches' writes per request (``Chunk.unpack``); acceptance is capped at
+l_r - 1. Such a round is two programs, the draft (compiled once per pool) and the verify /
+accept / commit of one bucket. The static round (every slot verifies γ + 1) stays one program in
+the per-request layout: it needs no gathers, and the packed round at the top bucket is slower on
+the CPU (benchmarks/serving.py --schedulers).
+
 The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
 back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
 rounds run over the whole pool, slots without a running request committing nothing; the host

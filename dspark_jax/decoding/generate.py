@@ -17,7 +17,7 @@ from dspark_jax.decoding.engine import SCHEDULERS, Engine
 from dspark_jax.decoding.progress import CompileWatch, TokenBar
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import SPSTable
-from dspark_jax.decoding.serving import serve
+from dspark_jax.decoding.serving import profile_sps, serve
 from dspark_jax.memory import plan_slots
 from dspark_jax.sharding import model_mesh, shard_model
 
@@ -108,6 +108,19 @@ def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine
     if key not in cache:
         cache[key] = Engine(model, gamma=gamma, drafter=drafter, kv_layout=kv_cache)
     return cache[key]
+
+
+def sps_table(model=None, *, slots: int, context: int, kv_cache: str = "bf16", repeats: int = 5) -> SPSTable:
+    """The rounds-per-second table of DSpark decoding with ``slots`` slots of ``context`` tokens
+    (``serving.profile_sps``: a real ragged round timed at every token bucket of that pool), for
+    ``generate(..., scheduler=..., sps_table=)``; ``SPSTable.save`` / ``load`` keep it. Uses the
+    engine ``generate`` uses, so the programs compiled here serve later calls."""
+    model = resolve_model(model)
+    if model.config.dspark is None:
+        raise InputError("this checkpoint has no DSpark drafter (no mtp.* stages): nothing to schedule")
+    check_kv_cache(kv_cache)
+    engine = _engine(model, model.config.dspark.block_size, None, kv_cache)
+    return profile_sps(engine, check_int("slots", slots, lo=1), check_int("context", context, lo=1), repeats=repeats)
 
 
 def cache_length(config, ids: list[np.ndarray], params: list[SamplingParams]) -> int:

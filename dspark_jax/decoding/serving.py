@@ -15,8 +15,10 @@ compressor rings, draft rings). A request takes a free slot; its slot's length g
     frees the slots of requests that finished.
 
 Every call has one of a fixed set of shapes: S slots x (a power-of-2 prefill chunk, or the
-round's γ + 1 tokens), with the cache length fixed for the pool; nothing recompiles as requests
-come and go. Randomness is keyed by (request seed, position), so a request's tokens do not
+round's γ + 1 tokens, or for ragged rounds one draft program and a verify program per token
+bucket: 8, 16, ... S x (γ + 1)), with the cache length fixed for the pool; nothing recompiles as
+requests come and go. The lagged scheduler keeps the survivals of past rounds per slot
+(``scheduler.SurvivalHistory``): when it schedules round t the host has read round t - 2. Randomness is keyed by (request seed, position), so a request's tokens do not
 depend on its slot, its neighbours or when it entered.
 """
 
