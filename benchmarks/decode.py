@@ -61,6 +61,7 @@ batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB o
 from __future__ import annotations
 
 import argparse
+import gc
 import concurrent.futures
 import dataclasses
 import math
@@ -551,7 +552,9 @@ def main(argv=None):
                 print(f"failed {w} batch {b}: {e!r}"[:2000], flush=True)
                 save()
             last_group_s = time.perf_counter() - g0
-        del models
+        del models  # and what still points at them (compiled rounds), before the next format's weights
+        jax.clear_caches()
+        gc.collect()
     rows = save()
     title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'}: depths {args.depths} -> "
              f"{full.num_hidden_layers} layers; {env['device']}, {env['date']}, {env['commit']}; "

@@ -82,6 +82,18 @@ def group_tiles(group_ids: Int[Array, "n k"], num_groups: int, block_m: int) -> 
                       row_of_pair=row_of_pair, pair_of_row=pair_of_row, block_m=block_m)
 
 
+def pair_tiles(group_ids: Int[Array, "n k"], block_m: int) -> GroupTiles:
+    """One tile per pair, in pair order, with the pair in the tile's first row: no sort and no
+    scatter, only index arithmetic, so it costs no kernel launch of its own. For the few pairs of a
+    decode step, where sorted tiles hold one row each anyway; a group chosen by two pairs is read twice."""
+    flat = group_ids.reshape(-1).astype(jnp.int32)
+    p = flat.shape[0]
+    rows = jnp.arange(p * block_m, dtype=jnp.int32)
+    return GroupTiles(tile_group=flat, num_tiles=jnp.full((1,), p, jnp.int32),
+                      row_of_pair=jnp.arange(p, dtype=jnp.int32) * block_m,
+                      pair_of_row=jnp.where(rows % block_m == 0, rows // block_m, -1), block_m=block_m)
+
+
 def dense_tiles(rows_per_group: int, num_groups: int, block_m: int) -> tuple[Int[Array, " T"], Int[Array, " 1"]]:
     """(tile_group, num_tiles) for ``num_groups`` groups of the same ``rows_per_group`` rows (a
     multiple of ``block_m``), laid out group after group: a batched matmul, or a plain one (1 group)."""

@@ -102,6 +102,16 @@ def test_group_tiles_extremes():
     assert int(nt[0]) == 6
 
 
+def test_pair_tiles_give_every_pair_its_own_tile():
+    ids = np.array([[5, 1, 5], [0, 7, 2]], np.int32)  # group 5 twice: read by two tiles
+    tiles = md.pair_tiles(jnp.asarray(ids), 16)
+    rop, por = np.asarray(tiles.row_of_pair), np.asarray(tiles.pair_of_row)
+    np.testing.assert_array_equal(np.asarray(tiles.tile_group), ids.reshape(-1))
+    assert int(tiles.num_tiles[0]) == tiles.max_tiles == 6
+    np.testing.assert_array_equal(por[rop], np.arange(6))
+    assert (por >= 0).sum() == 6 and (rop % 16 == 0).all()
+
+
 def _oracle(x, w: gm.Weights, tiles) -> np.ndarray:
     wd = np.asarray(gm.dequantize(w, jnp.float32))
     g = np.repeat(np.asarray(tiles.tile_group), tiles.block_m)
@@ -113,18 +123,21 @@ def _oracle(x, w: gm.Weights, tiles) -> np.ndarray:
 ROUTINGS = {
     "uneven": lambda rng: rng.choice([0, 0, 0, 0, 2, 3, 3, 5], (11, 2)),  # empty groups 1, 4, 6, 7
     "one_group": lambda rng: np.full((9, 2), 6),
+    "pairs": lambda rng: rng.choice(8, (3, 2)),  # laid out by pair_tiles: one tile per pair
 }
 
 
 @pytest.mark.parametrize("fmt,routing", [("dense", "uneven"), ("fp8", "uneven"), ("fp4", "uneven"),
-                                         ("fp8_k32", "uneven"), ("fp4", "one_group"), ("fp8_k32", "one_group")])
+                                         ("fp8_k32", "uneven"), ("fp4", "one_group"), ("fp8_k32", "one_group"),
+                                         ("fp4", "pairs")])
 def test_kernel_matches_reference(fmt, routing):
     rng = np.random.default_rng(7)
     g, n, k = 8, 64, 256
     w = _random_weights(rng, (g, n, k), fmt)
     w3 = _random_weights(rng, (g, n, k), fmt)
     ids = ROUTINGS[routing](rng).astype(np.int32)
-    tiles = md.group_tiles(jnp.asarray(ids), g, 16)
+    ids_j = jnp.asarray(ids)
+    tiles = md.pair_tiles(ids_j, 16) if routing == "pairs" else md.group_tiles(ids_j, g, 16)
     pair = np.asarray(tiles.pair_of_row)
     x = np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0)
     x = jnp.asarray(x, jnp.bfloat16)

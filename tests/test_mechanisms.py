@@ -272,6 +272,11 @@ def test_moe_grouped_equals_dense(quant_sim, weight_format):
     np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), rtol=1e-4, atol=1e-5)
     moe.experts.num = moe.shared_experts.w1.num = dataclasses.replace(num, kernels="pallas")  # interpret mode
     np.testing.assert_allclose(np.asarray(moe(x, ids)), np.asarray(dense), rtol=1e-4, atol=1e-5)
+    # 5 tokens x top-3 <= PAIR_TILES_MAX: one tile per pair (kernel), then the loop reference
+    for kernels in ("pallas", num.kernels):
+        moe.experts.num = moe.shared_experts.w1.num = dataclasses.replace(num, kernels=kernels)
+        np.testing.assert_allclose(np.asarray(moe(x[:1, :5], ids[:1, :5])), np.asarray(dense[:1, :5]),
+                                   rtol=1e-4, atol=1e-5)
     # and the dense path equals a per-token loop over the selected experts
     xf = np.asarray(x).reshape(-1, cfg.hidden_size)
     w, idx = moe.gate(x.reshape(-1, cfg.hidden_size), ids.reshape(-1))

@@ -13,7 +13,9 @@ from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal
 from dspark_jax.model.quant import fp8_sim
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import swiglu
-from pallas_kernels.group_metadata import group_tiles
+from pallas_kernels.group_metadata import group_tiles, pair_tiles
+
+PAIR_TILES_MAX = 16  # (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6)
 
 
 def route_scores(logits: Float[Array, "n e"], func: str) -> Float[Array, "n e"]:
@@ -121,11 +123,12 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
                     w2: gm.Weights, w3: gm.Weights, *, limit: float, quant_sim: bool, impl: str,
                     block_m: int | None = None, **kernel_options) -> Float[Array, "n d"]:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) in fp32 through the grouped matmul (``kernel_options``,
-    e.g. a ``config``, go to both kernels; ``block_m`` overrides the row tile)."""
+    e.g. a ``config``, go to both kernels; ``block_m`` overrides the row tile). Up to ``PAIR_TILES_MAX``
+    pairs each pair gets its own tile (``pair_tiles``), otherwise pairs are sorted by expert (``group_tiles``)."""
     act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
     n, k = idx.shape
     bm = block_m or gm.block_m_for(n * k)
-    tiles = group_tiles(idx, w1.shape[0], bm)
+    tiles = pair_tiles(idx, bm) if n * k <= PAIR_TILES_MAX else group_tiles(idx, w1.shape[0], bm)
     pair = tiles.pair_of_row
     real = pair >= 0
     rows = jnp.where(real[:, None], act_in(x)[jnp.maximum(pair, 0) // k], 0)
