@@ -223,6 +223,7 @@ def read_packages(names: tuple[str, ...], manifest: dict, archive: str | None = 
 def pack_packages(names: tuple[str, ...], out_zip: str, manifest_path: str = MANIFEST) -> int:
     """Write the pinned packages' files (checked against the manifest) into a zip; returns the file count."""
     files, _ = read_packages(names, load_manifest(manifest_path))
+    Path(out_zip).parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(out_zip, "w", zipfile.ZIP_DEFLATED) as zf:
         for rel, data in files:
             zf.writestr(zipfile.ZipInfo(rel, date_time=(1980, 1, 1, 0, 0, 0)), data, zipfile.ZIP_DEFLATED)
