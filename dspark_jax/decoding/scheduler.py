@@ -108,6 +108,11 @@ def table_key(model, *, gamma: int, kv_layout: str) -> TableKey:
                     weight_format=model.numerics.weight_format, kv_layout=kv_layout)
 
 
+def _ceiling_lookup(tokens, steps_per_s, b, xp):
+    """steps_per_s at the smallest count in ``tokens`` >= b (the one lookup rule)."""
+    return steps_per_s[xp.minimum(xp.searchsorted(tokens, b, side="left"), tokens.shape[0] - 1)]
+
+
 @dataclasses.dataclass(frozen=True)
 class SPSTable:
     """Rounds per second at a set of verify-token counts.
@@ -170,10 +175,9 @@ class SPSTable:
         the table raises) or jax.numpy (traceable, float32; call ``check_covers`` first)."""
         if not self.initialised:
             raise ValueError("an uninitialised SPS table has no steps-per-second values")
-        idx = xp.searchsorted(xp.asarray(self.tokens), tokens, side="left")
-        if xp is np and np.any(idx >= len(self.tokens)):
+        if xp is np:
             self.check_covers(int(np.max(tokens)))
-        return xp.asarray(self.steps_per_s)[idx]
+        return _ceiling_lookup(xp.asarray(self.tokens), xp.asarray(self.steps_per_s), tokens, xp)
 
     def to_json(self) -> dict:
         return dict(format=TABLE_FORMAT, version=TABLE_VERSION,
@@ -300,12 +304,12 @@ def _uninitialised(active, gamma: int) -> Int[Array, " r"]:
     return static_lengths(active, gamma)
 
 
-def _throughput(values_desc, n_valid, n_active, table: SPSTable, xp):
+def _throughput(values_desc, n_valid, n_active, tokens, steps_per_s, xp):
     """Θ(m) = τ(m) · SPS(n_active + m) for m = 0 .. M, τ(m) = n_active + (sum of the m largest
     values); -inf for m > n_valid (candidates of inactive slots)."""
     m = xp.arange(values_desc.shape[0] + 1)
     tau = n_active + xp.concatenate([xp.zeros(1, values_desc.dtype), xp.cumsum(values_desc)])
-    return xp.where(m <= n_valid, tau * table.steps_per_second(n_active + m, xp), -xp.inf)
+    return xp.where(m <= n_valid, tau * _ceiling_lookup(tokens, steps_per_s, n_active + m, xp), -xp.inf)
 
 
 def _candidates(surv: Float[Array, "r g"], active: Bool[Array, " r"]) -> tuple[Int[Array, " m"], Float[Array, " m"]]:
@@ -335,10 +339,15 @@ def allocate_topk(surv: Float[Array, "r g"], active: Bool[Array, " r"], capacity
     """The lagged scheduler's device half: the ``capacity`` best candidates of the current survivals
     (clipped to the active ones) are verified; l_r = 1 + their count in request r (0 if inactive).
     jnp, jittable, ``capacity`` may be traced: no host synchronisation."""
-    r, g = _check_shapes(surv, active)
+    _check_shapes(surv, active)
+    return _topk(surv, active, capacity)
+
+
+@jax.jit
+def _topk(surv, active, capacity) -> Int[Array, " r"]:
+    g = surv.shape[1]
     order, _ = _candidates(surv, active)
-    k = jnp.clip(capacity, 0, jnp.sum(active) * g)
-    return _lengths(order, k, active, g)
+    return _lengths(order, jnp.clip(capacity, 0, jnp.sum(active) * g), active, g)
 
 
 def confidence_lengths(surv: Float[Array, "r g"], active: Bool[Array, " r"], table: SPSTable) -> Int[Array, " r"]:
@@ -349,9 +358,16 @@ def confidence_lengths(surv: Float[Array, "r g"], active: Bool[Array, " r"], tab
     if not table.initialised:
         return _uninitialised(active, g)
     table.check_covers(r * (g + 1))
+    return _algorithm1(surv, active, jnp.asarray(table.tokens), jnp.asarray(table.steps_per_s))
+
+
+@jax.jit
+def _algorithm1(surv, active, tokens, steps_per_s) -> Int[Array, " r"]:
+    g = surv.shape[1]
     order, values = _candidates(surv, active)
     n_active = jnp.sum(active).astype(jnp.int32)
-    theta = _throughput(jnp.where(jnp.isfinite(values), values, 0.0), n_active * g, n_active, table, jnp)
+    theta = _throughput(jnp.where(jnp.isfinite(values), values, 0.0), n_active * g, n_active, tokens, steps_per_s,
+                        jnp)
     grows = theta[1:] > theta[:-1]  # admitting candidate m + 1 grows Θ (false past the active ones)
     return _lengths(order, jnp.sum(jnp.cumprod(grows.astype(jnp.int32))), active, g)
 
@@ -370,7 +386,8 @@ def lagged_capacity(surv: np.ndarray, active: np.ndarray, table: SPSTable) -> in
     values = np.sort(surv[active].ravel())[::-1]
     if not np.all((values >= 0) & (values <= 1)):
         raise ValueError("survivals must lie in [0, 1]")
-    return int(np.argmax(_throughput(values, values.size, n_active, table, np)))
+    theta = _throughput(values, values.size, n_active, np.asarray(table.tokens), np.asarray(table.steps_per_s), np)
+    return int(np.argmax(theta))
 
 
 @dataclasses.dataclass
@@ -382,6 +399,10 @@ class SurvivalHistory:
     with the request each slot held; ``lagged(t, owner)`` gives those of round t - lag for slots
     that still hold the same request, and survival 1 (optimistic: everything worth verifying)
     for a slot whose request changed, that was not decoding then, or when round t - lag is unknown.
+
+    Lossless only if no later round reuses the random draws behind these survivals: they depend
+    on every draft of their round (c_k reads d_{k-1}), also those past the rejection, so the
+    draft randomness of a round must be its own (keyed by the round, not only by position).
     """
 
     slots: int
