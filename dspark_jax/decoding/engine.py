@@ -248,8 +248,9 @@ class Engine:
             return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32),
                     jnp.zeros((b, 0), jnp.float32))
 
-        def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
-            return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
+        def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1, drawn by this round (sampling.py)
+            keys = request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT, round_start=lengths)
+            return pick_tokens(keys, proc(logits_k), sp.greedy)
 
         d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
         return d.tokens, d.logits, d.confidence

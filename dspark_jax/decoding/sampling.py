@@ -22,7 +22,10 @@ from jaxtyping import Array, Bool, Float, Int
 # Random streams: the randomness deciding the token at absolute position x of a request comes from
 # key(seed, x, stream), one stream per purpose. A round starting at committed length L uses
 # positions L+1 .. L+a+1 only for what reaches the output, and the next round starts at L+a+1, so
-# no randomness is ever reused for a decision that shows in the emitted tokens.
+# no randomness is ever reused for a decision that shows in the emitted tokens. Draft draws are
+# also keyed by the round (its L): the drafts past the accepted ones are not emitted but set the
+# round's confidences, which the lagged scheduler reads two rounds later; a later round drafting
+# the same positions must not draw them again, or its verify lengths could depend on its drafts.
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_BONUS = 1, 2, 3
 
 
@@ -94,12 +97,15 @@ class SamplingArrays:
         return self.temperature <= 0.0
 
 
-def request_keys(seed: Int[Array, " b"], position: Int[Array, " b"], stream: int) -> Array:
-    """Keys per request for the token at ``position``, derived from (seed, position, stream) only, so
-    results do not depend on which other requests share the batch."""
+def request_keys(seed: Int[Array, " b"], position: Int[Array, " b"], stream: int,
+                 round_start: Int[Array, " b"] | None = None) -> Array:
+    """Keys per request for the token at ``position``, derived from (seed, position, stream) and, if
+    given, the committed length ``round_start`` of the round drawing it, only, so results do not
+    depend on which other requests share the batch."""
     def one(s, p):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), stream)
-    return jax.vmap(one)(seed.astype(jnp.uint32), position)
+    keys = jax.vmap(one)(seed.astype(jnp.uint32), position)
+    return keys if round_start is None else jax.vmap(jax.random.fold_in)(keys, round_start)
 
 
 def process_logits(logits: Float[Array, "b ... v"], sp: SamplingArrays, *, use_top_k: bool = True,
