@@ -13,8 +13,9 @@ serving.json.
 the pool, profiled by ``serving.profile_sps`` (``round_seconds(tokens)`` times a real ragged
 round at each token bucket), printed and saved (sps_S<S>.json); per-round times of the round
 variants on one state (static per-request layout, ragged at the top bucket with every slot
-verifying everything, the confidence scheduler's two programs with and without the host sync,
-and the "pad" alternative: the top bucket whatever the lengths); then the prompts streamed
+verifying everything, which is also what padding the confidence scheduler's round to the top
+bucket would cost, and the confidence scheduler's two programs with and without the host sync);
+then the prompts streamed
 through ``generate`` under each scheduler: accepted tokens/s, mean verify tokens per request
 and round, mean accept length, and whether greedy outputs equal the static scheduler's. Writes
 schedulers.json.
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--schedulers", action="store_true", help="compare the verify schedulers (see the docstring)")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny model)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per bucket for the SPS table")
+    ap.add_argument("--round-repeats", type=int, default=25, help="timed rounds per variant for the round times")
     args = ap.parse_args()
     model = default_model() if args.model is None else resolve_model(args.model)
     rng = np.random.default_rng(0)
@@ -94,34 +96,30 @@ def main():
 
 
 def round_times(eng, slots: int, context: int, table: SPSTable, repeats: int) -> dict:
-    """Median seconds per round of the round variants on one state of ``slots`` decoding slots
-    (each call on a copy of it): static (per-request layout, one program), ragged_full (packed,
-    every slot verifying γ + 1, top bucket), confidence (draft program + Algorithm 1, host sync,
-    verify in the bucket of the lengths), confidence_no_sync (the same lengths given by the host:
-    the two programs dispatched at once), pad (the top bucket whatever the lengths)."""
+    """Seconds per round (minimum and median of ``repeats``, the variants interleaved so that
+    load on the machine hits them alike) of the round variants on one state of ``slots`` decoding
+    slots, each call on a copy of it: static (per-request layout, one program), ragged_full
+    (packed, every slot verifying γ + 1: the top bucket, which is also what padding the
+    confidence scheduler's round to the top bucket would cost), confidence (draft program with
+    Algorithm 1, host sync, verify in the bucket of its lengths) and confidence_no_sync (the same
+    lengths given by the host: the two programs dispatched at once)."""
     pool = decoding_pool(eng, slots, context)
-    g1 = eng.gamma + 1
     flags = dict(sampled=False, top_k=False, top_p=False)
-
-    def timed(run):
-        times = []
-        for i in range(repeats + 1):
+    lens = np.asarray(eng.round_confidence(jax.tree_util.tree_map(jnp.copy, pool), table, **flags)[1].verify_lens)
+    variants = {"static": lambda st: eng.round(st, **flags),
+                "ragged_full": lambda st: eng.round(st, verify_lens=np.full(slots, eng.gamma + 1), **flags),
+                "confidence": lambda st: eng.round_confidence(st, table, **flags),
+                "confidence_no_sync": lambda st: eng.round(st, verify_lens=lens, **flags)}
+    times = {k: [] for k in variants}
+    for i in range(repeats + 1):
+        for name, run in variants.items():
             st = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, pool))
             t0 = time.perf_counter()
-            _, res = run(st)
-            jax.block_until_ready(res.tokens)
+            jax.block_until_ready(run(st)[1].tokens)
             if i:  # the first call may compile
-                times.append(time.perf_counter() - t0)
-        return float(np.median(times)), res
-
-    out = {"static": timed(lambda st: eng.round(st, **flags))[0]}
-    out["ragged_full"] = timed(lambda st: eng.round(st, verify_lens=np.full(slots, g1), **flags))[0]
-    out["confidence"], res = timed(lambda st: eng.round_confidence(st, table, **flags))
-    lens = np.asarray(res.verify_lens)
-    out["confidence_verify_tokens"] = int(lens.sum())
-    out["confidence_no_sync"] = timed(lambda st: eng.round(st, verify_lens=lens, **flags))[0]
-    out["pad"] = out["ragged_full"]  # Algorithm 1 in one program: the top bucket whatever the lengths
-    return out
+                times[name].append(time.perf_counter() - t0)
+    out = {f"{k}_{f.__name__}_s": float(f(v)) for k, v in times.items() for f in (np.min, np.median)}
+    return dict(out, confidence_verify_tokens=int(lens.sum()))
 
 
 def schedulers(args, model, eng, prompts, params):
@@ -132,7 +130,7 @@ def schedulers(args, model, eng, prompts, params):
         print(f"slots {s}: SPS table ({time.perf_counter() - t0:.0f} s) tokens {table.tokens} rounds/s "
               f"{[round(x, 2) for x in table.steps_per_s]}", flush=True)
         table.save(os.path.join(out_dir(), f"sps_S{s}.json"))
-        per_round = round_times(eng, s, args.context, table, args.repeats)
+        per_round = round_times(eng, s, args.context, table, args.round_repeats)
         print(f"slots {s}: seconds per round {per_round}", flush=True)
         ref = None
         for name in ("static", "confidence", "lagged"):
