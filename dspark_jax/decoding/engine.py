@@ -17,8 +17,9 @@ token-wise layers (projections, MoE, mHC, norms, lm_head) run on the packed toke
 through ``cu_q_lens``, the caches' writes per request (``Chunk.unpack``); acceptance is capped at
 l_r - 1. Such a round is two programs, the draft (compiled once per pool) and the verify /
 accept / commit of one bucket. The static round (every slot verifies γ + 1) stays one program in
-the per-request layout: it needs no gathers, and the packed round at the top bucket is slower on
-the CPU (benchmarks/serving.py --schedulers).
+the per-request layout: it needs no gathers and its results stay as they were, and the packed
+round at the top bucket is no faster (CPU: equal within noise; benchmarks/serving.py
+--schedulers prints both).
 
 The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
 back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
