@@ -492,8 +492,8 @@ class Engine:
         tokens: greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the
         narrowest such; else exactly the flags needed (compiled on first use)."""
         need = (sampled, top_k, top_p)
-        have = [k[3:6] for k in self._shapes
-                if k[0] in ("round", "verify") and k[1:3] == (slots, max_len) and all(h >= n for h, n in zip(k[3:6], need))]
+        have = [k[3:6] for k in self._shapes if k[0] in ("round", "verify") and k[1:3] == (slots, max_len)
+                and all(h >= n for h, n in zip(k[3:6], need))]
         pick = min(have, key=sum) if have else need
         return dict(zip(("sampled", "top_k", "top_p"), pick))
 

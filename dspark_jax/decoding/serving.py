@@ -18,8 +18,10 @@ Every call has one of a fixed set of shapes: S slots x (a power-of-2 prefill chu
 round's γ + 1 tokens, or for ragged rounds one draft program and a verify program per token
 bucket: 8, 16, ... S x (γ + 1)), with the cache length fixed for the pool; nothing recompiles as
 requests come and go. The lagged scheduler keeps the survivals of past rounds per slot
-(``scheduler.SurvivalHistory``): when it schedules round t the host has read round t - 2. Randomness is keyed by (request seed, position), so a request's tokens do not
-depend on its slot, its neighbours or when it entered.
+(``scheduler.SurvivalHistory``): when it schedules round t the host has read round t - 2.
+Randomness is keyed by (request seed, position), so a request's tokens do not depend on its
+slot, its neighbours or when it entered (for sampled requests under the confidence and lagged
+schedulers, whose verify lengths depend on the other requests, in distribution only).
 """
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                 continue
             toks, n_new, acc, conf, verified = jax.device_get(arrays)
             if history is not None:
-                history.record(rest[0], rest[1], n_new > 0, survival(conf, engine.temperatures or np.ones(engine.gamma)))
+                temps = engine.temperatures or np.ones(engine.gamma)
+                history.record(rest[0], rest[1], n_new > 0, survival(conf, temps))
             for s, i in enumerate(owners):
                 if i < 0 or done[i] or n_new[s] == 0:
                     continue
