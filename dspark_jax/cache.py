@@ -16,12 +16,14 @@ by a rejected token is recomputed from the real token before any query can see i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import MAX_VERIFY_TOKENS, ModelConfig
+from dspark_jax.sharding import per_request
 from pallas_kernels import kv_fp8
 from pallas_kernels.attention_metadata import ring_positions  # noqa: F401 (slot -> position, re-exported)
 
@@ -165,14 +167,20 @@ def ring_write_slots(lengths: Int[Array, " b"], n_valid: Int[Array, " b"], t: in
 
 
 def scatter_rows(buf: Float[Array, "b r ..."], slots: Int[Array, "b t"], rows: Float[Array, "b t ..."]) -> Array:
-    """buf[b, slots[b, t]] = rows[b, t]; out-of-range slots are dropped."""
-    b = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
+    """buf[b, slots[b, t]] = rows[b, t]; out-of-range slots are dropped. Written per request
+    (``vmap``: the request is a batch dim of the scatter), so that a mesh partitioner splitting
+    the requests keeps each scatter on its device instead of gathering every request's rows."""
+    return jax.vmap(lambda b, s, r: b.at[s].set(r, mode="drop"))(buf, slots, rows.astype(buf.dtype))
 
 
-def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla") -> KVPool:
+def write_kv(pool: KVPool, slots: Int[Array, "b t"], rows: Float[Array, "b t d"], *, impl: str = "xla",
+             mesh=None) -> KVPool:
     """pool[b, slots[b, t]] = rows[b, t] (out-of-range slots dropped); fp8 pools quantise the rows
-    with the fp8 write kernel (``impl``: "pallas" or "xla"), fp8 keys with ``quantize_keys``."""
+    with the fp8 write kernel (``impl``: "pallas" or "xla"), fp8 keys with ``quantize_keys``.
+    mesh: the pools' mesh (``sharding.attach_mesh``); an fp8 write then runs per device on its own
+    requests in a ``shard_map`` (a ``pallas_call`` has no partitioning rule)."""
+    if isinstance(pool, kv_fp8.Fp8Rows) and mesh is not None:
+        return per_request(functools.partial(write_kv, impl=impl), mesh, pool, slots, rows)
     if isinstance(pool, Fp8Keys):
         new = quantize_keys(rows)
         return Fp8Keys(codes=scatter_rows(pool.codes, slots, new.codes),

@@ -29,9 +29,12 @@ scales (per 32 inputs) follow their weight (``SCALE_RULES``): a weight dim is sp
 each shard holds whole scale blocks, and its scale is split the same way, so a scale shard
 describes exactly its weight shard.
 
-The mesh uses ``AxisType.Auto``: the model's math carries no sharding annotations and XLA's
-propagation places the intermediate results, except for the routed experts of the grouped MoE
-path, which run per device in a ``shard_map`` (``attach_mesh``, ``moe.expert_parallel``).
+Activations have logical axes too (``activation_spec``: queries ``("batch", None, "heads")``).
+The mesh uses ``AxisType.Auto``: XLA's propagation places most intermediate results, but what it
+cannot partition well runs per device in a ``shard_map`` (set up by ``attach_mesh``): the
+attention kernels on each device's requests and heads (``Attention.per_device``), the
+compressors, fp8 cache writes and top-k selections on its requests (``per_request``), and the
+routed experts of the grouped MoE path on its experts (``moe.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -179,6 +182,13 @@ def mesh_axes(axis: str, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in LOGICAL_AXES[axis] if mesh.shape.get(a, 1) > 1)
 
 
+def batch_axes(batch: int, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch of ``batch`` requests is split over: those of ``batch`` (``data``)
+    when the requests divide by their size, else none (as ``STATE_RULES`` place the caches)."""
+    names = mesh_axes("batch", mesh)
+    return names if names and batch % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
 def _spec(path: str, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, units,
           scale_shape: tuple[int, ...] | None = None) -> PartitionSpec:
     """A PartitionSpec splitting each named dim over its mesh axes when the shards hold whole units
@@ -203,6 +213,29 @@ def _spec(path: str, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh:
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)
+
+
+def activation_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+                    cfg: ModelConfig) -> PartitionSpec:
+    """The PartitionSpec of an activation whose dims have these logical axes (e.g. queries
+    ``("batch", None, "heads")``), by the rules of the parameters and caches: a dim is split only
+    when its requests / heads / ... divide by its mesh axes, so it lines up with their layout."""
+    return _spec("activation", axes, shape, mesh, lambda axis, dim: unit_count(axis, cfg, dim))
+
+
+def per_request(fn, mesh: Mesh | None, *args, replicated: tuple = ()):
+    """``fn(*replicated, *args)`` where every array of ``args`` and of the result has the request
+    (or token) as its leading dim: on a mesh, every device runs ``fn`` in a ``shard_map`` on its
+    own requests (split over ``data`` as ``batch_axes`` splits them; ``replicated``, e.g. a
+    module's weights, whole on every device). For per-request work that XLA's partitioner would
+    otherwise run on gathered inputs: Pallas calls, top-k selections, gathers by position."""
+    if mesh is None:
+        return fn(*replicated, *args)
+    axes = batch_axes(jax.tree_util.tree_leaves(args)[0].shape[0], mesh)
+    req = PartitionSpec(axes) if axes else PartitionSpec()
+    n = len(replicated)
+    return jax.shard_map(lambda *a: fn(*a), mesh=mesh, in_specs=(PartitionSpec(),) * n + (req,) * len(args),
+                         out_specs=req, check_vma=False)(*replicated, *args)
 
 
 def partition_spec(path: str, shape: tuple[int, ...], cfg: ModelConfig, mesh: Mesh,
@@ -288,16 +321,25 @@ def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx
 
 
 def attach_mesh(module, mesh: Mesh):
-    """Tell the routed experts of ``module`` (placed by ``param_shardings``) that they are split
-    over ``mesh``, so that the grouped MoE path runs them per device (``moe.expert_parallel``)
-    instead of leaving the partitioner to gather every expert; returns ``module``."""
-    from dspark_jax.model.moe import Experts
+    """Tell the modules of ``module`` (placed by ``param_shardings``) which mesh they run on, so
+    that their per-request work runs per device in a ``shard_map``: the attention kernels, the
+    compressors, fp8 cache writes and top-k selections (indexer, router) on each device's requests
+    (and heads), and the routed experts (grouped MoE path,
+    ``moe.expert_parallel``) on each device's experts, when the experts are split (else the
+    partitioner would gather every expert); returns ``module``."""
+    from dspark_jax.model.attention import Attention
+    from dspark_jax.model.compressor import Compressor
+    from dspark_jax.model.indexer import Indexer
+    from dspark_jax.model.moe import Experts, Gate
 
     axes = mesh_axes("experts", mesh)
     split = bool(axes) and module.cfg.n_routed_experts % math.prod(mesh.shape[a] for a in axes) == 0
+    multi = mesh.size > 1
     for _, mod in nnx.iter_modules(module):
         if isinstance(mod, Experts):
             mod.mesh = mesh if split else None
+        elif isinstance(mod, (Attention, Compressor, Indexer, Gate)):
+            mod.mesh = mesh if multi else None
     return module
 
 

@@ -60,13 +60,18 @@ def max_tiles(num_pairs: int, num_groups: int, block_m: int) -> int:
     return max(1, (num_pairs + busy * (block_m - 1)) // block_m)
 
 
-def group_tiles(group_ids: Int[Array, "n k"], num_groups: int, block_m: int) -> GroupTiles:
-    """Sort the pairs ``group_ids`` [n, k] by group (stable: token order inside a group) and tile them."""
+def group_tiles(group_ids: Int[Array, "n k"], num_groups: int, block_m: int, *, dropped: bool = False) -> GroupTiles:
+    """Sort the pairs ``group_ids`` [n, k] by group (stable: token order inside a group) and tile them.
+
+    dropped: pairs whose id is ``num_groups`` belong to no group (expert parallelism: pairs routed
+    to another device's experts). They sort after every group, into tiles past ``num_tiles``, so
+    no program computes their rows and their outputs are zeros."""
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+    buckets = num_groups + 1 if dropped else num_groups
     flat = group_ids.reshape(-1).astype(jnp.int32)
     p = flat.shape[0]
-    sizes = jnp.zeros((num_groups,), jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros((buckets,), jnp.int32).at[flat].add(1)
     padded = (sizes + block_m - 1) // block_m * block_m
     end = jnp.cumsum(padded)  # padded rows of groups 0..g
     order = jnp.argsort(flat, stable=True)
@@ -74,11 +79,12 @@ def group_tiles(group_ids: Int[Array, "n k"], num_groups: int, block_m: int) -> 
     first = (jnp.cumsum(sizes) - sizes)[g_sorted]  # sorted index of the group's first pair
     row_sorted = (end - padded)[g_sorted] + jnp.arange(p, dtype=jnp.int32) - first
     row_of_pair = jnp.zeros((p,), jnp.int32).at[order].set(row_sorted)
-    t = max_tiles(p, num_groups, block_m)
+    t = max_tiles(p, buckets, block_m)
     pair_of_row = jnp.full((t * block_m,), -1, jnp.int32).at[row_of_pair].set(jnp.arange(p, dtype=jnp.int32))
     tile_start = jnp.arange(t, dtype=jnp.int32) * block_m
     tile_group = jnp.sum(end[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
-    return GroupTiles(tile_group=jnp.minimum(tile_group, num_groups - 1), num_tiles=(end[-1:] // block_m),
+    return GroupTiles(tile_group=jnp.minimum(tile_group, num_groups - 1),
+                      num_tiles=end[num_groups - 1:num_groups] // block_m,
                       row_of_pair=row_of_pair, pair_of_row=pair_of_row, block_m=block_m)
 
 

@@ -102,6 +102,34 @@ def test_group_tiles_extremes():
     assert int(nt[0]) == 6
 
 
+def test_group_tiles_drops_pairs_of_no_group():
+    """Pairs with group id = num_groups (expert parallelism: another device's experts) sit in
+    tiles past num_tiles, so no program computes them; the others are tiled as without them."""
+    rng = np.random.default_rng(4)
+    groups, bm = 8, 16
+    ids = rng.integers(0, groups + 1, (29, 3)).astype(np.int32)  # about 1 pair in 9 dropped
+    flat = ids.reshape(-1)
+    kept = flat < groups
+    assert 0 < (~kept).sum() < kept.sum()
+    tiles = md.group_tiles(jnp.asarray(ids), groups, bm, dropped=True)
+    rop, por = np.asarray(tiles.row_of_pair), np.asarray(tiles.pair_of_row)
+    tg, nt = np.asarray(tiles.tile_group), int(tiles.num_tiles[0])
+    assert nt == sum(-(-s // bm) for s in np.bincount(flat[kept], minlength=groups))
+    assert (rop[kept] < nt * bm).all() and (rop[~kept] >= nt * bm).all()
+    np.testing.assert_array_equal(tg[rop[kept] // bm], flat[kept])
+    assert (tg < groups).all() and nt * bm <= por.size
+    np.testing.assert_array_equal(por[rop], np.arange(flat.size))
+    # the kernel and its reference leave the dropped pairs' rows at zero
+    w = _random_weights(rng, (groups, 32, 128), "fp8")
+    x = jnp.asarray(np.where(por[:, None] >= 0, rng.standard_normal((por.size, 128)), 0.0), jnp.bfloat16)
+    meta = (tiles.tile_group, tiles.num_tiles)
+    cfg = gm.GemmConfig(block_n=32, block_k=64)
+    for y in (gm.kernel(x, w, *meta, block_m=bm, out_dtype=jnp.float32, config=cfg, interpret=True),
+              gm.reference(x, w, *meta, block_m=bm, out_dtype=jnp.float32)):
+        y = np.asarray(y)
+        assert (y[rop[~kept]] == 0).all() and np.abs(y[rop[kept]]).max() > 0
+
+
 def test_pair_tiles_give_every_pair_its_own_tile():
     ids = np.array([[5, 1, 5], [0, 7, 2]], np.int32)  # group 5 twice: read by two tiles
     tiles = md.pair_tiles(jnp.asarray(ids), 16)

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -213,66 +214,137 @@ def test_shard_model_moves_a_loaded_model(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def small_ep():
-    """The expert-parallel check config (32 experts: ragged MoE; Pallas kernels in interpret mode)
-    and its unsharded target logits, drafter logits and greedy speculative tokens."""
+def small_model():
+    """The expert-parallel check config (32 experts: ragged MoE; Pallas kernels in interpret mode)."""
     from benchmarks import sharded
 
-    model = sharded.small_model()
-    ids, prompts = sharded.check_inputs(model.config.vocab_size)
-    target, draft = sharded.target_and_draft_logits(model, ids)
-    return model, ids, prompts, target, draft, sharded.greedy_tokens(model, prompts)
+    return sharded.small_model()
 
 
-# One mesh in CI: each mesh costs 1-2.5 minutes of compilation on a 2-core CPU. (2, 4) splits requests
-# over data, heads / vocab over model and experts over both. `python -m benchmarks.sharded` checks
-# (1, 8), (2, 4) and (8, 1) the same way.
+@pytest.fixture(scope="module")
+def small_ep(small_model):
+    """``small_model``, its check inputs (8 requests of ragged lengths) and its unsharded results
+    (``sharded.run_check``)."""
+    from benchmarks import sharded
+
+    ids, n_prompt = sharded.check_inputs(small_model.config.vocab_size)
+    return small_model, ids, n_prompt, sharded.run_check(small_model, ids, n_prompt)
+
+
+def _pallas_calls(jaxpr, inside: bool = False) -> list[bool]:
+    """For every ``pallas_call`` of a jaxpr (nested ones included): whether it runs inside a ``shard_map``."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(inside)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    found += _pallas_calls(sub, inside or eqn.primitive.name == "shard_map")
+    return found
+
+
+def test_kernels_run_per_device(small_model):
+    """On a mesh every Pallas kernel of a prefill + verify + draft step (ragged attention over the
+    window, the C4 entries and the drafter's ring, fp8 KV writes, grouped matmuls of the routed
+    experts) sits inside a ``shard_map``, i.e. runs on its device's shard; on one device none does."""
+    from benchmarks import sharded
+
+    ids, n_prompt = sharded.check_inputs(small_model.config.vocab_size)
+
+    def kernels(model):
+        cache = init_cache(model.config, ids.shape[0], sharded.MAX_LEN, jnp.float32, kv_layout="fp8")
+        draft = init_draft_cache(model.config, ids.shape[0], jnp.float32)
+        jaxpr = jax.make_jaxpr(sharded._prefill_and_verify, static_argnums=0)(
+            model.graphdef, model.state, ids, n_prompt, cache, draft)
+        return _pallas_calls(jaxpr.jaxpr)
+
+    plain = kernels(small_model)
+    assert len(plain) >= 8 and not any(plain)  # 2 ragged attentions, 2 x 2 fp8 writes, 3 x 2 grouped matmuls
+    assert all(kernels(sharding.shard_model(small_model, sharding.make_mesh(model=4, data=2))))
+
+
+# Every mesh shares one model and its unsharded reference. (1, 8) splits heads, vocab and experts
+# over model; (2, 4) requests over data, heads / vocab over model, experts over both; (8, 1)
+# requests and experts over data.
 @pytest.mark.slow
-@pytest.mark.parametrize("data, model", [(2, 4)])
+@pytest.mark.parametrize("data, model", [(1, 8), (2, 4), (8, 1)])
 def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, model):
     from benchmarks import sharded
 
-    plain, ids, prompts, target, draft, tokens = small_ep
+    plain, ids, n_prompt, want = small_ep
     assert plain.module.layers[0].ffn.impl == "grouped" and plain.numerics.kernels == "pallas"
     m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
-    assert m.state["layers"][0]["ffn"]["experts"]["w1"][...].sharding.spec == P(("data", "model"))
+    experts = P("model") if data == 1 else P("data") if model == 1 else P(("data", "model"))
+    assert m.state["layers"][0]["ffn"]["experts"]["w1"][...].sharding.spec == experts
     assert all(layer.ffn.experts.mesh is not None for layer in (*m.module.layers, *m.module.mtp))  # shard_map path
-    got_target, got_draft = sharded.target_and_draft_logits(m, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sharded.run_check(m, ids, n_prompt)
     # fp32 math; sharded reductions differ from unsharded ones in the last bits only
-    np.testing.assert_allclose(got_target, target, rtol=0, atol=1e-5 * np.abs(target).max())
-    np.testing.assert_allclose(got_draft, draft, rtol=0, atol=1e-5 * np.abs(draft).max())
-    assert sharded.greedy_tokens(m, prompts) == tokens
+    for name in ("prefill", "verify", "draft"):
+        a, b = getattr(got, name), getattr(want, name)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=name)
+    assert got.tokens == want.tokens and all(len(t) == 6 for t in want.tokens)
+
+    # the state stays on its layout round after round, and the donated buffers are reused
+    mesh = sharding.model_mesh(m)
+    for x, sh in zip(jax.tree_util.tree_leaves(got.state),
+                     jax.tree_util.tree_leaves(sharding.state_shardings(got.state, mesh))):
+        assert x.sharding.is_equivalent_to(sh, x.ndim), (x.shape, x.sharding, sh)
+    assert got.state.cache.layers[0].window.sharding.spec == (P("data") if data > 1 else P())
+    assert not [w for w in caught if "donated" in str(w.message)], [str(w.message) for w in caught]
+
+    # the round's collectives: the experts' token exchange, no expert weight or KV pool gathered
+    found = sharded.collectives(got.round_hlo)
+    assert bool(found["reduce-scatter"]) == (data > 1), found  # MoE outputs back to their requests
+    assert found["all-reduce"] or model == 1, found
+    pools = [x for x in jax.tree_util.tree_leaves((got.state.cache, got.state.draft)) if x.ndim == 3]
+    stacks = [layer.ffn.experts.w1[...] for layer in (*m.module.layers, *m.module.mtp)]
+    assert not sharded.forbidden_gathers(got.round_hlo, pools, stacks), found["all-gather"]
 
 
 @pytest.mark.parametrize("data, model", [(1, 8), (2, 4), (8, 1)])
 def test_expert_parallel_moe_moves_tokens_not_experts(data, model):
-    """One grouped MoE layer (32 FP4 experts with their scales, as in the checkpoint) on each mesh:
-    the same output as on one device, and its compiled HLO all-reduces the routed outputs and
-    all-gathers less than one device's share of a single expert matrix (tokens, not weights)."""
+    """One grouped MoE layer (32 FP4 experts with their scales, as in the checkpoint) on each mesh,
+    8 requests split over data as the activations are: the same output as on one device, and its
+    compiled HLO holds exactly the token exchange of ``moe.expert_parallel``: an all-gather of the
+    tokens and their routing over data and a reduce-scatter of the outputs back to them, an
+    all-reduce of the outputs over model; no expert weight moves."""
     from benchmarks import sharded
 
     cfg = sharded.small_config()
     num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, weight_format="official", kernels="xla")
     plain = dspark_jax.Model(DeepSeekV4(cfg, num, rngs=nnx.Rngs(1)))
-    assert plain.module.layers[1].ffn.impl == "grouped"
-    m = sharding.shard_model(plain, sharding.make_mesh(model=model, data=data))
-    assert m.module.layers[1].ffn.experts.mesh is not None and plain.module.layers[1].ffn.experts.mesh is None
+    assert plain.module.layers[0].ffn.impl == "grouped"
+    mesh = sharding.make_mesh(model=model, data=data)
+    m = sharding.shard_model(plain, mesh)
+    assert m.module.layers[0].ffn.experts.mesh is not None and plain.module.layers[0].ffn.experts.mesh is None
 
     @functools.partial(jax.jit, static_argnames="graphdef")
     def moe(graphdef, state, x, ids):
-        return nnx.merge(graphdef, state).layers[1].ffn(x, ids)
+        return nnx.merge(graphdef, state).layers[0].ffn(x, ids)
 
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(2, 4, cfg.hidden_size)), jnp.float32)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 4)), jnp.int32)
+    b, t, d, k = 8, 4, cfg.hidden_size, cfg.num_experts_per_tok
+    x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
     want = np.asarray(moe(plain.graphdef, plain.state, x, ids))
-    got = np.asarray(moe(m.graphdef, m.state, x, ids))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    requests = jax.sharding.NamedSharding(mesh, P(sharding.batch_axes(b, mesh)))
+    x, ids = jax.device_put(x, requests), jax.device_put(ids, requests)
+    got = moe(m.graphdef, m.state, x, ids)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert got.sharding.is_equivalent_to(requests, 3)  # back on the requests' devices
 
     found = sharded.collectives(moe.lower(m.graphdef, m.state, x, ids).compile().as_text())
-    w1 = m.module.layers[1].ffn.experts.w1[...]
+    size = lambda kind: [sharded.result_bytes(item.rsplit(" ", 1)[0]) for item in found[kind]]  # noqa: E731
+    w1 = m.module.layers[0].ffn.experts.w1[...]
     assert w1.sharding.spec != P() and w1.dtype == jnp.uint8  # packed FP4, split over the devices
-    one_share = w1.nbytes // 8
-    gathered = sum(sharded.result_bytes(item.rsplit(" ", 1)[0]) for item in found["all-gather"])
-    assert gathered < one_share, (gathered, one_share, found["all-gather"])
-    assert found["all-reduce"], found  # the routed partial sums
+    n = b * t
+    tokens = [n * d * 4, n * k * 4, n * k * 4]  # f32 x, f32 routing weights, s32 expert ids
+    assert sorted(size("all-gather")) == ([] if data == 1 else sorted(tokens)), found
+    assert sum(tokens) < w1.nbytes // 8  # less than one device's share of one expert matrix
+    assert size("reduce-scatter") == ([] if data == 1 else [n // data * d * 4]), found
+    assert size("all-reduce") == ([] if model == 1 else [n // data * d * 4]), found
+    assert not found["all-to-all"] and not found["collective-permute"], found

@@ -148,6 +148,7 @@ class Engine:
         self.prefill_chunk, self.prefill_tokens, self.kv_layout = prefill_chunk, prefill_tokens, kv_layout
         self.uses_rings = cfg.dspark is not None and gamma > 0
         self.capture = tuple(cfg.dspark.target_layer_ids) if self.uses_rings else ()
+        self.mesh = model_mesh(model)
         scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
         self._prefill = jax.jit(scoped(self._prefill_impl), donate_argnums=(1,))
         self._first = jax.jit(scoped(self._first_impl), donate_argnums=(1,))
@@ -168,7 +169,7 @@ class Engine:
         if self.uses_rings:
             draft = write_context(model.mtp, draft, hid, start, n_valid)
         bs = dataclasses.replace(bs, cache=commit(cache, n_valid), draft=draft)
-        return bs, jnp.where(is_last[:, None], lg, last_logits)
+        return self._placed(bs), jnp.where(is_last[:, None], lg, last_logits)
 
     def _first_impl(self, state, bs: BatchState, last_logits, starting):
         """The first generated token, drawn from the prompt's last logits, for the slots whose
@@ -178,12 +179,11 @@ class Engine:
         tok = pick_tokens(keys, process_logits(last_logits, sp), sp.greedy)
         n = jnp.ones_like(bs.n_generated)
         active = (n < bs.max_new) & ~_stopped(tok[:, None], jnp.ones_like(tok[:, None], bool), bs.stop_ids)
-        return dataclasses.replace(bs, anchor=jnp.where(starting, tok, bs.anchor),
-                                   n_generated=jnp.where(starting, n, bs.n_generated),
-                                   active=jnp.where(starting, active, bs.active)), tok
+        return self._placed(dataclasses.replace(bs, anchor=jnp.where(starting, tok, bs.anchor),
+                                                n_generated=jnp.where(starting, n, bs.n_generated),
+                                                active=jnp.where(starting, active, bs.active))), tok
 
-    @staticmethod
-    def _admit_impl(bs: BatchState, admit, release, max_new, stop_ids, sampling: SamplingArrays):
+    def _admit_impl(self, bs: BatchState, admit, release, max_new, stop_ids, sampling: SamplingArrays):
         """Slots taking a new request (``admit``) restart at length 0, inactive until their first
         token, with the request's limits and sampling parameters; slots whose request the host
         finished (``release``) stop. Nothing is cleared: the caches rewind by length."""
@@ -191,10 +191,10 @@ class Engine:
             return jnp.where(admit.reshape(admit.shape + (1,) * (old.ndim - 1)), new, old)
 
         cache = dataclasses.replace(bs.cache, lengths=jnp.where(admit, 0, bs.cache.lengths))
-        return dataclasses.replace(
+        return self._placed(dataclasses.replace(
             bs, cache=cache, anchor=jnp.where(admit, 0, bs.anchor), active=bs.active & ~admit & ~release,
             n_generated=jnp.where(admit, 0, bs.n_generated), max_new=pick(max_new, bs.max_new),
-            stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling))
+            stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling)))
 
     def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
         """One round in which every slot verifies γ + 1 tokens (per-request layout [slots, γ + 1]);
@@ -203,7 +203,7 @@ class Engine:
         model = nnx.merge(self.model.graphdef, state)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
         with jax.named_scope("draft"):
-            drafts, q_logits, conf = self._draft_tokens(model, bs, proc)
+            drafts, q_logits, conf = self._draft_tokens(model, bs, proc, sampled)
         with jax.named_scope("verify"):
             logits, hid, cache, _ = self._verify(model, bs, drafts, None, None)
         with jax.named_scope("accept_commit"):
@@ -241,8 +241,9 @@ class Engine:
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled,
                                        lens, packing)
 
-    def _draft_tokens(self, model, bs: BatchState, proc):
-        """d_1..d_γ [b, γ], the logits they were drawn from [b, γ, v] and their confidences [b, γ]."""
+    def _draft_tokens(self, model, bs: BatchState, proc, sampled: bool = True):
+        """d_1..d_γ [b, γ], the logits they were drawn from [b, γ, v] and their confidences [b, γ]
+        (sampled False: every request is greedy, the drafts are argmaxes and no draws are made)."""
         sp, g, lengths = bs.sampling, self.gamma, bs.cache.lengths
         b = lengths.shape[0]
         if g == 0:
@@ -250,6 +251,8 @@ class Engine:
                     jnp.zeros((b, 0), jnp.float32))
 
         def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1, drawn by this round (sampling.py)
+            if not sampled:
+                return jnp.argmax(proc(logits_k), axis=-1).astype(jnp.int32)
             keys = request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT, round_start=lengths)
             return pick_tokens(keys, proc(logits_k), sp.greedy)
 
@@ -303,8 +306,8 @@ class Engine:
         bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
                                  anchor=jnp.where(commits, bonus, bs.anchor))
         verified = jnp.where(was_active, g + 1, 0) if lens is None else lens
-        return bs, RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(commits, a, 0), confidence=conf,
-                               verify_lens=verified.astype(jnp.int32))
+        return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(commits, a, 0),
+                                             confidence=conf, verify_lens=verified.astype(jnp.int32))
 
     def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool, limit=None):
         """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``) and
@@ -323,6 +326,12 @@ class Engine:
             bonus_s = jax.vmap(jax.random.categorical)(keys, proc(row)).astype(jnp.int32)
             bonus = jnp.where(sp.greedy, bonus, bonus_s)
         return a, bonus
+
+    def _placed(self, bs: BatchState) -> BatchState:
+        """The state a program returns, constrained to the layout it is given in
+        (``sharding.state_shardings``) on a mesh: every program's output state has its input's
+        shardings, so the donated input buffers are reused and the next call compiles nothing new."""
+        return bs if self.mesh is None else jax.lax.with_sharding_constraint(bs, state_shardings(bs, self.mesh))
 
     # ------------------------------------------------------------------ host side
     @staticmethod
@@ -349,8 +358,7 @@ class Engine:
                         anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
                         n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sampling)
-        mesh = model_mesh(self.model)
-        return bs if mesh is None else jax.device_put(bs, state_shardings(bs, mesh))
+        return bs if self.mesh is None else jax.device_put(bs, state_shardings(bs, self.mesh))
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:
@@ -471,6 +479,9 @@ class Engine:
                                   top_k=top_k, top_p=top_p)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: tuple | None):
+        if self.mesh is not None:  # the first step of every ragged round
+            raise NotImplementedError("ragged verify (verify_lens, the confidence and lagged schedulers) does not "
+                                      "run on a mesh yet: use the static scheduler with a sharded model")
         self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
         return self._draft_step(self.model.state, bs, top_k=top_k, top_p=top_p, table=table)
 

@@ -11,6 +11,7 @@ and projected by the grouped low-rank wo_a / wo_b.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from dspark_jax.model.compressor import Compressor
 from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
+from dspark_jax.sharding import activation_spec
 from pallas_kernels import attention_metadata
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
@@ -51,6 +53,7 @@ class Attention(nnx.Module):
         if ratio == 4:
             self.indexer = Indexer(cfg, num, rngs=rngs)
         self.cfg, self.num, self.ratio = cfg, num, ratio
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the kernels then run per device
 
     @property
     def inv_freq(self):
@@ -101,7 +104,7 @@ class Attention(nnx.Module):
 
         if chunk.width <= ring - cfg.sliding_window + 1:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.
-            new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl)
+            new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl, mesh=self.mesh)
             o = self._ragged(q, new["window"], entries, top, chunk, impl)
         else:
             # Prefill chunk: keys = the ring before the chunk + the chunk's own rows.
@@ -119,25 +122,53 @@ class Attention(nnx.Module):
                     n = ent.shape[1]
                     parts.append((ent, jnp.arange(n)[None, None] < visible_entries(pos, self.ratio)[..., None]))
             o = sink_attention(q, parts, self.attn_sink[...], cfg.head_dim**-0.5)
-            new["window"] = write_kv(cache.window, slots, kv, impl=impl)
+            new["window"] = write_kv(cache.window, slots, kv, impl=impl, mesh=self.mesh)
         return self.project_out(o, pos), dataclasses.replace(cache, **new)
 
+    def per_device(self, fn, q: Float[Array, "b t h d"], requests: dict) -> Float[Array, "b t h d"]:
+        """``fn(q, sink, requests)`` for the queries, this layer's sinks [h] and a dict of
+        per-request arrays (pools, lengths: the request is their leading dim). On a mesh
+        (``sharding.attach_mesh``) every device runs ``fn`` in a ``shard_map`` on its own requests
+        (``data``, with their pools) and heads (``model``): the attention kernels are
+        ``pallas_call``s, which have no partitioning rule, so left to the partitioner they would
+        run whole on gathered inputs."""
+        sink = self.attn_sink[...]
+        if self.mesh is None:
+            return fn(q, sink, requests)
+        q_spec = activation_spec(("batch", None, "heads"), q.shape, self.mesh, self.cfg)
+        req = activation_spec(("batch",), q.shape[:1], self.mesh, self.cfg)
+        heads = activation_spec(("heads",), sink.shape, self.mesh, self.cfg)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(q_spec, heads, req), out_specs=q_spec,
+                             check_vma=False)(q, sink, requests)
+
     def _ragged(self, q, window, entries, top, chunk: Chunk, impl: str) -> Float[Array, "b t h d"]:
-        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``); a
-        packed chunk's tokens go to it as they are (``cu_q_lens`` from the packing)."""
+        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``), per
+        device on a mesh (``per_device``). A packed chunk's tokens (ragged verify) go to it as they
+        are, ``cu_q_lens`` from the packing; they mix requests on one axis, so not on a mesh."""
+        requests = dict(window=window, entries=entries, top=top, start=chunk.start, n_valid=chunk.n_valid)
+        requests = {k: v for k, v in requests.items() if v is not None}
+        if chunk.packing is None:
+            return self.per_device(functools.partial(self._ragged_local, impl=impl), q, requests)
+        if self.mesh is not None:
+            raise NotImplementedError("ragged verify (packed tokens) does not run on a mesh yet: use the static "
+                                      "scheduler with a sharded model")
+        return self._ragged_local(q, self.attn_sink[...], requests, impl=impl, packed_width=chunk.width)
+
+    def _ragged_local(self, q: Float[Array, "b t h d"], sink: Float[Array, " h"], r: dict, *, impl: str,
+                      packed_width: int | None = None) -> Float[Array, "b t h d"]:
         cfg = self.cfg
         b, t, h, d = q.shape
-        if chunk.packing is None:
-            meta, pos_flat = attention_metadata.verify_dense(chunk.n_valid, chunk.start, width=t,
+        if packed_width is None:
+            meta, pos_flat = attention_metadata.verify_dense(r["n_valid"], r["start"], width=t,
                                                             window=cfg.sliding_window)
         else:
-            meta, pos_flat = attention_metadata.verify(chunk.n_valid, chunk.start, window=cfg.sliding_window,
-                                                       num_tokens=t, max_q_len=chunk.width)
+            meta, pos_flat = attention_metadata.verify(r["n_valid"], r["start"], window=cfg.sliding_window,
+                                                       num_tokens=t, max_q_len=packed_width)
         if self.ratio == 4:
-            meta = attention_metadata.with_topk_entries(meta, top.reshape(b * t, -1), pos_flat)
+            meta = attention_metadata.with_topk_entries(meta, r["top"].reshape(b * t, -1), pos_flat)
         elif self.ratio:
             meta = attention_metadata.with_prefix_entries(meta, pos_flat, ratio=self.ratio,
-                                                          num_slots=entries.shape[1])
-        o = ragged_attention(q.reshape(b * t, h, d), window, entries, self.attn_sink[...], meta,
-                             scale=d**-0.5, impl=impl)
+                                                          num_slots=r["entries"].shape[1])
+        o = ragged_attention(q.reshape(b * t, h, d), r["window"], r.get("entries"), sink, meta, scale=d**-0.5,
+                             impl=impl)
         return o.reshape(b, t, h, d)

@@ -22,6 +22,7 @@ from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import fp4_sim, hadamard, kv_sim
+from dspark_jax.sharding import per_request
 
 
 class Compressor(nnx.Module):
@@ -36,13 +37,22 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(jnp.zeros((ratio, coff * width), jnp.float32))
         self.norm = RMSNorm(width, cfg.rms_norm_eps)
         self.cfg, self.num = cfg, num
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: then it runs per device on its requests
 
     def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
                  ) -> tuple[KVPool, CompressorState]:
         """Compress every window closed inside the chunk; returns all entries and the new state.
-        ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state."""
+        ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state.
+
+        On a mesh every device runs it in a ``shard_map`` on its own requests (``data``; its
+        weights are replicated): the work is per request, and left to the partitioner the
+        gathers by window position made it collect every request's rows on every device."""
         with jax.named_scope("compressor"):
-            return self._compress(x, chunk, state)
+            if self.mesh is None:
+                return self._compress(x, chunk, state)
+            graphdef, weights = nnx.split(self)  # passed in: a shard_map body may not close over them
+            return per_request(lambda w, *a: nnx.merge(graphdef, w)._compress(*a), self.mesh, x, chunk, state,
+                               replicated=(weights,))
 
     def _compress(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
                   ) -> tuple[KVPool, CompressorState]:

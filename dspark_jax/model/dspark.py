@@ -87,16 +87,20 @@ class DSparkStage(Block):
         q, _ = self.attn.project_q(y, pos)
         kv = self.attn.project_kv(y, pos).astype(ring.dtype)
         b, g, h, d = q.shape
-        sink, scale = self.attn.attn_sink[...], self.cfg.head_dim**-0.5
+        scale = self.cfg.head_dim**-0.5
         if lengths is None:
             parts = [(ring, jnp.broadcast_to(ring_visible[:, None, :], (b, g, ring.shape[1]))),
                      (kv, jnp.ones((b, g, g), bool))]
-            o = sink_attention(q, parts, sink, scale)
+            o = sink_attention(q, parts, self.attn.attn_sink[...], scale)
         else:
             slots = ring_write_slots(lengths, jnp.full((b,), g, jnp.int32), g, ring.shape[1])
-            meta = attention_metadata.draft(lengths, block=g, window=self.cfg.sliding_window)
-            o = ragged_attention(q.reshape(b * g, h, d), scatter_rows(ring, slots, kv), None, sink, meta,
-                                 scale=scale, impl=self.num.kernel_impl()).reshape(b, g, h, d)
+
+            def attend(q, sink, r):  # per device on a mesh (``Attention.per_device``)
+                meta = attention_metadata.draft(r["lengths"], block=g, window=self.cfg.sliding_window)
+                return ragged_attention(q.reshape(-1, *q.shape[2:]), r["ring"], None, sink, meta, scale=scale,
+                                        impl=self.num.kernel_impl()).reshape(q.shape)
+
+            o = self.attn.per_device(attend, q, dict(ring=scatter_rows(ring, slots, kv), lengths=lengths))
         return self.attn.project_out(o, pos)
 
 

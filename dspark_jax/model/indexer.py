@@ -17,6 +17,7 @@ from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.compressor import Compressor
 from dspark_jax.model.norms_rope import apply_rope, layer_inv_freq
 from dspark_jax.model.quant import fp4_sim, hadamard
+from dspark_jax.sharding import per_request
 
 
 def visible_entries(positions: Int[Array, "b t"], ratio: int) -> Int[Array, "b t"]:
@@ -43,6 +44,7 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, num, rngs=rngs, fp8_act=False)
         self.compressor = Compressor(cfg, 4, self.head_dim, num, rotate=True, rngs=rngs)
         self.cfg, self.num = cfg, num
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
     def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState
                  ) -> tuple[Int[Array, "b t k"], CompressorState]:
@@ -64,5 +66,5 @@ class Indexer(nnx.Module):
         n = keys.shape[1]
         limit = visible_entries(chunk.dense.positions, 4)[..., None]
         score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)
-        _, top = jax.lax.top_k(score, min(self.topk, n))
+        top = per_request(lambda sc: jax.lax.top_k(sc, min(self.topk, n))[1], self.mesh, score)
         return chunk.pack(jnp.where(top < limit, top, -1).astype(jnp.int32)), state

@@ -6,11 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal_init, random_fp4
 from dspark_jax.model.quant import fp8_sim
+from dspark_jax.sharding import batch_axes, mesh_axes, per_request
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import swiglu
 from pallas_kernels.group_metadata import group_tiles, pair_tiles
@@ -35,6 +37,7 @@ class Gate(nnx.Module):
         else:
             self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
         self.hash_routing, self.cfg = hash_routing, cfg
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Int[Array, "n k"]]:
         """Routing weights [n, k] (fp32) and expert indices [n, k]."""
@@ -44,7 +47,8 @@ class Gate(nnx.Module):
         if self.hash_routing:
             idx = self.tid2eid[...][ids]
         else:
-            _, idx = jax.lax.top_k(scores + self.bias[...], cfg.num_experts_per_tok)
+            idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh,
+                              scores + self.bias[...])
         w = jnp.take_along_axis(scores, idx, axis=-1)
         if cfg.scoring_func != "softmax" and cfg.norm_topk_prob:
             w = w / jnp.sum(w, axis=-1, keepdims=True)
@@ -107,28 +111,35 @@ class Experts(nnx.Module):
         y = jnp.einsum("nei,edi->ned", self._act_in(h.astype(dt)), w2, preferred_element_type=jnp.float32)
         return jnp.sum(y.astype(dt).astype(jnp.float32), axis=1)
 
-    def grouped(self, x: Float[Array, "n d"], w: Array, idx: Array, **kernel_options) -> Float[Array, "n d"]:
+    def grouped(self, x: Float[Array, "n d"], w: Array, idx: Array, *, token_axes: tuple[str, ...] = (),
+                **kernel_options) -> Float[Array, "n d"]:
         """(token, expert) pairs sorted by expert into row tiles and two grouped matmuls (the Pallas
         kernel on GPUs, its loop-over-tiles reference elsewhere): each chosen expert's weights are
-        read once per tile, unchosen experts never; memory grows with tokens x top-k only."""
+        read once per tile, unchosen experts never; memory grows with tokens x top-k only. With the
+        experts split over a mesh: ``expert_parallel`` (tokens split over ``token_axes``)."""
         weights = tuple(self.weights(n) for n in ("w1", "w2", "w3"))
         options = dict(limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim, impl=self.num.kernel_impl(),
                        **kernel_options)
         if self.mesh is not None:
-            return expert_parallel(x, w, idx, *weights, mesh=self.mesh, **options)
+            return expert_parallel(x, w, idx, *weights, mesh=self.mesh, token_axes=token_axes, **options)
         return grouped_experts(x, w, idx, *weights, **options)
 
 
 def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
                     w2: gm.Weights, w3: gm.Weights, *, limit: float, quant_sim: bool, impl: str,
-                    block_m: int | None = None, **kernel_options) -> Float[Array, "n d"]:
+                    block_m: int | None = None, dropped: bool = False, **kernel_options) -> Float[Array, "n d"]:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) in fp32 through the grouped matmul (``kernel_options``,
     e.g. a ``config``, go to both kernels; ``block_m`` overrides the row tile). Up to ``PAIR_TILES_MAX``
-    pairs each pair gets its own tile (``pair_tiles``), otherwise pairs are sorted by expert (``group_tiles``)."""
+    pairs each pair gets its own tile (``pair_tiles``), otherwise pairs are sorted by expert (``group_tiles``).
+    ``dropped``: pairs with ``idx`` = the number of experts contribute nothing and are not computed
+    (sorted tiles: ``group_tiles(dropped=True)``)."""
     act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
     n, k = idx.shape
     bm = block_m or gm.block_m_for(n * k)
-    tiles = pair_tiles(idx, bm) if n * k <= PAIR_TILES_MAX else group_tiles(idx, w1.shape[0], bm)
+    if n * k <= PAIR_TILES_MAX and not dropped:
+        tiles = pair_tiles(idx, bm)
+    else:
+        tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped)
     pair = tiles.pair_of_row
     real = pair >= 0
     rows = jnp.where(real[:, None], act_in(x)[jnp.maximum(pair, 0) // k], 0)
@@ -140,29 +151,44 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
 
 
 def expert_parallel(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
-                    w2: gm.Weights, w3: gm.Weights, *, mesh, **options) -> Float[Array, "n d"]:
+                    w2: gm.Weights, w3: gm.Weights, *, mesh, token_axes: tuple[str, ...] = (),
+                    **options) -> Float[Array, "n d"]:
     """``grouped_experts`` with the experts split over the mesh (``dspark_jax.sharding`` rules:
-    dim 0 over the expert mesh axes): every device gets all tokens and their routing, runs its own
-    experts on the (token, expert) pairs routed to them and the partial sums are added over the
-    devices. Expert weights never move; the tokens are gathered and the outputs all-reduced.
-    Pairs routed elsewhere go to local expert 0 with weight 0 (computed, contributing nothing)."""
-    from jax.sharding import PartitionSpec as P
+    dim 0 over the expert mesh axes), in a ``shard_map``; expert weights never move, tokens do:
 
-    from dspark_jax.sharding import mesh_axes
+    1 the tokens (with their routing) enter split over ``token_axes`` (the data-parallel axes of
+      the activations, or none: replicated) and are all-gathered over them: every device holds
+      the step's tokens;
+    2 every device runs the (token, expert) pairs routed to its own experts (other pairs are
+      dropped from its tiles: computed by no one else's program);
+    3 the partial outputs are summed: reduce-scattered over ``token_axes`` (each device gets back
+      the sum for its own tokens) and all-reduced over the other expert axes.
 
+    On a (1, 8) mesh that is one all-reduce of the outputs; on (8, 1) with data-split tokens an
+    all-gather of the inputs and a reduce-scatter of the outputs (no all-reduce); on (2, 4) both
+    over data and an all-reduce of the data shard's outputs over model."""
     axes = mesh_axes("experts", mesh)
+    if not set(token_axes) <= set(axes):
+        raise ValueError(f"tokens split over {token_axes} must be split over expert axes {axes}")
+    rest = tuple(a for a in axes if a not in token_axes)
     spec = P(axes if len(axes) > 1 else axes[0])
+    tok = P(token_axes) if token_axes else P()
 
     def local(x, w, idx, w1, w2, w3):
+        if token_axes:
+            x, w, idx = (jax.lax.all_gather(a, token_axes, axis=0, tiled=True) for a in (x, w, idx))
         n_local = w1.shape[0]
         first = jax.lax.axis_index(axes) * n_local
         mine = (idx >= first) & (idx < first + n_local)
-        y = grouped_experts(x, jnp.where(mine, w, 0.0), jnp.where(mine, idx - first, 0), w1, w2, w3, **options)
-        return jax.lax.psum(y, axes)
+        y = grouped_experts(x, jnp.where(mine, w, 0.0), jnp.where(mine, idx - first, n_local), w1, w2, w3,
+                            dropped=True, **options)
+        if token_axes:
+            y = jax.lax.psum_scatter(y, token_axes, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, rest) if rest else y
 
     weight_spec = lambda wt: gm.Weights(spec, None if wt.scales is None else spec, wt.fmt)  # noqa: E731
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), weight_spec(w1), weight_spec(w2), weight_spec(w3)),
-                         out_specs=P(), check_vma=False)(x, w, idx, w1, w2, w3)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, weight_spec(w1), weight_spec(w2), weight_spec(w3)),
+                         out_specs=tok, check_vma=False)(x, w, idx, w1, w2, w3)
 
 
 class MoE(nnx.Module):
@@ -175,10 +201,19 @@ class MoE(nnx.Module):
             impl = "dense" if cfg.n_routed_experts <= 16 else "grouped"
         self.impl = impl
 
+    def token_axes(self, batch: int) -> tuple[str, ...]:
+        """The mesh axes the step's tokens are split over on entering the routed experts: those
+        of the requests (``sharding.batch_axes``), when the experts are split over a mesh."""
+        mesh = self.experts.mesh
+        return () if mesh is None else batch_axes(batch, mesh)
+
     def __call__(self, x: Float[Array, "b t d"], ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         w, idx = self.gate(xf, ids.reshape(-1))
-        routed = getattr(self.experts, self.impl)(xf, w, idx)
+        if self.impl == "grouped":
+            routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]))
+        else:
+            routed = self.experts.dense(xf, w, idx)
         y = routed + self.shared_experts(xf).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
