@@ -51,11 +51,12 @@ def run_chunks(model: dspark_jax.Model, ids: np.ndarray, sizes, cache, *, commit
 class OracleDrafter:
     """A test-only drafter proposing the target's own greedy continuation ``truth`` [b, n] (prompt +
     target-only output, per request), except at positions where ``wrong`` [b, n] is set, where it
-    proposes a different token. This makes every accept length 0..γ happen on purpose."""
+    proposes a different token. This makes every accept length 0..γ happen on purpose.
+    Confidence logits: ``signal`` for right drafts, ``-signal`` for wrong ones (0: none)."""
 
-    def __init__(self, truth: np.ndarray, wrong: np.ndarray, gamma: int, vocab: int):
+    def __init__(self, truth: np.ndarray, wrong: np.ndarray, gamma: int, vocab: int, signal: float = 0.0):
         self.truth, self.wrong = jnp.asarray(truth, jnp.int32), jnp.asarray(wrong, bool)
-        self.gamma, self.vocab = gamma, vocab
+        self.gamma, self.vocab, self.signal = gamma, vocab, signal
 
     def __call__(self, model, draft_cache, anchor, lengths, pick):
         from dspark_jax.model.dspark import DraftOutput
@@ -66,4 +67,4 @@ class OracleDrafter:
         bad = jnp.take_along_axis(self.wrong, pos, axis=1)
         tokens = jnp.where(bad, (true + 1) % self.vocab, true)
         logits = jax.nn.one_hot(tokens, self.vocab) * 30.0
-        return DraftOutput(tokens=tokens, logits=logits, confidence=jnp.zeros(tokens.shape, jnp.float32))
+        return DraftOutput(tokens=tokens, logits=logits, confidence=jnp.where(bad, -self.signal, self.signal))

@@ -9,8 +9,9 @@ import pytest
 
 import dspark_jax
 from dspark_jax import InputError, SamplingParams
-from dspark_jax.decoding.engine import Engine
+from dspark_jax.decoding.engine import Engine, verify_bucket
 from dspark_jax.decoding.generate import _engine
+from dspark_jax.decoding.scheduler import SPSTable
 from tests.helpers import OracleDrafter
 
 GAMMA = 5
@@ -34,18 +35,24 @@ def test_greedy_speculative_equals_target_only(tiny_f32, greedy_truth):
         assert r.stats["rounds"] >= 1 and r.stats["gamma"] == GAMMA
 
 
-def test_oracle_drafter_exercises_every_accept_length(tiny_f32, greedy_truth):
-    """Drafts are right except at chosen positions: accept lengths 0..γ all occur, over 300+ tokens
-    crossing window-ring wrap-around and C4 / C128 window boundaries; the output must not change."""
+@pytest.fixture(scope="module")
+def oracle(tiny_f32, greedy_truth):
+    """Drafts of the greedy truth, wrong at 25% of random positions (so every accept length
+    happens), confidence logit +2 for right drafts and -2 for wrong ones; shared by the tests that
+    decode these prompts through ``generate``'s pool of 2 slots x 512 tokens, which compiles once."""
     prompts, truth = greedy_truth
     rng = np.random.default_rng(11)
     full = [np.asarray(p + t) for p, t in zip(prompts, truth)]
-    n = max(len(f) for f in full)
-    table = np.zeros((2, n), np.int32)
-    wrong = rng.random((2, n)) < 0.25  # mistakes at random positions -> all accept lengths
+    table = np.zeros((2, max(len(f) for f in full)), np.int32)
     for i, f in enumerate(full):
         table[i, :len(f)] = f
-    oracle = OracleDrafter(table, wrong, GAMMA, tiny_f32.config.vocab_size)
+    return OracleDrafter(table, rng.random(table.shape) < 0.25, GAMMA, tiny_f32.config.vocab_size, signal=2.0)
+
+
+def test_oracle_drafter_exercises_every_accept_length(tiny_f32, greedy_truth, oracle):
+    """Drafts are right except at chosen positions: accept lengths 0..γ all occur, over 300+ tokens
+    crossing window-ring wrap-around and C4 / C128 window boundaries; the output must not change."""
+    prompts, truth = greedy_truth
     res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=320, ignore_eos=True),
                               drafter=oracle)
     for r, t in zip(res, truth):
@@ -158,6 +165,12 @@ def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
                               mesh=mesh)
     for r, t in zip(res, truth):
         assert r.tokens == t[:12]
+    # ragged verify packs requests on one axis: refused on a mesh before anything compiles
+    from dspark_jax.decoding.generate import _engine, _sharded
+
+    eng = _engine(_sharded(tiny_f32, mesh), tiny_f32.config.dspark.block_size, None)
+    with pytest.raises(NotImplementedError, match="mesh"):
+        eng.round(eng.init_slots(2, 64), sampled=False, top_k=False, top_p=False, verify_lens=np.array([1, 2]))
 
 
 def test_stops_default_to_eos(tiny_f32):
@@ -185,3 +198,100 @@ def test_request_filling_the_whole_context():
     spec = dspark_jax.generate([prompt], model=m, sampling=sp, drafter=oracle)[0]
     assert spec.tokens == truth.tokens
     assert spec.stats["accept_length_histogram"][-1] >= 3  # rounds that accepted all γ drafts
+
+
+
+POOL = (2, 512)  # generate's pool for the two prompts of greedy_truth with 320 new tokens
+SPS = SPSTable(tokens=(8, 12), steps_per_s=(10.0, 6.0))  # rounds past 8 verify tokens are much slower
+
+
+def _prefill_pool(eng: Engine, seqs: list[np.ndarray], sp: SamplingParams):
+    """Slots 0 and 1 of a fresh pool take ``seqs``, prefilled in 128-token chunks (the programs
+    ``generate`` compiles for this pool); returns the state and the first tokens."""
+    bs = eng.admit(eng.init_slots(*POOL), {0: (sp, 0), 1: (sp, 1)}, np.zeros(2, bool))
+    lens = np.array([len(x) for x in seqs])
+    for start in range(0, lens.max(), 128):
+        chunk = np.zeros((2, 128), np.int32)
+        for i, x in enumerate(seqs):
+            part = x[start:start + 128]
+            chunk[i, :len(part)] = part
+        bs, first = eng.prefill_step(bs, chunk, np.clip(lens - start, 0, 128), (lens > start) & (lens <= start + 128))
+    return bs, np.asarray(first)
+
+
+def test_ragged_verify_equals_target_only(tiny_f32, greedy_truth, oracle):
+    """Ragged verify with random lengths per slot and round (0: the slot sits the round out; 1:
+    the anchor alone; up to γ + 1): the output is the target-only greedy output over 150+ tokens
+    per request (window rings wrap, C4 and C128 windows close during rounds), the draft rings
+    equal a fresh prefill's, and every round runs in the 8-token bucket (one verify program)."""
+    prompts, truth = greedy_truth
+    eng = _engine(tiny_f32, GAMMA, oracle)
+    sp = SamplingParams(max_new_tokens=320, ignore_eos=True)
+    bs, first = _prefill_pool(eng, [np.asarray(p) for p in prompts], sp)
+    out = [[int(t)] for t in first]
+    rng = np.random.default_rng(15)
+    n_new_seen = []
+    for _ in range(100):
+        lens = np.array([rng.integers(0, GAMMA + 2), 0])
+        lens[1] = rng.integers(0, min(GAMMA + 1, 8 - lens[0]) + 1)  # at most 8 tokens: one bucket
+        lens = lens[::-1] if rng.random() < 0.5 else lens
+        bs, res = eng.round(bs, sampled=False, top_k=False, top_p=False, verify_lens=lens)
+        n_new, tokens = np.asarray(res.n_new), np.asarray(res.tokens)
+        assert np.asarray(res.verify_lens).tolist() == lens.tolist() and np.all(n_new <= lens)
+        for i in range(2):
+            out[i] += tokens[i, :n_new[i]].tolist()
+        n_new_seen += n_new.tolist()
+    for o, p, t in zip(out, prompts, truth):
+        assert len(p) + len(o) > 128 + 8 and o == t[:len(o)]
+    assert set(n_new_seen) == set(range(GAMMA + 2))  # 0 (sat out) .. γ + 1 (every draft accepted)
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {8}
+
+    lengths = np.asarray(bs.cache.lengths)
+    fresh, _ = _prefill_pool(eng, [np.asarray(p + t)[:n] for p, t, n in zip(prompts, truth, lengths)], sp)
+    for ring, ref in zip(bs.draft.rings, fresh.draft.rings):
+        np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=0, atol=1e-5)
+
+
+def test_schedulers_equal_target_only(tiny_f32, greedy_truth, oracle):
+    """The lagged and confidence schedulers (confidence high where drafts are right, a steep SPS
+    table) verify fewer tokens than γ + 1 per round, accept several drafts per round, and give
+    the target-only greedy output; a second call compiles nothing."""
+    prompts, truth = greedy_truth
+    eng = _engine(tiny_f32, GAMMA, oracle)
+    for scheduler in ("lagged", "confidence"):
+        res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=320, ignore_eos=True),
+                                  drafter=oracle, scheduler=scheduler, sps_table=SPS)
+        for r, t in zip(res, truth):
+            assert r.tokens == t
+            assert 2.0 < r.stats["mean_verify_tokens"] < GAMMA + 1 and r.stats["mean_accept_length"] > 2.0
+    programs = eng.compiled_programs()
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {8}
+    for scheduler in ("lagged", "confidence"):
+        res = dspark_jax.generate([p[::-1] for p in prompts], model=tiny_f32, drafter=oracle, context=POOL[1],
+                                  sampling=SamplingParams(max_new_tokens=30, ignore_eos=True), scheduler=scheduler,
+                                  sps_table=SPS)
+    assert eng.compiled_programs() == programs
+
+
+def test_verify_buckets_and_bad_ragged_inputs(tiny_f32):
+    """Token buckets: powers of 2 from 8, the pool's slots x (γ + 1) at the top; bad verify
+    lengths and schedulers raise before anything runs."""
+    assert [verify_bucket(t, 2, GAMMA) for t in (0, 1, 8, 9, 12)] == [8, 8, 8, 12, 12]
+    assert [verify_bucket(t, 64, GAMMA) for t in (1, 9, 64, 65, 257, 384)] == [8, 16, 64, 128, 384, 384]
+    with pytest.raises(ValueError, match="verifies 0 to 12 tokens"):
+        verify_bucket(13, 2, GAMMA)
+    eng = Engine(tiny_f32, gamma=GAMMA)
+    bs = eng.init_slots(2, 256)
+    flags = dict(sampled=False, top_k=False, top_p=False)
+    with pytest.raises(ValueError, match=r"verify_lens must lie in \[0, gamma \+ 1 = 6\]"):
+        eng.round(bs, verify_lens=np.array([7, 0]), **flags)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        eng.round(bs, verify_lens=np.array([1]), **flags)
+    with pytest.raises(ValueError, match="needs an initialised SPS table"):
+        eng.round_confidence(bs, SPSTable.uninitialised(), **flags)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        Engine(tiny_f32, gamma=GAMMA, scheduler="fast")
+    with pytest.raises(InputError, match="scheduler must be one of"):
+        dspark_jax.generate([[1, 2]], model=tiny_f32, scheduler="fast")
+    with pytest.raises(InputError, match="needs speculative decoding"):
+        dspark_jax.generate([[1, 2]], model=tiny_f32, speculative=False, scheduler="lagged")

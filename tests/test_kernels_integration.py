@@ -14,8 +14,8 @@ from dspark_jax.model.quant import kv_sim
 from tests.helpers import perturb
 
 
-def _model(dtype, quant_sim, kernels="xla", seed=5):
-    m = dspark_jax.init(dspark_jax.config.tiny(), seed, dtype=dtype, quant_sim=quant_sim)
+def _model(dtype, quant_sim, kernels="xla", seed=5, cfg=None):
+    m = dspark_jax.init(cfg or dspark_jax.config.tiny(), seed, dtype=dtype, quant_sim=quant_sim)
     m = perturb(m, seed)
     num = dataclasses.replace(m.numerics, kernels=kernels)
     for _, mod in nnx.iter_modules(m.module):  # numerics are static attributes of the modules
@@ -71,6 +71,44 @@ def test_pallas_kernels_inside_the_model_match_the_xla_path():
         ref, _ = _decode(_model(jnp.float32, False, "xla"), ids, layout, steps=(6,))
         ker, _ = _decode(_model(jnp.float32, False, "pallas"), ids, layout, steps=(6,))
         np.testing.assert_allclose(ker, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
+def test_packed_verify_through_the_kernels_matches_per_request():
+    """Ragged verify: the verify tokens of three requests (6, none and 3) front-packed on 16 rows
+    through the Pallas kernels (interpret mode; attention through cu_q_lens) give the per-request
+    XLA path's logits on those tokens and the same caches (a C4 + indexer layer and a C8 layer,
+    both with the sliding window; windows of both close inside the verify block)."""
+    from dspark_jax.model.common import Packing
+
+    cfg = dspark_jax.config.tiny(dspark=False).replace(num_hidden_layers=2, compress_ratios=(4, 8),
+                                                        num_hash_layers=1)
+    ids = jnp.asarray(np.random.default_rng(2).integers(2, 500, (3, 32)), jnp.int32)
+    start, lens = jnp.asarray([26, 20, 23], jnp.int32), jnp.asarray([6, 0, 3], jnp.int32)
+    block = jnp.stack([ids[i, int(s):int(s) + 6] for i, s in enumerate(start)])
+    packing = Packing.from_lens(lens, width=6, tokens=16)
+    out = {}
+    for kernels in ("xla", "pallas"):  # the same weights
+        m = _model(jnp.float32, False, kernels, cfg=cfg)
+        if kernels == "xla":
+            _, _, cache = forward_step(m.graphdef, m.state, ids[:, :26], start, init_cache(cfg, 3, 48, jnp.float32))
+            cache = commit(cache, start)
+
+        @jax.jit
+        def verify(state, cache):
+            model = nnx.merge(m.graphdef, state)
+            if kernels == "xla":  # per request
+                return model.forward(block, lens, cache)[::2]
+            logits, _, cache = model.forward(packing.pack(block), lens, cache, packing=packing)
+            return packing.unpack(logits), cache
+
+        out[kernels] = verify(m.state, cache)
+    (ref, ref_cache), (ker, ker_cache) = out["xla"], out["pallas"]
+    verified = (np.arange(6)[None] < np.asarray(lens)[:, None])[..., None]
+    np.testing.assert_allclose(np.where(verified, ker, 0), np.where(verified, ref, 0), rtol=0,
+                               atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(ker)[~verified[..., 0]].any()  # rows not verified
+    for a, b in zip(jax.tree_util.tree_leaves(ker_cache), jax.tree_util.tree_leaves(ref_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
 
 
 def test_draft_block_attention_through_the_kernel_matches_the_dense_math():

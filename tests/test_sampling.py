@@ -11,6 +11,7 @@ from scipy import stats
 import dspark_jax
 from dspark_jax import SamplingParams
 from dspark_jax.decoding.sampling import SamplingArrays, accept_sampled, process_logits
+from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, confidence_lengths, survival
 from tests.helpers import perturb
 
 V, GAMMA, K = 5, 3, 2  # vocabulary, draft length, number of leading emitted tokens compared
@@ -76,6 +77,68 @@ def test_chain_rejection_sampling_is_lossless():
     # the same test detects a 2% bias in the acceptance test (u * 0.98 accepts slightly too often)
     biased = np.asarray(simulate(logp, logq, jax.random.key(1), 400_000, u_scale=0.98))
     assert chi2_pvalue(biased, logp) < 1e-6
+
+
+R = 4  # requests scheduled together in ``simulate_scheduled``
+STEEP = SPSTable(tokens=tuple(range(1, R * (GAMMA + 1) + 1)),
+                 steps_per_s=tuple(1.0 / (1.0 + 0.3 * b) for b in range(1, R * (GAMMA + 1) + 1)))
+
+
+SCHEDULERS = ("random", "confidence", "lagged")
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def simulate_scheduled(logp, logq, conf, key, n, scheduler, capped=True):
+    """``simulate`` in groups of R requests whose rounds verify l_r tokens, as a ragged round does,
+    chosen by SCHEDULERS[scheduler]: "random" (l_r uniform in 1..γ+1), "confidence" (Algorithm 1
+    on the round's survivals) or "lagged" (a capacity drawn before the round, ``allocate_topk`` on
+    the round's survivals). The confidence logit of draft k is ``conf[d_{k-1}]``, so survivals
+    depend on the drafts. Target rows past l_r - 1 are zero logits (rows a packed verify does not
+    compute); acceptance is capped at l_r - 1 (``capped`` False: not capped, the bug to catch)."""
+
+    def group(key):
+        def round_(carry, key):
+            out, count, prev = carry  # [R, K], [R], [R]
+            kd, ku, kb, kc = jax.random.split(key, 4)
+            drafts, cur = [], prev
+            for k in range(GAMMA):
+                cur = jax.random.categorical(jax.random.fold_in(kd, k), logq[cur])
+                drafts.append(cur)
+            drafts = jnp.stack(drafts, axis=1)  # [R, γ]
+            path = jnp.concatenate([prev[:, None], drafts], axis=1)
+            surv = survival(conf[path[:, :-1]])
+            active = jnp.ones((R,), bool)
+            lens = jnp.stack([jax.random.randint(kc, (R,), 1, GAMMA + 2), confidence_lengths(surv, active, STEEP),
+                              allocate_topk(surv, active, jax.random.randint(kc, (), 0, R * GAMMA + 1))])[scheduler]
+            col = jnp.arange(GAMMA + 1)[None]
+            p_rows = jnp.where((col < lens[:, None])[..., None], logp[path], 0.0)
+            u = jax.random.uniform(ku, (R, GAMMA))
+            a, resid = accept_sampled(drafts, logq[path[:, :-1]], p_rows, u, jnp.where(capped, lens - 1, GAMMA))
+            bonus = jax.random.categorical(kb, resid).astype(jnp.int32)
+            emitted = jnp.where(col < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
+            for j in range(GAMMA + 1):
+                take = (j <= a) & (count + j < K)
+                out = jnp.where(take[:, None] & (jnp.arange(K)[None] == (count + j)[:, None]), emitted[:, j:j + 1], out)
+            return (out, count + a + 1, bonus), None
+
+        init = (jnp.zeros((R, K), jnp.int32), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32))
+        (out, _, _), _ = jax.lax.scan(round_, init, jax.random.split(key, K))
+        return out
+
+    return jax.vmap(group)(jax.random.split(key, n // R)).reshape(n, K)
+
+
+def test_ragged_verify_sampling_is_lossless():
+    """Verify lengths per request fixed before the drafts (random), by Algorithm 1 with early
+    stopping, or by a lagged capacity allocated on the current survivals: the emitted tokens
+    follow the target distribution; without the cap at l_r - 1 they do not."""
+    logp, logq = chains(0)
+    conf = jnp.asarray(np.random.default_rng(1).normal(0.0, 2.0, V), jnp.float32)
+    for i, name in enumerate(SCHEDULERS):
+        samples = np.asarray(simulate_scheduled(logp, logq, conf, jax.random.key(2 + i), 120_000, i))
+        assert chi2_pvalue(samples, logp) > 1e-3, name
+    uncapped = np.asarray(simulate_scheduled(logp, logq, conf, jax.random.key(9), 40_000, 0, capped=False))
+    assert chi2_pvalue(uncapped, logp) < 1e-6
 
 
 def test_processing_applies_top_k_and_top_p():

@@ -13,6 +13,7 @@ import dspark_jax
 from dspark_jax import SamplingParams, config
 from dspark_jax.cache import init_cache
 from dspark_jax.decoding import generate as gen
+from dspark_jax.decoding.scheduler import SPSTable
 from dspark_jax.memory import plan, plan_slots
 from dspark_jax.model.dspark import init_draft_cache
 
@@ -80,6 +81,20 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     long_steps = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1][1] > 0][:3]
     assert [log[i][1][1] for i in long_steps] == [16, 16, 8]
     assert all(("round",) in log[a:b] for a, b in zip(long_steps, long_steps[1:]))
+
+    # the lagged scheduler (ragged verify; capacity from survivals two rounds old, history kept
+    # per slot across requests): greedy requests as above, sampled ones end as above
+    gamma = model.config.dspark.block_size
+    table = SPSTable(tokens=(8, SLOTS * (gamma + 1)), steps_per_s=(10.0, 6.0))
+    lagged = dspark_jax.generate(prompts, model=model, sampling=params, slots=SLOTS, context=CONTEXT,
+                                 scheduler="lagged", sps_table=table)
+    for sp, r, ref in zip(params, lagged, batch):
+        assert r.finish_reason == ref.finish_reason and (r.tokens == ref.tokens if sp.temperature == 0 else
+                                                         len(r.tokens) == len(ref.tokens))
+    assert np.mean([r.stats["mean_verify_tokens"] for r in lagged]) < gamma + 1  # some rounds verified less
+    verify = {k for k in eng.compiled_shapes() if k[0] == "verify"}
+    assert {k[-1] for k in verify} == {8} and {k[0] for k in eng.compiled_shapes()} - {k[0] for k in shapes} == {
+        "draft", "verify"}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "flash"])

@@ -10,6 +10,17 @@ Target-only decoding is the same round with γ = 0 (verify = [anchor]). The host
 and reads each round's tokens one round later, so it never waits for the device in between;
 requests stop on the device (stop token ids, max_new_tokens), so a late read costs no capacity.
 
+Ragged verify (schedulers "confidence" / "lagged", or verify lengths from the host): slot r
+verifies its first l_r tokens [anchor, d_1 .. d_{l_r - 1}], 0 <= l_r <= γ + 1, the tokens of all
+slots front-packed on one axis of a power-of-2 bucket (``verify_bucket``; ``model.common.Packing``):
+token-wise layers (projections, MoE, mHC, norms, lm_head) run on the packed tokens, attention
+through ``cu_q_lens``, the caches' writes per request (``Chunk.unpack``); acceptance is capped at
+l_r - 1. Such a round is two programs, the draft (compiled once per pool) and the verify /
+accept / commit of one bucket. The static round (every slot verifies γ + 1) stays one program in
+the per-request layout: it needs no gathers and its results stay as they were, and the packed
+round at the top bucket is no faster (CPU: equal within noise; benchmarks/serving.py
+--schedulers prints both).
+
 The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
 back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
 rounds run over the whole pool, slots without a running request committing nothing; the host
@@ -32,6 +43,8 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
+from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, confidence_lengths, survival
+from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
 
@@ -40,6 +53,8 @@ PREFILL_TOKENS = 2048  # rows x chunk width of one prefill program (its activati
 MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to ``Engine.chunk_limit``
 STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
+MIN_VERIFY_BUCKET = 8  # packed verify widths are powers of 2 from here (see ``verify_bucket``)
+SCHEDULERS = ("static", "confidence", "lagged")
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +77,7 @@ class RoundOutput:
     n_new: Int[Array, " b"]  # a + 1 for active requests, else 0
     accepted: Int[Array, " b"]  # a: drafts accepted
     confidence: Float[Array, "b g"]  # raw confidence logits of the drafts (empty when γ = 0)
+    verify_lens: Int[Array, " b"]  # tokens verified (anchor + drafts), 0 for slots without a running request
 
 
 # A drafter maps (model, draft cache, anchor [b], lengths [b], pick) to a DraftOutput.
@@ -103,12 +119,23 @@ class Engine:
     (seed, position, STREAM_PROFILE), so runs are deterministic. The bonus token is the target's
     token after those a drafts (argmax, or a draw for sampled requests). The emitted tokens are then
     NOT the target's: this exists only to time decoding at a given accept length (E[a] = sum p_i).
+
+    scheduler: how many tokens each slot verifies per round by default (``serving.serve`` and
+    ``generate`` take it per call too): "static" (γ + 1 each, the per-request layout),
+    "confidence" (Algorithm 1 on the round's own confidences: ``round_confidence``) or "lagged"
+    (capacity from confidences two rounds old, allocated by the current ones: ``round_lagged``),
+    with the rounds-per-second table ``sps_table`` (``scheduler.SPSTable``; None or uninitialised:
+    every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
-                 accept_profile: tuple[float, ...] | None = None):
+                 accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
+                 sps_table: SPSTable | None = None):
         cfg = model.config
+        check_scheduler(scheduler, gamma)
+        self.scheduler, self.sps_table = scheduler, sps_table
+        self.temperatures = model.sts_temperatures if drafter is None else None  # STS of the model's drafter
         if gamma > 0 and drafter is None and cfg.dspark is None:
             raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
         if gamma < 0 or (gamma > 0 and drafter is None and gamma != cfg.dspark.block_size):
@@ -129,6 +156,9 @@ class Engine:
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
                               static_argnames=("sampled", "top_k", "top_p"))
+        self._draft_step = jax.jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "table"))
+        self._verify_step = jax.jit(scoped(self._verify_impl), donate_argnums=(1,),
+                                    static_argnames=("sampled", "top_k", "top_p", "tokens"))
 
     # ------------------------------------------------------------------ device functions
     def _prefill_impl(self, state, bs: BatchState, ids, n_valid, last_logits, is_last):
@@ -167,72 +197,128 @@ class Engine:
             stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling)))
 
     def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
-        """One round; its phases are named scopes ("draft", "verify", "accept_commit") so that a
-        device profile can attribute every kernel (benchmarks/profile_step.py)."""
+        """One round in which every slot verifies γ + 1 tokens (per-request layout [slots, γ + 1]);
+        its phases are named scopes ("draft", "verify", "accept_commit") so that a device profile
+        can attribute every kernel (benchmarks/profile_step.py)."""
         model = nnx.merge(self.model.graphdef, state)
-        sp, g = bs.sampling, self.gamma
-        lengths = bs.cache.lengths
-        b = lengths.shape[0]
-        proc = functools.partial(process_logits, sp=sp, use_top_k=top_k, use_top_p=top_p)
-
-        if g > 0:
-            def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1
-                if not sampled:  # every request is greedy: no draws to make
-                    return jnp.argmax(proc(logits_k), axis=-1).astype(jnp.int32)
-                return pick_tokens(request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT), proc(logits_k), sp.greedy)
-
-            with jax.named_scope("draft"):
-                d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
-            drafts, q_logits, conf = d.tokens, d.logits, d.confidence
-        else:
-            drafts = jnp.zeros((b, 0), jnp.int32)
-            q_logits = jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32)
-            conf = jnp.zeros((b, 0), jnp.float32)
-
+        proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
+        with jax.named_scope("draft"):
+            drafts, q_logits, conf = self._draft_tokens(model, bs, proc, sampled)
         with jax.named_scope("verify"):
-            ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
-            logits, hid, cache = model.forward(ids, jnp.full((b,), g + 1, jnp.int32), bs.cache, capture=self.capture)
+            logits, hid, cache, _ = self._verify(model, bs, drafts, None, None)
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
 
-    def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool):
-        """Acceptance (greedy or chain rejection sampling), the emitted tokens, and the commit."""
+    def _draft_impl(self, state, bs: BatchState, *, top_k: bool, top_p: bool, table: tuple | None):
+        """The first program of a ragged round: the draft phase, and with an SPS table ``table`` =
+        (tokens, steps_per_s) the verify lengths of Algorithm 1 (early stopping) on its confidences."""
+        model = nnx.merge(self.model.graphdef, state)
+        proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
+        with jax.named_scope("draft"):
+            drafted = self._draft_tokens(model, bs, proc)
+        if table is None:
+            return drafted, None
+        sps = SPSTable(tokens=table[0], steps_per_s=table[1])
+        return drafted, confidence_lengths(survival(drafted[2], self.temperatures), bs.active, sps)
+
+    def _verify_impl(self, state, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
+                     top_p: bool, tokens: int):
+        """The second program of a ragged round: verify packed on ``tokens`` rows, acceptance and
+        commit. Slot r verifies its first l_r tokens (anchor and drafts; 0 = none: the slot
+        commits nothing this round; slots without a running request verify nothing): l_r =
+        ``verify_lens[r]``, or for ``capacity`` >= 0 (lagged) 1 + the slot's drafts among the
+        capacity's best by this round's survivals (``scheduler.allocate_topk``)."""
+        model = nnx.merge(self.model.graphdef, state)
+        proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
+        drafts, q_logits, conf = drafted
+        if self.gamma > 0:
+            top = allocate_topk(survival(conf, self.temperatures), bs.active, jnp.maximum(capacity, 0))
+            verify_lens = jnp.where(capacity >= 0, top, verify_lens)
+        lens = jnp.where(bs.active, verify_lens, 0).astype(jnp.int32)
+        with jax.named_scope("verify"):
+            logits, hid, cache, packing = self._verify(model, bs, drafts, lens, tokens)
+        with jax.named_scope("accept_commit"):
+            return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled,
+                                       lens, packing)
+
+    def _draft_tokens(self, model, bs: BatchState, proc, sampled: bool = True):
+        """d_1..d_γ [b, γ], the logits they were drawn from [b, γ, v] and their confidences [b, γ]
+        (sampled False: every request is greedy, the drafts are argmaxes and no draws are made)."""
+        sp, g, lengths = bs.sampling, self.gamma, bs.cache.lengths
+        b = lengths.shape[0]
+        if g == 0:
+            return (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, model.cfg.vocab_size), jnp.float32),
+                    jnp.zeros((b, 0), jnp.float32))
+
+        def pick(logits_k, k):  # d_{k+1} sits at position L + k + 1, drawn by this round (sampling.py)
+            if not sampled:
+                return jnp.argmax(proc(logits_k), axis=-1).astype(jnp.int32)
+            keys = request_keys(sp.seed, lengths + k + 1, STREAM_DRAFT, round_start=lengths)
+            return pick_tokens(keys, proc(logits_k), sp.greedy)
+
+        d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
+        return d.tokens, d.logits, d.confidence
+
+    def _verify(self, model, bs: BatchState, drafts, lens, tokens: int | None):
+        """Target forward on [anchor, d_1..d_γ] at positions L..L+γ: all of them per request
+        (``lens`` None), or the first lens[r] of slot r packed on ``tokens`` rows. Returns logits
+        [b, γ + 1, v] (rows not verified: 0), captured hidden (in the layout of the forward), the
+        cache with the rows written tentatively, and the packing (None: per request)."""
+        ids = jnp.concatenate([bs.anchor[:, None], drafts], axis=1)
+        b, width = ids.shape
+        if lens is None:
+            logits, hid, cache = model.forward(ids, jnp.full((b,), width, jnp.int32), bs.cache, capture=self.capture)
+            return logits, hid, cache, None
+        packing = Packing.from_lens(lens, width=width, tokens=tokens)
+        logits, hid, cache = model.forward(packing.pack(ids), lens, bs.cache, capture=self.capture, packing=packing)
+        return packing.unpack(logits), hid, cache, packing
+
+    def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool,
+                       lens=None, packing: Packing | None = None):
+        """Acceptance (greedy or chain rejection sampling) of at most lens - 1 drafts (``lens``
+        None: all γ), the emitted tokens, and the commit (slots verifying nothing commit nothing)."""
         sp, g = bs.sampling, self.gamma
         lengths, was_active = bs.cache.lengths, bs.active
         b = lengths.shape[0]
-        a, bonus = accept_greedy(drafts, logits)
+        limit = None if lens is None else lens - 1  # drafts verified
+        a, bonus = accept_greedy(drafts, logits, limit)
         if sampled:
             u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_ACCEPT))
                            for k in range(g)] + [jnp.zeros((b,))], axis=1)[:, :g]
-            a_s, resid = accept_sampled(drafts, proc(q_logits), proc(logits), u)
+            a_s, resid = accept_sampled(drafts, proc(q_logits), proc(logits), u, limit)
             keys = request_keys(sp.seed, lengths + a_s + 1, STREAM_BONUS)  # the bonus sits at L + a + 1
             bonus_s = jax.vmap(jax.random.categorical)(keys, resid).astype(jnp.int32)
             a, bonus = jnp.where(sp.greedy, a, a_s), jnp.where(sp.greedy, bonus, bonus_s)
 
         if self.accept_profile is not None:  # benchmark only: a from the profile, not from the drafts
-            a, bonus = self._profile_accept(sp, lengths, logits, proc, sampled)
+            a, bonus = self._profile_accept(sp, lengths, logits, proc, sampled, limit)
 
-        n_new = jnp.where(was_active, a + 1, 0)
+        commits = was_active if lens is None else was_active & (lens > 0)
+        n_new = jnp.where(commits, a + 1, 0)
         col = jnp.arange(g + 1)[None]
         tokens = jnp.where(col < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
         tokens = jnp.where(col < n_new[:, None], tokens, -1)
         draft = bs.draft
         if self.uses_rings:
-            draft = write_context(model.mtp, draft, hid, lengths, n_new)
+            draft = write_context(model.mtp, draft, hid, lengths, n_new, packing)
         n_gen = bs.n_generated + n_new
         active = was_active & (n_gen < bs.max_new) & ~_stopped(tokens, col < n_new[:, None], bs.stop_ids)
         bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
-                                 anchor=jnp.where(was_active, bonus, bs.anchor))
-        out = RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(was_active, a, 0), confidence=conf)
-        return self._placed(bs), out
+                                 anchor=jnp.where(commits, bonus, bs.anchor))
+        verified = jnp.where(was_active, g + 1, 0) if lens is None else lens
+        return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(commits, a, 0),
+                                             confidence=conf, verify_lens=verified.astype(jnp.int32))
 
-    def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool):
-        """Accepted drafts drawn from ``accept_profile`` (benchmark only) and the bonus token after them."""
+    def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool, limit=None):
+        """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``) and
+        the bonus token after them."""
         g = self.gamma
         u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_PROFILE))
                        for k in range(g)], axis=1)  # [b, γ]
         passed = u < jnp.asarray(self._profile_cond, jnp.float32)[None]
         a = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
+        if limit is not None:
+            a = jnp.minimum(a, jnp.maximum(limit, 0))
         row = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]  # target logits after a drafts
         bonus = jnp.argmax(row, axis=-1).astype(jnp.int32)
         if sampled:
@@ -345,9 +431,71 @@ class Engine:
         fit = max(1, self.prefill_tokens // max(rows, 1))
         return max(MIN_PREFILL_CHUNK, min(self.prefill_chunk, 1 << (fit.bit_length() - 1)))
 
-    def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
-        self._shapes.add(("round", bs.anchor.shape[0], bs.cache.max_len, sampled, top_k, top_p))
-        return self._round(self.model.state, bs, sampled=sampled, top_k=top_k, top_p=top_p)
+    def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool,
+              verify_lens: np.ndarray | None = None) -> tuple[BatchState, RoundOutput]:
+        """One decoding round over the pool. verify_lens None: every slot verifies γ + 1 tokens
+        (one program, the per-request layout). verify_lens [slots] in [0, γ + 1]: ragged verify,
+        slot r verifying its anchor and first verify_lens[r] - 1 drafts (0: the slot commits
+        nothing this round; slots without a running request verify nothing whatever they are
+        given), packed on ``verify_bucket(sum)`` rows (see ``_ragged_round``)."""
+        b, max_len = bs.anchor.shape[0], bs.cache.max_len
+        flags = dict(sampled=sampled, top_k=top_k, top_p=top_p)
+        if verify_lens is None:
+            self._shapes.add(("round", b, max_len, sampled, top_k, top_p))
+            return self._round(self.model.state, bs, **flags)
+        lens = np.asarray(verify_lens)
+        if lens.shape != (b,) or not np.issubdtype(lens.dtype, np.integer):
+            raise ValueError(f"verify_lens must be integers of shape ({b},) (one per slot), got {lens.dtype} "
+                             f"{lens.shape}")
+        if lens.min() < 0 or lens.max() > self.gamma + 1:
+            raise ValueError(f"verify_lens must lie in [0, gamma + 1 = {self.gamma + 1}], got {lens.tolist()}")
+        drafted, _ = self._draft_program(bs, top_k, top_p, None)
+        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), **flags)
+
+    def round_lagged(self, bs: BatchState, capacity: int, busy: int, *, sampled: bool, top_k: bool,
+                     top_p: bool) -> tuple[BatchState, RoundOutput]:
+        """A ragged round of the lagged scheduler: ``capacity`` drafts in total (decided on the
+        host, ``scheduler.lagged_capacity``), given on the device to the best by the round's own
+        survivals (``scheduler.allocate_topk``). ``busy`` (slots that may hold a running request)
+        + capacity bounds the tokens, so the bucket is known before the round: no host sync."""
+        b = bs.anchor.shape[0]
+        if not 0 <= busy <= b or capacity < 0:
+            raise ValueError(f"need 0 <= busy <= {b} slots and capacity >= 0, got busy={busy}, capacity={capacity}")
+        capacity = min(int(capacity), busy * self.gamma)
+        drafted, _ = self._draft_program(bs, top_k, top_p, None)
+        return self._ragged_round(bs, drafted, jnp.zeros((b,), jnp.int32), capacity, busy + capacity,
+                                  sampled=sampled, top_k=top_k, top_p=top_p)
+
+    def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
+                         top_p: bool) -> tuple[BatchState, RoundOutput]:
+        """A ragged round of the confidence scheduler: the draft program also runs Algorithm 1
+        on its confidences (``scheduler.confidence_lengths``); the host waits for the lengths,
+        the only host sync of any round, to pick the verify bucket of their sum."""
+        if not table.initialised:
+            raise ValueError("the confidence scheduler needs an initialised SPS table")
+        table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
+        drafted, lens = self._draft_program(bs, top_k, top_p, (table.tokens, table.steps_per_s))
+        return self._ragged_round(bs, drafted, lens, -1, int(np.asarray(lens).sum()), sampled=sampled,
+                                  top_k=top_k, top_p=top_p)
+
+    def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: tuple | None):
+        if self.mesh is not None:  # the first step of every ragged round
+            raise NotImplementedError("ragged verify (verify_lens, the confidence and lagged schedulers) does not "
+                                      "run on a mesh yet: use the static scheduler with a sharded model")
+        self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
+        return self._draft_step(self.model.state, bs, top_k=top_k, top_p=top_p, table=table)
+
+    def _ragged_round(self, bs: BatchState, drafted, verify_lens, capacity: int, tokens: int, *, sampled: bool,
+                      top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
+        """Ragged rounds run as two programs: the draft (one per pool and flags) and the verify /
+        accept / commit of one token bucket (``verify_bucket``), whatever decides the lengths, so
+        the drafter compiles once for all buckets; without the confidence scheduler's sync the
+        host dispatches both at once."""
+        b = bs.anchor.shape[0]
+        bucket = verify_bucket(tokens, b, self.gamma)
+        self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
+        return self._verify_step(self.model.state, bs, drafted, verify_lens, jnp.int32(capacity), sampled=sampled,
+                                 top_k=top_k, top_p=top_p, tokens=bucket)
 
     def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
         """The round variant to run for requests that need these flags: a compiled variant for
@@ -355,22 +503,27 @@ class Engine:
         tokens: greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the
         narrowest such; else exactly the flags needed (compiled on first use)."""
         need = (sampled, top_k, top_p)
-        have = [k[3:] for k in self._shapes
-                if k[:3] == ("round", slots, max_len) and all(h >= n for h, n in zip(k[3:], need))]
+        have = [k[3:6] for k in self._shapes if k[0] in ("round", "verify") and k[1:3] == (slots, max_len)
+                and all(h >= n for h, n in zip(k[3:6], need))]
         pick = min(have, key=sum) if have else need
         return dict(zip(("sampled", "top_k", "top_p"), pick))
 
     def compilations(self) -> int:
-        """Number of distinct compiled round functions so far (for recompilation checks)."""
-        return self._round._cache_size()
+        """Number of distinct compiled round functions so far, ragged rounds' draft and verify
+        programs included (for recompilation checks)."""
+        return sum(f._cache_size() for f in (self._round, self._draft_step, self._verify_step))
 
     def compiled_programs(self) -> int:
-        """Number of distinct compiled programs of every kind (prefill, first, admit, round)."""
-        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round))
+        """Number of distinct compiled programs of every kind (prefill, first, admit, round, and the
+        draft and verify programs of ragged rounds)."""
+        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round, self._draft_step,
+                                             self._verify_step))
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
-        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p)."""
+        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
+        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with Algorithm 1)
+        and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
         return frozenset(self._shapes)
 
 
@@ -378,3 +531,25 @@ def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
     """Prefill chunk width for ``tokens`` prompt tokens: the smallest power of 2 >= tokens (at
     least MIN_PREFILL_CHUNK), at most ``limit`` (longer prompts take several chunks)."""
     return min(limit, max(MIN_PREFILL_CHUNK, 1 << (tokens - 1).bit_length()))
+
+
+def check_scheduler(scheduler: str, gamma: int) -> None:
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+    if scheduler != "static" and gamma == 0:
+        raise ValueError(f"the {scheduler!r} scheduler needs speculative decoding (gamma > 0)")
+
+
+def verify_bucket(tokens: int, slots: int, gamma: int) -> int:
+    """Rows of a packed verify holding ``tokens`` verify tokens of a pool of ``slots`` slots: the
+    smallest power of 2 >= tokens (at least MIN_VERIFY_BUCKET), at most slots x (γ + 1) (every
+    slot verifying everything). A pool compiles at most log2(slots x (γ + 1) / 8) + 2 buckets."""
+    top = slots * (gamma + 1)
+    if not 0 <= tokens <= top:
+        raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
+    return min(top, max(MIN_VERIFY_BUCKET, 1 << max(tokens - 1, 0).bit_length()))
+
+
+def verify_buckets(slots: int, gamma: int) -> tuple[int, ...]:
+    """Every bucket ``verify_bucket`` can give a pool of ``slots`` slots, ascending."""
+    return tuple(sorted({verify_bucket(t, slots, gamma) for t in range(slots * (gamma + 1) + 1)}))

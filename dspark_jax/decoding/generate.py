@@ -13,10 +13,11 @@ import numpy as np
 
 from dspark_jax.api import InputError, Model, check_int, check_kv_cache, load
 from dspark_jax.config import MAX_VERIFY_TOKENS
-from dspark_jax.decoding.engine import Engine
+from dspark_jax.decoding.engine import SCHEDULERS, Engine
 from dspark_jax.decoding.progress import CompileWatch, TokenBar
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.decoding.serving import serve
+from dspark_jax.decoding.scheduler import SPSTable
+from dspark_jax.decoding.serving import profile_sps, serve
 from dspark_jax.memory import plan_slots
 from dspark_jax.sharding import model_mesh, shard_model
 
@@ -107,6 +108,19 @@ def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine
     if key not in cache:
         cache[key] = Engine(model, gamma=gamma, drafter=drafter, kv_layout=kv_cache)
     return cache[key]
+
+
+def sps_table(model=None, *, slots: int, context: int, kv_cache: str = "bf16", repeats: int = 5) -> SPSTable:
+    """The rounds-per-second table of DSpark decoding with ``slots`` slots of ``context`` tokens
+    (``serving.profile_sps``: a real ragged round timed at every token bucket of that pool), for
+    ``generate(..., scheduler=..., sps_table=)``; ``SPSTable.save`` / ``load`` keep it. Uses the
+    engine ``generate`` uses, so the programs compiled here serve later calls."""
+    model = resolve_model(model)
+    if model.config.dspark is None:
+        raise InputError("this checkpoint has no DSpark drafter (no mtp.* stages): nothing to schedule")
+    check_kv_cache(kv_cache)
+    engine = _engine(model, model.config.dspark.block_size, None, kv_cache)
+    return profile_sps(engine, check_int("slots", slots, lo=1), check_int("context", context, lo=1), repeats=repeats)
 
 
 def cache_length(config, ids: list[np.ndarray], params: list[SamplingParams]) -> int:
@@ -228,7 +242,8 @@ def _histogram_stats(accept: list[int], gamma: int) -> dict[str, Any]:
 def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
              speculative: bool = True, mesh=None, seed: int = 0, progress: bool = False, kv_cache: str = "bf16",
              drafter=None, slots: int | None = None, context: int | None = None,
-             memory_budget: int | None = None) -> list[Result]:
+             memory_budget: int | None = None, scheduler: str = "static",
+             sps_table: SPSTable | None = None) -> list[Result]:
     """Generate continuations for any number of prompts.
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
@@ -253,6 +268,13 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     90% of the free device memory) by ``memory.plan_slots`` for this context and KV layout.
     Calls with the same slots and context reuse every compiled program.
 
+    scheduler: how many drafts each round verifies: "static" (all γ), "confidence" (the DSpark
+    paper's Algorithm 1 on the round's confidences, early stopping) or "lagged" (a capacity from
+    confidences two rounds old, given to the drafts of highest current confidence); both trade
+    verify work for accepted tokens by the rounds-per-second table ``sps_table``
+    (``dspark_jax.decoding.scheduler.SPSTable``, e.g. from ``scheduler.profile``; without one they
+    verify everything, with a warning). Every scheduler is lossless.
+
     Lossless: sampled output follows the target distribution exactly, and greedy output is the
     argmax of the target's logits at every step. Whether those logits, hence the greedy tokens,
     are the same as target-only decoding computes them depends on the arithmetic: in float32 on
@@ -264,7 +286,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
 
     Each ``Result.stats`` holds: ``new_tokens``, ``prompt_tokens``, ``gamma``, ``rounds``,
     ``mean_accept_length`` (tokens per round, bonus included), ``accept_length_histogram``,
-    ``per_position_acceptance``, ``mean_confidence`` (DSpark), ``compile_s`` (seconds this call
+    ``per_position_acceptance``, ``mean_verify_tokens`` (tokens verified per round, anchor
+    included), ``mean_confidence`` (DSpark), ``compile_s`` (seconds this call
     spent tracing and compiling, or loading compiled programs from the disk cache; 0 when every
     program was compiled by an earlier call), ``prefill_s`` (from taking a slot to the first
     token) and ``decode_s`` (from there to the last token), both without compile time,
@@ -274,6 +297,10 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     params = _sampling_list(sampling, len(prompts))
     seed = check_int("seed", seed)
     check_kv_cache(kv_cache)
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+    if sps_table is not None and not isinstance(sps_table, SPSTable):
+        raise InputError(f"sps_table must be a dspark_jax.decoding.scheduler.SPSTable, got {type(sps_table).__name__}")
     model = resolve_model(model, progress)
     if mesh is not None and model_mesh(model) is not mesh:
         model = _sharded(model, mesh)
@@ -285,6 +312,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         if cfg.dspark is None and drafter is None:
             raise InputError("this checkpoint has no DSpark drafter (no mtp.* stages); use speculative=False")
         gamma = cfg.dspark.block_size if drafter is None else drafter.gamma
+    elif scheduler != "static":
+        raise InputError(f"the {scheduler!r} scheduler needs speculative decoding")
     for i, (p, sp) in enumerate(zip(ids, params)):
         if len(p) + sp.max_new_tokens > cfg.max_position_embeddings:
             raise InputError(f"request {i}: prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
@@ -308,7 +337,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         watch.on_start = bar.compiling
         try:
             out = serve(engine, ids, params, seeds, slots=slots, max_len=context, tokenizer=model.tokenizer,
-                        on_progress=bar.show, track_confidence=drafter is None)
+                        on_progress=bar.show, track_confidence=drafter is None, scheduler=scheduler,
+                        sps_table=sps_table)
         finally:
             bar.close()
 
@@ -320,6 +350,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         prefill_s = t_first - t_in - watch.seconds(t_in, t_first)
         decode_s = t_end - t_first - watch.seconds(t_first, t_end)
         stats = _histogram_stats(out.accepts[i], gamma)
+        stats["mean_verify_tokens"] = float(np.mean(out.verified[i])) if out.verified[i] else float("nan")
         stats.update(_confidence_stats(out.confidences[i], model.sts_temperatures))
         tokens = out.tokens[i]
         stats.update(new_tokens=len(tokens), prompt_tokens=int(len(ids[i])), compile_s=compile_s,

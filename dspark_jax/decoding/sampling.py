@@ -22,7 +22,10 @@ from jaxtyping import Array, Bool, Float, Int
 # Random streams: the randomness deciding the token at absolute position x of a request comes from
 # key(seed, x, stream), one stream per purpose. A round starting at committed length L uses
 # positions L+1 .. L+a+1 only for what reaches the output, and the next round starts at L+a+1, so
-# no randomness is ever reused for a decision that shows in the emitted tokens.
+# no randomness is ever reused for a decision that shows in the emitted tokens. Draft draws are
+# also keyed by the round (its L): the drafts past the accepted ones are not emitted but set the
+# round's confidences, which the lagged scheduler reads two rounds later; a later round drafting
+# the same positions must not draw them again, or its verify lengths could depend on its drafts.
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_BONUS = 1, 2, 3
 
 
@@ -94,12 +97,15 @@ class SamplingArrays:
         return self.temperature <= 0.0
 
 
-def request_keys(seed: Int[Array, " b"], position: Int[Array, " b"], stream: int) -> Array:
-    """Keys per request for the token at ``position``, derived from (seed, position, stream) only, so
-    results do not depend on which other requests share the batch."""
+def request_keys(seed: Int[Array, " b"], position: Int[Array, " b"], stream: int,
+                 round_start: Int[Array, " b"] | None = None) -> Array:
+    """Keys per request for the token at ``position``, derived from (seed, position, stream) and, if
+    given, the committed length ``round_start`` of the round drawing it, only, so results do not
+    depend on which other requests share the batch."""
     def one(s, p):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), stream)
-    return jax.vmap(one)(seed.astype(jnp.uint32), position)
+    keys = jax.vmap(one)(seed.astype(jnp.uint32), position)
+    return keys if round_start is None else jax.vmap(jax.random.fold_in)(keys, round_start)
 
 
 def process_logits(logits: Float[Array, "b ... v"], sp: SamplingArrays, *, use_top_k: bool = True,
@@ -132,32 +138,43 @@ def pick_tokens(keys: Array, processed: Float[Array, "b v"], greedy: Bool[Array,
     return jnp.where(greedy, jnp.argmax(processed, axis=-1), drawn).astype(jnp.int32)
 
 
-def accept_greedy(drafts: Int[Array, "b g"], target_logits: Float[Array, "b g1 v"]
-                  ) -> tuple[Int[Array, " b"], Int[Array, " b"]]:
-    """Longest prefix with d_k == argmax of target row k-1; bonus = argmax of row a."""
+def _verified(drafts: Int[Array, "b g"], limit: Int[Array, " b"] | None) -> Int[Array, " b"]:
+    g = drafts.shape[1]
+    return jnp.full(drafts.shape[:1], g, jnp.int32) if limit is None else jnp.clip(limit, 0, g).astype(jnp.int32)
+
+
+def accept_greedy(drafts: Int[Array, "b g"], target_logits: Float[Array, "b g1 v"],
+                  limit: Int[Array, " b"] | None = None) -> tuple[Int[Array, " b"], Int[Array, " b"]]:
+    """Longest prefix with d_k == argmax of target row k-1, at most ``limit`` drafts (the drafts
+    verified: rows 0..limit of the target are real; default all); bonus = argmax of row a."""
     best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, γ+1]
     ok = drafts == best[:, :-1]
-    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    a = jnp.minimum(jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1), _verified(drafts, limit))
     return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
 
 
 def accept_sampled(drafts: Int[Array, "b g"], q_logits: Float[Array, "b g v"], p_logits: Float[Array, "b g1 v"],
-                   uniforms: Float[Array, "b g"]) -> tuple[Int[Array, " b"], Float[Array, "b v"]]:
-    """Chain rejection sampling on processed logits (draft q for d_1..d_γ, target p rows 0..γ).
+                   uniforms: Float[Array, "b g"], limit: Int[Array, " b"] | None = None
+                   ) -> tuple[Int[Array, " b"], Float[Array, "b v"]]:
+    """Chain rejection sampling on processed logits (draft q for d_1..d_γ, target p rows 0..γ) over
+    the first ``limit`` drafts (the drafts verified; default all: target rows past limit are
+    not used).
 
     Returns the number of accepted drafts a and the log-distribution of the bonus token: the
-    residual max(p_a - q_{a+1}, 0) after a rejection, p_γ when every draft passed.
+    residual max(p_a - q_{a+1}, 0) after a rejection, p_a when every verified draft passed.
     """
     q = jax.nn.softmax(q_logits, axis=-1)
     p = jax.nn.softmax(p_logits, axis=-1)
     g = drafts.shape[1]
+    verified = _verified(drafts, limit)
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
     ok = uniforms * q_d < p_d
-    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    a = jnp.minimum(jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1), verified)
     p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [b, v]
     q_a = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1), a[:, None, None], axis=1)[:, 0]
-    resid = jnp.maximum(p_a - q_a, 0.0)  # q_a = 0 when all drafts passed: plain p_γ
+    q_a = jnp.where((a < verified)[:, None], q_a, 0.0)
+    resid = jnp.maximum(p_a - q_a, 0.0)  # q_a = 0 when all verified drafts passed: plain p_a
     mass = jnp.sum(resid, axis=-1, keepdims=True)
     resid = jnp.where(mass > 1e-12, resid / jnp.maximum(mass, 1e-30), p_a)
     return a, jnp.log(resid)

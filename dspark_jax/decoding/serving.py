@@ -15,9 +15,13 @@ compressor rings, draft rings). A request takes a free slot; its slot's length g
     frees the slots of requests that finished.
 
 Every call has one of a fixed set of shapes: S slots x (a power-of-2 prefill chunk, or the
-round's γ + 1 tokens), with the cache length fixed for the pool; nothing recompiles as requests
-come and go. Randomness is keyed by (request seed, position), so a request's tokens do not
-depend on its slot, its neighbours or when it entered.
+round's γ + 1 tokens, or for ragged rounds one draft program and a verify program per token
+bucket: 8, 16, ... S x (γ + 1)), with the cache length fixed for the pool; nothing recompiles as
+requests come and go. The lagged scheduler keeps the survivals of past rounds per slot
+(``scheduler.SurvivalHistory``): when it schedules round t the host has read round t - 2.
+Randomness is keyed by (request seed, position), so a request's tokens do not depend on its
+slot, its neighbours or when it entered (for sampled requests under the confidence and lagged
+schedulers, whose verify lengths depend on the other requests, in distribution only).
 """
 
 from __future__ import annotations
@@ -25,12 +29,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decoding.engine import Engine, chunk_width
+from dspark_jax.config import MAX_VERIFY_TOKENS
+from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, verify_buckets
 from dspark_jax.decoding.sampling import SamplingParams
+from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity, profile,
+                                           table_key)
+from dspark_jax.train.sts import survival
 
 
 @dataclasses.dataclass
@@ -39,6 +49,7 @@ class Outputs:
 
     tokens: list[list[int]]
     accepts: list[list[int]]  # accepted drafts per round
+    verified: list[list[int]]  # tokens verified per round (anchor + drafts)
     confidences: list[list[np.ndarray]]  # raw draft confidences per round
     reason: list[str]  # "stop" or "length"
     admitted: list[float]  # when the request took a slot
@@ -66,15 +77,27 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
 
 
 def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], seeds: list[int], *, slots: int,
-          max_len: int, tokenizer=None, on_progress=None, track_confidence: bool = True) -> Outputs:
+          max_len: int, tokenizer=None, on_progress=None, track_confidence: bool = True, scheduler: str | None = None,
+          sps_table: SPSTable | None = None) -> Outputs:
     """Run every request through a pool of ``slots`` slots of ``max_len`` cache tokens each.
 
+    scheduler / sps_table: the verify lengths of the rounds (see ``Engine``; None: the engine's).
     on_progress(phase, kept, done): called after each step with the tokens each request holds.
     """
     n = len(ids)
-    out = Outputs(tokens=[[] for _ in range(n)], accepts=[[] for _ in range(n)],
+    out = Outputs(tokens=[[] for _ in range(n)], accepts=[[] for _ in range(n)], verified=[[] for _ in range(n)],
                   confidences=[[] for _ in range(n)], reason=["length"] * n, admitted=[0.0] * n, first=[0.0] * n,
                   finished=[0.0] * n)
+    scheduler = engine.scheduler if scheduler is None else scheduler
+    table = engine.sps_table if sps_table is None else sps_table
+    check_scheduler(scheduler, engine.gamma)
+    if scheduler != "static" and (table is None or not table.initialised):
+        warnings.warn(UNINITIALISED_WARNING, stacklevel=2)
+        scheduler = "static"
+    if scheduler != "static":
+        table.check_covers(slots * (engine.gamma + 1))
+    history = SurvivalHistory(slots, engine.gamma) if scheduler == "lagged" else None
+    rounds = 0  # rounds dispatched
     done = [False] * n
     flags = engine.round_flags(slots, max_len, sampled=any(p.temperature > 0 for p in params),
                                top_k=any(p.top_k > 0 for p in params),
@@ -127,9 +150,19 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                 step.append(("first", first, list(owner), is_last))
 
         # 3 one decoding round over the pool
-        if any(owner[s] >= 0 and decoding[s] for s in range(slots)):
-            bs, res = engine.round(bs, **flags)
-            step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence), list(owner)))
+        running = [owner[s] if decoding[s] else -1 for s in range(slots)]
+        if any(o >= 0 for o in running):
+            if scheduler == "static":
+                bs, res = engine.round(bs, **flags)
+            elif scheduler == "confidence":
+                bs, res = engine.round_confidence(bs, table, **flags)
+            else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
+                busy = np.asarray(running) >= 0
+                capacity = lagged_capacity(history.lagged(rounds, running), busy, table)
+                bs, res = engine.round_lagged(bs, capacity, int(busy.sum()), **flags)
+            step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence, res.verify_lens),
+                         list(owner), rounds, running))
+            rounds += 1
 
         # 4 the previous step's tokens (the device works on this step meanwhile)
         for kind, arrays, owners, *rest in pending:
@@ -140,11 +173,15 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                     out.first[i] = time.perf_counter()
                     take(i, [int(first[s])])
                 continue
-            toks, n_new, acc, conf = jax.device_get(arrays)
+            toks, n_new, acc, conf, verified = jax.device_get(arrays)
+            if history is not None:
+                temps = engine.temperatures or np.ones(engine.gamma)
+                history.record(rest[0], rest[1], n_new > 0, survival(conf, temps))
             for s, i in enumerate(owners):
                 if i < 0 or done[i] or n_new[s] == 0:
                     continue
                 out.accepts[i].append(int(acc[s]))
+                out.verified[i].append(int(verified[s]))
                 if engine.gamma and track_confidence:
                     out.confidences[i].append(conf[s])
                 take(i, [int(t) for t in toks[s, :n_new[s]]])
@@ -153,3 +190,47 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
             phase = "decode" if any(out.first) else "prefill"
             on_progress(phase, [len(t) for t in out.tokens], done)
     return out
+
+
+def decoding_pool(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, seed: int = 0):
+    """A pool of ``slots`` x ``max_len`` with every slot decoding after a ``prompt_len``-token
+    random prompt (greedy, no stops): a state to time rounds on."""
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(max_new_tokens=max_len - prompt_len - MAX_VERIFY_TOKENS, ignore_eos=True)
+    bs = engine.admit(engine.init_slots(slots, max_len), {s: (sp, s) for s in range(slots)}, np.zeros(slots, bool))
+    c = chunk_width(prompt_len, engine.chunk_limit(slots))
+    for start in range(0, prompt_len, c):
+        n = min(c, prompt_len - start)
+        ids = np.zeros((slots, c), np.int32)
+        ids[:, :n] = rng.integers(3, engine.model.config.vocab_size, (slots, n))
+        bs, _ = engine.prefill_step(bs, ids, np.full(slots, n, np.int32), np.full(slots, start + n == prompt_len))
+    return bs
+
+
+def round_seconds(engine: Engine, pool):
+    """``seconds(tokens)``: the wall time of one ragged greedy round on a copy of the state
+    ``pool`` (``decoding_pool``; the copy is not timed, and the context does not grow from call to
+    call) verifying ``tokens`` tokens in total, spread evenly over the slots, in their bucket;
+    for ``scheduler.profile``."""
+    slots, g1 = pool.anchor.shape[0], engine.gamma + 1
+
+    def seconds(tokens: int) -> float:
+        if not 1 <= tokens <= slots * g1:
+            raise ValueError(f"a pool of {slots} slots verifies 1 to {slots * g1} tokens, got {tokens}")
+        lens = np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
+        state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, pool))
+        t0 = time.perf_counter()
+        state, res = engine.round(state, sampled=False, top_k=False, top_p=False, verify_lens=lens)
+        jax.block_until_ready(res.tokens)
+        return time.perf_counter() - t0
+
+    return seconds
+
+
+def profile_sps(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, repeats: int = 5) -> SPSTable:
+    """The SPS table of ``engine`` for a pool of ``slots`` x ``max_len``: ragged rounds timed at
+    every token bucket of the pool (``round_seconds``), keyed by the device, model, γ and KV layout."""
+    key = table_key(engine.model, gamma=engine.gamma, kv_layout=engine.kv_layout)
+    seconds = round_seconds(engine, decoding_pool(engine, slots, max_len, prompt_len=prompt_len))
+    return profile(seconds, verify_buckets(slots, engine.gamma), key, repeats=repeats,
+                   meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len))

@@ -93,7 +93,7 @@ class Attention(nnx.Module):
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()
-        slots = ring_write_slots(chunk.start, chunk.n_valid, t, ring)
+        slots = ring_write_slots(chunk.start, chunk.n_valid, chunk.width, ring)  # per request
 
         new = {}
         entries = top = None
@@ -102,9 +102,9 @@ class Attention(nnx.Module):
             if self.ratio == 4:
                 top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k], -1 = none
 
-        if t <= ring - cfg.sliding_window + 1:
+        if chunk.width <= ring - cfg.sliding_window + 1:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.
-            new["window"] = write_kv(cache.window, slots, kv, impl=impl, mesh=self.mesh)
+            new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl, mesh=self.mesh)
             o = self._ragged(q, new["window"], entries, top, chunk, impl)
         else:
             # Prefill chunk: keys = the ring before the chunk + the chunk's own rows.
@@ -143,16 +143,27 @@ class Attention(nnx.Module):
 
     def _ragged(self, q, window, entries, top, chunk: Chunk, impl: str) -> Float[Array, "b t h d"]:
         """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``), per
-        device on a mesh (``per_device``)."""
+        device on a mesh (``per_device``). A packed chunk's tokens (ragged verify) go to it as they
+        are, ``cu_q_lens`` from the packing; they mix requests on one axis, so not on a mesh."""
         requests = dict(window=window, entries=entries, top=top, start=chunk.start, n_valid=chunk.n_valid)
-        return self.per_device(functools.partial(self._ragged_local, impl=impl), q,
-                               {k: v for k, v in requests.items() if v is not None})
+        requests = {k: v for k, v in requests.items() if v is not None}
+        if chunk.packing is None:
+            return self.per_device(functools.partial(self._ragged_local, impl=impl), q, requests)
+        if self.mesh is not None:
+            raise NotImplementedError("ragged verify (packed tokens) does not run on a mesh yet: use the static "
+                                      "scheduler with a sharded model")
+        return self._ragged_local(q, self.attn_sink[...], requests, impl=impl, packed_width=chunk.width)
 
-    def _ragged_local(self, q: Float[Array, "b t h d"], sink: Float[Array, " h"], r: dict, *, impl: str
-                      ) -> Float[Array, "b t h d"]:
+    def _ragged_local(self, q: Float[Array, "b t h d"], sink: Float[Array, " h"], r: dict, *, impl: str,
+                      packed_width: int | None = None) -> Float[Array, "b t h d"]:
         cfg = self.cfg
         b, t, h, d = q.shape
-        meta, pos_flat = attention_metadata.verify_dense(r["n_valid"], r["start"], width=t, window=cfg.sliding_window)
+        if packed_width is None:
+            meta, pos_flat = attention_metadata.verify_dense(r["n_valid"], r["start"], width=t,
+                                                            window=cfg.sliding_window)
+        else:
+            meta, pos_flat = attention_metadata.verify(r["n_valid"], r["start"], window=cfg.sliding_window,
+                                                       num_tokens=t, max_q_len=packed_width)
         if self.ratio == 4:
             meta = attention_metadata.with_topk_entries(meta, r["top"].reshape(b * t, -1), pos_flat)
         elif self.ratio:

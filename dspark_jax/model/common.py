@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from dspark_jax.model.quant import fp8_sim
 from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.attention_metadata import cu_from_lens, token_request
 
 
 MOE_IMPLS = ("auto", "dense", "grouped")
@@ -222,22 +223,91 @@ class Embedding(nnx.Module):
 
 @jax.tree_util.register_dataclass
 @dataclass
+class Packing:
+    """The ragged layout of a verify chunk: the tokens of b requests front-packed on one axis of
+    ``tokens`` rows (a static bucket). Request r owns rows cu[r] .. cu[r+1] - 1 (its first
+    cu[r+1] - cu[r] <= ``width`` tokens, in order); rows from cu[b] on are padding.
+
+    ``unpack`` / ``pack`` move arrays between this layout [1, T, ...] and the per-request layout
+    [b, width, ...] (rows a layout does not hold become 0)."""
+
+    cu: Int[Array, " b1"]
+    width: int = field(metadata=dict(static=True), default=1)
+    tokens: int = field(metadata=dict(static=True), default=1)
+
+    @classmethod
+    def from_lens(cls, lens: Int[Array, " b"], *, width: int, tokens: int) -> "Packing":
+        return cls(cu=cu_from_lens(lens), width=width, tokens=tokens)
+
+    @property
+    def lens(self) -> Int[Array, " b"]:
+        return self.cu[1:] - self.cu[:-1]
+
+    def _dense_rows(self) -> tuple[Int[Array, "b w"], Array]:
+        """Packed row of every (request, t) of the per-request layout and whether it exists."""
+        row = self.cu[:-1, None] + jnp.arange(self.width, dtype=jnp.int32)[None]
+        return row, row < self.cu[1:, None]
+
+    def _packed_rows(self) -> tuple[Int[Array, " T"], Int[Array, " T"], Array]:
+        """Request and index within it of every packed row, and whether the row is a real token."""
+        b = self.cu.shape[0] - 1
+        req = token_request(self.cu, self.tokens)
+        ok = req < b
+        req = jnp.minimum(req, b - 1)
+        return req, jnp.clip(jnp.arange(self.tokens, dtype=jnp.int32) - self.cu[req], 0, self.width - 1), ok
+
+    def unpack(self, x: Float[Array, "1 T ..."]) -> Float[Array, "b w ..."]:
+        row, ok = self._dense_rows()
+        y = x[0][jnp.where(ok, row, 0)]
+        return jnp.where(ok.reshape(ok.shape + (1,) * (y.ndim - 2)), y, jnp.zeros((), y.dtype))
+
+    def pack(self, x: Float[Array, "b w ..."]) -> Float[Array, "1 T ..."]:
+        req, t, ok = self._packed_rows()
+        y = x[req, t]
+        return jnp.where(ok.reshape(ok.shape + (1,) * (y.ndim - 1)), y, jnp.zeros((), y.dtype))[None]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class Chunk:
     """Where a chunk of new tokens sits: row t of request b is at position ``start[b] + t`` and is
-    real iff ``t < n_valid[b]`` (padding rows are computed but never written to any cache)."""
+    real iff ``t < n_valid[b]`` (padding rows are computed but never written to any cache).
+
+    Per-request layout (``packing`` None): ids [b, width], one row of the arrays per request.
+    Packed layout (ragged verify): ids [1, T] holding the n_valid[b] tokens of every request on
+    one axis as ``packing`` says; token-wise layers run on it unchanged, the caches' writes and
+    reads go through ``unpack`` / ``pack`` and the per-request view ``dense``."""
 
     ids: Int[Array, "b t"]
     start: Int[Array, " b"]
     n_valid: Int[Array, " b"]
+    packing: Packing | None = None
 
     @property
     def width(self) -> int:
-        return self.ids.shape[1]
+        """Rows per request in the per-request layout."""
+        return self.ids.shape[1] if self.packing is None else self.packing.width
+
+    @property
+    def dense(self) -> "Chunk":
+        """This chunk in the per-request layout (itself when it is in it)."""
+        if self.packing is None:
+            return self
+        return Chunk(ids=self.unpack(self.ids), start=self.start, n_valid=self.n_valid)
+
+    def unpack(self, x: Array) -> Array:
+        """An array of the chunk's layout [1, T, ...] or [b, t, ...] in the per-request layout."""
+        return x if self.packing is None else self.packing.unpack(x)
+
+    def pack(self, x: Array) -> Array:
+        """An array of the per-request layout [b, width, ...] in the chunk's layout."""
+        return x if self.packing is None else self.packing.pack(x)
 
     @property
     def positions(self) -> Int[Array, "b t"]:
-        return self.start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None]
+        """Positions of the chunk's rows, in its layout (packed padding rows: 0)."""
+        return self.pack(self.start[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None])
 
     @property
     def row_valid(self) -> Array:
-        return jnp.arange(self.width, dtype=jnp.int32)[None] < self.n_valid[:, None]
+        return self.pack(jnp.arange(self.width, dtype=jnp.int32)[None] < self.n_valid[:, None])

@@ -42,6 +42,7 @@ class Compressor(nnx.Module):
     def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
                  ) -> tuple[KVPool, CompressorState]:
         """Compress every window closed inside the chunk; returns all entries and the new state.
+        ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state.
 
         On a mesh every device runs it in a ``shard_map`` on its own requests (``data``; its
         weights are replicated): the work is per request, and left to the partitioner the
@@ -56,7 +57,9 @@ class Compressor(nnx.Module):
     def _compress(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
                   ) -> tuple[KVPool, CompressorState]:
         m, w = self.ratio, self.width
-        kv_new, score_new = self.wkv(x), self.wgate(x)  # [b, t, coff*w] fp32
+        # projections in the chunk's layout (packed: only the real tokens), pooling per request
+        kv_new, score_new = chunk.unpack(self.wkv(x)), chunk.unpack(self.wgate(x))  # [b, t, coff*w] fp32
+        chunk = chunk.dense
         b, t = chunk.ids.shape
         ring = state.kv.shape[1]
         start = chunk.start

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 from dspark_jax.cache import TargetCache
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.block import Block
-from dspark_jax.model.common import Chunk, Embedding, Linear, Numerics
+from dspark_jax.model.common import Chunk, Embedding, Linear, Numerics, Packing
 from dspark_jax.model.dspark import DSparkStage
 from dspark_jax.model.hyper import hc_head, hc_unit_params
 from dspark_jax.model.norms_rope import RMSNorm
@@ -52,16 +52,21 @@ class DeepSeekV4(nnx.Module):
             return self.head(self.norm(y), jnp.float32)
 
     def forward(self, ids: Int[Array, "b t"], n_valid: Int[Array, " b"], cache: TargetCache, *,
-                capture: tuple[int, ...] = (), logits: Literal["all", "last", "none"] = "all"
-                ) -> tuple[Array | None, Array | None, TargetCache]:
+                capture: tuple[int, ...] = (), logits: Literal["all", "last", "none"] = "all",
+                packing: Packing | None = None) -> tuple[Array | None, Array | None, TargetCache]:
         """Run a chunk of new tokens through all layers, writing its rows into the caches tentatively.
 
         Row t of request b sits at position ``cache.lengths[b] + t`` and is real iff t < n_valid[b].
+        With ``packing`` (ragged verify) ids are [1, T]: the n_valid[b] tokens of every request
+        packed as it says (``Packing``), and logits / hidden come back in that layout.
 
         Returns (logits [b, t, v] or [b, v] for "last" (row n_valid-1), captured hidden
         [b, t, len(capture), d] or None, updated cache with the SAME committed lengths).
         """
-        chunk = Chunk(ids=ids, start=cache.lengths, n_valid=n_valid)
+        if packing is not None and (logits == "last" or ids.shape != (1, packing.tokens)):
+            raise ValueError(f"a packed chunk needs ids of shape (1, {packing.tokens}) and logits 'all' or 'none', "
+                             f"got {ids.shape} and {logits!r}")
+        chunk = Chunk(ids=ids, start=cache.lengths, n_valid=n_valid, packing=packing)
         x = self.embed_streams(ids)
         hidden, layers = {}, []
         for i, layer in enumerate(self.layers):

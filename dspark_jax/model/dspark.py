@@ -27,7 +27,7 @@ from dspark_jax.cache import ring_write_slots, scatter_rows
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.attention import ragged_attention, sink_attention
 from dspark_jax.model.block import Block
-from dspark_jax.model.common import Linear, Numerics, matmul_f32, normal_init
+from dspark_jax.model.common import Linear, Numerics, Packing, matmul_f32, normal_init
 from dspark_jax.model.hyper import hc_head, hc_post, hc_unit_params
 from dspark_jax.model.norms_rope import RMSNorm
 from pallas_kernels import attention_metadata
@@ -124,20 +124,25 @@ def context_input(stages, hidden: Float[Array, "b t k d"]) -> Float[Array, "b t 
 
 
 def write_context(stages, cache: DraftCache, hidden: Float[Array, "b t k d"], start: Int[Array, " b"],
-                  n_commit: Int[Array, " b"]) -> DraftCache:
-    """Insert context keys of the first ``n_commit[b]`` rows (positions start[b] + t) into every ring."""
+                  n_commit: Int[Array, " b"], packing: Packing | None = None) -> DraftCache:
+    """Insert context keys of the first ``n_commit[b]`` rows (positions start[b] + t) into every ring.
+    With ``packing``, ``hidden`` is [1, T, k, d] in that layout (the keys are computed on the
+    packed rows, then written per request)."""
     with jax.named_scope("context"):
-        return _write_context(stages, cache, hidden, start, n_commit)
+        return _write_context(stages, cache, hidden, start, n_commit, packing)
 
 
 def _write_context(stages, cache: DraftCache, hidden: Float[Array, "b t k d"], start: Int[Array, " b"],
-                   n_commit: Int[Array, " b"]) -> DraftCache:
+                   n_commit: Int[Array, " b"], packing: Packing | None) -> DraftCache:
     main_x = context_input(stages, hidden)
-    t = hidden.shape[1]
+    t = hidden.shape[1] if packing is None else packing.width
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     rings = []
     for stage, ring in zip(stages, cache.rings):
-        kv = stage.attn.project_kv(main_x, pos)
+        if packing is None:
+            kv = stage.attn.project_kv(main_x, pos)
+        else:
+            kv = packing.unpack(stage.attn.project_kv(main_x, packing.pack(pos)))
         rings.append(scatter_rows(ring, ring_write_slots(start, n_commit, t, ring.shape[1]), kv))
     return DraftCache(rings=tuple(rings))
 

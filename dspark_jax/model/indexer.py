@@ -53,18 +53,18 @@ class Indexer(nnx.Module):
 
     def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
                      state: CompressorState) -> tuple[Int[Array, "b t k"], CompressorState]:
-        b, t, _ = x.shape
-        pos = chunk.positions
-        q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim)
-        q = apply_rope(q, pos, layer_inv_freq(self.cfg, 4))
+        """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
+        queries are unpacked, their picks packed back)."""
+        q = self.wq_b(qr).reshape(*x.shape[:2], self.n_heads, self.head_dim)
+        q = apply_rope(q, chunk.positions, layer_inv_freq(self.cfg, 4))
         if self.num.quant_sim:
             q = fp4_sim(hadamard(q), 32)
         keys, state = self.compressor(x, chunk, state)  # [b, n, d_I]
 
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        score = index_scores(q, read_kv(keys, q.dtype), w)  # fp8 key pools: exact in bf16
+        score = index_scores(chunk.unpack(q), read_kv(keys, q.dtype), chunk.unpack(w))  # fp8 keys: exact in bf16
         n = keys.shape[1]
-        limit = visible_entries(pos, 4)[..., None]
+        limit = visible_entries(chunk.dense.positions, 4)[..., None]
         score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)
         top = per_request(lambda sc: jax.lax.top_k(sc, min(self.topk, n))[1], self.mesh, score)
-        return jnp.where(top < limit, top, -1).astype(jnp.int32), state
+        return chunk.pack(jnp.where(top < limit, top, -1).astype(jnp.int32)), state
