@@ -2,8 +2,9 @@
 small expert-parallel config, and the collectives of a compiled decoding round (DESIGN 7).
 
 The small config takes the paths that matter under a mesh: 32 routed experts (the grouped / ragged
-MoE path, more than 16 experts), a C4 layer with its indexer, one DSpark stage, and the Pallas
-kernels (interpret mode on CPU) for the ragged attention and the grouped matmul. The Flash figures
+MoE path, more than 16 experts), a C4 layer with its indexer, one DSpark stage, the checkpoint's
+weight formats (FP8 linears, FP4 experts), and the Pallas kernels (interpret mode on CPU) for the
+ragged attention, the grouped matmul of the experts and the FP8 GEMMs of the linears. The Flash figures
 come from a round compiled for real Flash dims from abstract arrays.
 
     python -m benchmarks.sharded                       # per-device bytes, sharded == unsharded
@@ -47,24 +48,28 @@ COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "coll
 
 def small_config() -> config.ModelConfig:
     """Tiny widths, one C4 layer with its indexer and hash-routed experts, 32 routed experts, one
-    DSpark stage (window attention, learned routing). A C128 layer would add nothing here: the
-    check's 24 tokens never fill a 128-token window, so it would hold no compressed entry."""
+    DSpark stage (window attention, learned routing); 4 output groups of rank 128, so that wo_a's
+    FP8 rows split over 4 devices in whole 128-row scale blocks (its grouped GEMM per device). A
+    C128 layer would add nothing here: the check's 24 tokens never fill a 128-token window, so it
+    would hold no compressed entry."""
     ds = config.DSparkConfig(block_size=3, noise_token_id=511, target_layer_ids=(0,), markov_rank=16, num_stages=1)
     return config.tiny().replace(num_hidden_layers=1, compress_ratios=(4,), num_hash_layers=1,
-                                 n_routed_experts=32, dspark=ds)
+                                 n_routed_experts=32, o_groups=4, o_lora_rank=128, dspark=ds)
 
 
 def small_model(seed: int = 3, kernels: str = "pallas") -> dspark_jax.Model:
-    """``small_config`` in fp32 with random weights; sinks, ape, biases and hc bases made non-zero
-    (noise of 0.3 x their spread on every float array) so that a misplaced one shows."""
+    """``small_config`` in fp32 with random weights in the checkpoint's formats (FP8 linears with
+    their 128 x 128 block scales, FP4 routed experts: ``weight_format="official"``); sinks, ape,
+    biases and hc bases made non-zero (noise of 0.3 x their spread on every fp32 array) so that a
+    misplaced one shows."""
     cfg = small_config()
-    module = DeepSeekV4(cfg, Numerics(dtype=jnp.float32, param_dtype=jnp.float32, kernels=kernels),
-                        rngs=nnx.Rngs(seed))
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, weight_format="official", kernels=kernels)
+    module = DeepSeekV4(cfg, num, rngs=nnx.Rngs(seed))
     state = nnx.state(module)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     rng = np.random.default_rng(seed)  # numpy noise: no random program to compile per parameter shape
     for i, x in enumerate(leaves):
-        if jnp.issubdtype(x.dtype, jnp.floating):
+        if x.dtype == jnp.float32:
             a = np.asarray(x)
             std = max(float(a.std()), 0.05) * 0.3
             leaves[i] = jnp.asarray(a + std * rng.standard_normal(a.shape).astype(a.dtype))
@@ -165,29 +170,56 @@ def result_bytes(shape_text: str) -> int:
     return total
 
 
-def _shapes(shape_text: str) -> list[tuple[int, tuple[int, ...]]]:
-    """(itemsize, dims) of each array of an HLO result type."""
-    return [(_ITEMSIZE[dtype], tuple(int(d) for d in dims.split(",") if d))
-            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text)]
+def _dims(shape_text: str) -> list[tuple[int, ...]]:
+    """The dims of each array of an HLO type such as ``f32[8,128]{1,0}`` or a tuple of them."""
+    return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", shape_text)]
 
 
-def forbidden_gathers(hlo: str, pools, stacks) -> list[str]:
-    """The all-gathers of a compiled program that could rebuild one of ``pools`` (arrays or shape
-    structs, e.g. KV pools [requests, rows, dim]: a result of the pool's shape, or of its rows
-    flattened [requests * rows, dim], and its itemsize) or move matrices of one of ``stacks``
-    (e.g. expert weights [E, out, in]: a result of >= 3 dims ending in the stack's two matrix
-    dims, with its itemsize)."""
-    def key(a, dims):
-        return jnp.dtype(a.dtype).itemsize, tuple(dims)
+def _with_rows_flattened(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """A shape and the same array with its leading dims flattened (``[b, n, d]`` -> ``[b * n, d]``)."""
+    return {tuple(shape), (math.prod(shape[:-1]), shape[-1])} if len(shape) > 2 else {tuple(shape)}
 
-    pool_keys = {key(a, a.shape) for a in pools} | {key(a, (math.prod(a.shape[:-1]), a.shape[-1])) for a in pools}
-    stack_keys = {key(a, a.shape[-2:]) for a in stacks}
+
+def gathers_of(hlo: str, arrays) -> list[str]:
+    """The all-gathers of a compiled program that move one of ``arrays`` (placed arrays, or shape
+    structs with a sharding: e.g. expert weight stacks, KV pools): those whose operand has the dims
+    of an array's per-device shard or whose result has the dims of the whole array (either one
+    also with its leading dims flattened). Dims only: the XLA CPU compiler widens narrow types
+    (fp8 codes to f16, bf16 to f32) before a collective. Returns the offending instructions."""
+    shard, whole = set(), set()
+    for a in arrays:
+        shard |= _with_rows_flattened(a.sharding.shard_shape(tuple(a.shape)))
+        whole |= _with_rows_flattened(tuple(a.shape))
+    types = {}  # instruction name -> its result type
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) [\w\-]+\(", line)
+        if m:
+            types[m.group(1)] = m.group(2)
     bad = []
-    for item in collectives(hlo)["all-gather"]:
-        for size, dims in _shapes(item.rsplit(" ", 1)[0]):
-            if (size, dims) in pool_keys or (len(dims) >= 3 and (size, dims[-2:]) in stack_keys):
-                bad.append(item)
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) all-gather(?:-start)?\(([^)]*)\)", line)
+        if not m:
+            continue
+        operands = [d for name in re.findall(r"%?([\w.\-]+)", m.group(3)) for d in _dims(types.get(name, ""))]
+        if any(d in shard for d in operands) or any(d in whole for d in _dims(m.group(2))):
+            bad.append(line.strip()[:200])
     return bad
+
+
+def forbidden_arrays(model: dspark_jax.Model, bs: BatchState) -> list:
+    """What no program of a decoding round may all-gather, of those split over the mesh: the
+    routed experts' weights and scales (every layer and drafter stage), the FP8 linears' weights
+    and scales, and the caches' pools and rings (every 3-d leaf of the target and drafter caches)."""
+    from dspark_jax.model.common import Linear
+    from dspark_jax.model.moe import Experts
+
+    out = [x for x in jax.tree_util.tree_leaves((bs.cache, bs.draft)) if x.ndim == 3]
+    for _, mod in nnx.iter_modules(model.module):
+        if isinstance(mod, Experts):
+            out += [v.get_value() for name, v in vars(mod).items() if re.fullmatch(r"w[123](_scale)?", name)]
+        elif isinstance(mod, Linear) and mod.quantized:
+            out += [mod.weight.get_value(), mod.scale.get_value()]
+    return [a for a in out if a.sharding.shard_shape(tuple(a.shape)) != tuple(a.shape)]
 
 
 def flash_per_device(n_requests: int = 64, context: int = 65536, kv_layout: str = "fp8"):
@@ -399,9 +431,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         model_, hlo, bs = flash_round_hlo(data, size, args.requests, args.context)
         rows = traffic(hlo)
-        pools = [x for x in jax.tree_util.tree_leaves((bs.cache, bs.draft)) if x.ndim == 3]
-        stacks = [layer.ffn.experts.w1.get_value() for layer in (*model_.module.layers, *model_.module.mtp)]
-        bad = forbidden_gathers(hlo, pools, stacks)
+        bad = gathers_of(hlo, forbidden_arrays(model_, bs))
         print(f"mesh {data}x{size} ({time.perf_counter() - t0:.0f} s to compile): "
               f"{'NO gather of a KV pool or expert weights' if not bad else 'GATHERS ' + str(bad)}")
         totals = flash_round_totals(rows)

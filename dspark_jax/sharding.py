@@ -324,10 +324,12 @@ def attach_mesh(module, mesh: Mesh):
     """Tell the modules of ``module`` (placed by ``param_shardings``) which mesh they run on, so
     that their per-request work runs per device in a ``shard_map``: the attention kernels, the
     compressors, fp8 cache writes and top-k selections (indexer, router) on each device's requests
-    (and heads), and the routed experts (grouped MoE path,
-    ``moe.expert_parallel``) on each device's experts, when the experts are split (else the
-    partitioner would gather every expert); returns ``module``."""
+    (and heads), the FP8 linears (``Linear`` with an FP8 weight) on each device's requests and
+    weight shard (column- or row-parallel as the weight is split), and the routed experts (grouped
+    MoE path, ``moe.expert_parallel``) on each device's experts, when the experts are split (else
+    the partitioner would gather every expert); returns ``module``."""
     from dspark_jax.model.attention import Attention
+    from dspark_jax.model.common import Linear
     from dspark_jax.model.compressor import Compressor
     from dspark_jax.model.indexer import Indexer
     from dspark_jax.model.moe import Experts, Gate
@@ -335,11 +337,15 @@ def attach_mesh(module, mesh: Mesh):
     axes = mesh_axes("experts", mesh)
     split = bool(axes) and module.cfg.n_routed_experts % math.prod(mesh.shape[a] for a in axes) == 0
     multi = mesh.size > 1
-    for _, mod in nnx.iter_modules(module):
+    specs = param_shardings(module, module.cfg, mesh)
+    for path, mod in nnx.iter_modules(module):
         if isinstance(mod, Experts):
             mod.mesh = mesh if split else None
         elif isinstance(mod, (Attention, Compressor, Indexer, Gate)):
             mod.mesh = mesh if multi else None
+        elif isinstance(mod, Linear) and mod.quantized:  # the FP8 GEMM: per device on its weight shard
+            mod.mesh = mesh if multi else None
+            mod.spec = specs[".".join(map(str, (*path, "weight")))].spec if multi else None
     return module
 
 

@@ -231,12 +231,13 @@ def small_ep(small_model):
     return small_model, ids, n_prompt, sharded.run_check(small_model, ids, n_prompt)
 
 
-def _pallas_calls(jaxpr, inside: bool = False) -> list[bool]:
-    """For every ``pallas_call`` of a jaxpr (nested ones included): whether it runs inside a ``shard_map``."""
+def _pallas_calls(jaxpr, inside: bool = False) -> list[tuple[str, bool]]:
+    """For every ``pallas_call`` of a jaxpr (nested ones included): its kernel's name and whether
+    it runs inside a ``shard_map``."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            found.append(inside)
+            found.append((str(eqn.params["name"]), inside))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
@@ -247,8 +248,9 @@ def _pallas_calls(jaxpr, inside: bool = False) -> list[bool]:
 
 def test_kernels_run_per_device(small_model):
     """On a mesh every Pallas kernel of a prefill + verify + draft step (ragged attention over the
-    window, the C4 entries and the drafter's ring, fp8 KV writes, grouped matmuls of the routed
-    experts) sits inside a ``shard_map``, i.e. runs on its device's shard; on one device none does."""
+    window, the C4 entries and the drafter's ring, fp8 KV writes, grouped matmuls of the FP4
+    routed experts, FP8 GEMMs of the linears) sits inside a ``shard_map``, i.e. runs on its
+    device's shard; on one device none does."""
     from benchmarks import sharded
 
     ids, n_prompt = sharded.check_inputs(small_model.config.vocab_size)
@@ -261,8 +263,14 @@ def test_kernels_run_per_device(small_model):
         return _pallas_calls(jaxpr.jaxpr)
 
     plain = kernels(small_model)
-    assert len(plain) >= 8 and not any(plain)  # 2 ragged attentions, 2 x 2 fp8 writes, 3 x 2 grouped matmuls
-    assert all(kernels(sharding.shard_model(small_model, sharding.make_mesh(model=4, data=2))))
+    names = [name for name, _ in plain]
+    assert not any(inside for _, inside in plain)
+    # per forward: ragged attention, 2 fp8 writes, 3 expert matmuls (FP4), 9 FP8 linears of the layer
+    # (wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared w1 / w2 / w3); the drafter's write_context adds main_proj
+    assert names.count("grouped_matmul_fp8") >= 2 * 9 and names.count("ragged_sink_attention") >= 2, names
+    sharded_calls = kernels(sharding.shard_model(small_model, sharding.make_mesh(model=4, data=2)))
+    assert sorted(name for name, _ in sharded_calls) == sorted(names)
+    assert all(inside for _, inside in sharded_calls), sharded_calls
 
 
 # Every mesh shares one model and its unsharded reference. (1, 8) splits heads, vocab and experts
@@ -296,13 +304,17 @@ def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, mo
     assert got.state.cache.layers[0].window.sharding.spec == (P("data") if data > 1 else P())
     assert not [w for w in caught if "donated" in str(w.message)], [str(w.message) for w in caught]
 
-    # the round's collectives: the experts' token exchange, no expert weight or KV pool gathered
+    # the round's collectives: the experts' token exchange; no expert weight, FP8 linear weight or
+    # cache array gathered (identified by the dims of its shard, or of the whole array)
     found = sharded.collectives(got.round_hlo)
     assert bool(found["reduce-scatter"]) == (data > 1), found  # MoE outputs back to their requests
     assert found["all-reduce"] or model == 1, found
-    pools = [x for x in jax.tree_util.tree_leaves((got.state.cache, got.state.draft)) if x.ndim == 3]
-    stacks = [layer.ffn.experts.w1[...] for layer in (*m.module.layers, *m.module.mtp)]
-    assert not sharded.forbidden_gathers(got.round_hlo, pools, stacks), found["all-gather"]
+    arrays = sharded.forbidden_arrays(m, got.state)
+    n_experts = 2 * 6  # w1, w2, w3 and their scales, in the layer and the drafter's stage
+    n_linears = 2 * 7 if model == 4 else 0  # wq_b, wo_a, wo_b (x 2) and the indexer's wq_b, with scales
+    n_caches = 8 if data > 1 else 0  # window; compressor and indexer kv, score, entries; drafter ring
+    assert len(arrays) == n_experts + n_linears + n_caches, [(a.shape, a.sharding.spec) for a in arrays]
+    assert not sharded.gathers_of(got.round_hlo, arrays), found["all-gather"]
 
 
 @pytest.mark.parametrize("data, model", [(1, 8), (2, 4), (8, 1)])

@@ -27,7 +27,6 @@ from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from dspark_jax.sharding import activation_spec
 from pallas_kernels import attention_metadata
-from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
@@ -72,17 +71,11 @@ class Attention(nnx.Module):
         return kv_sim(kv, self.cfg.qk_rope_head_dim) if self.num.quant_sim else kv
 
     def project_out(self, o: Float[Array, "b t h d"], pos: Array) -> Float[Array, "b t D"]:
-        cfg = self.cfg
+        """Inverse RoPE, then wo_a per output group and wo_b (on a mesh both per device: the
+        groups' rows of wo_a and wo_b's matching columns, summed over ``model`` by wo_b)."""
         b, t = o.shape[:2]
-        g = cfg.o_groups
-        o = apply_rope(o, pos, self.inv_freq, inverse=True).reshape(b, t, g, -1)
-        if self.wo_a.quantized and self.num.kernel_impl() == "pallas" and self.wo_a.groups_fit(g):
-            og = o.reshape(b * t, g, -1).transpose(1, 0, 2)  # [g, bt, i]
-            z = gm.batched_matmul(og, self.wo_a.grouped_weights(g), impl="pallas").transpose(1, 0, 2)
-        else:
-            wo_a = self.wo_a.dense_weight(o.dtype).reshape(g, cfg.o_lora_rank, -1)
-            z = jnp.einsum("btgi,gri->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
-        return self.wo_b(z.reshape(b, t, -1))
+        o = apply_rope(o, pos, self.inv_freq, inverse=True).reshape(b, t, self.cfg.o_groups, -1)
+        return self.wo_b(self.wo_a.grouped(o).reshape(b, t, -1))
 
     def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache
                  ) -> tuple[Float[Array, "b t D"], LayerCache]:

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.model.quant import fp8_sim
+from dspark_jax.sharding import batch_axes
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.attention_metadata import cu_from_lens, token_request
 
@@ -178,6 +180,9 @@ class Linear(nnx.Module):
         self.fp8_act = fp8_act and num.quant_sim
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.num = num
+        # set by ``dspark_jax.sharding.attach_mesh`` for an FP8 weight: its mesh and PartitionSpec
+        # (``[out, in]`` dims over ``model`` as the rules say); the GEMM then runs per device
+        self.mesh, self.spec = None, None
 
     def grouped_weights(self, groups: int = 1) -> gm.Weights:
         """The weight as ``groups`` stacked [out / groups, in] matrices for the grouped matmul."""
@@ -199,6 +204,41 @@ class Linear(nnx.Module):
         return not self.quantized or (self.weight.shape[0] // groups) % gm.FP8_BLOCK == 0
 
     def __call__(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
+        """x @ W.T. On a mesh (an FP8 weight, ``sharding.attach_mesh``) every device runs the GEMM
+        in a ``shard_map`` on its own shard: its requests (x's leading dim, over ``data``) and the
+        weight's block of rows (column-parallel: its share of the outputs) or of columns (row-
+        parallel: x split likewise, the fp32 partial products psum'ed over the split axes)."""
+        if self.mesh is None:
+            return self._apply(x, out_dtype)
+        out_axes, in_axes = (*self.spec, None, None)[:2]
+        lead = (batch_axes(x.shape[0], self.mesh) or None,) + (None,) * (x.ndim - 2)
+        dtype = out_dtype or self.compute_dtype or x.dtype
+
+        def local(lin, x):
+            if in_axes is None:
+                return lin._apply(x, dtype)
+            return jax.lax.psum(lin._apply(x, jnp.float32), in_axes).astype(dtype)
+
+        return self._per_device(local, x, PartitionSpec(*lead, in_axes), PartitionSpec(*lead, out_axes))
+
+    def grouped(self, x: Float[Array, "b t g i"]) -> Float[Array, "b t g r"]:
+        """The weight's g row blocks applied to x's g groups (``wo_a``'s grouped low-rank
+        projection: block j to x[:, :, j]), in x's dtype. On a mesh every device runs it on its
+        requests and its groups (the weight's rows split over ``model`` whole groups at a time)."""
+        if self.mesh is None:
+            return self._grouped(x)
+        spec = PartitionSpec(batch_axes(x.shape[0], self.mesh) or None, None, (*self.spec, None)[0])
+        return self._per_device(lambda lin, x: lin._grouped(x), x, spec, spec)
+
+    def _per_device(self, fn, x, x_spec: PartitionSpec, y_spec: PartitionSpec):
+        """``fn(this layer, x)`` in a ``shard_map``: the weight (and scale) split by ``spec``, x and
+        the result by ``x_spec`` / ``y_spec`` (the weights are passed in: a shard_map body may not
+        close over them)."""
+        graphdef, weights = nnx.split(self)
+        return jax.shard_map(lambda w, x: fn(nnx.merge(graphdef, w), x), mesh=self.mesh,
+                             in_specs=(self.spec, x_spec), out_specs=y_spec, check_vma=False)(weights, x)
+
+    def _apply(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
         if self.compute_dtype is not None:
             x = x.astype(self.compute_dtype)
         if self.fp8_act:
@@ -211,6 +251,14 @@ class Linear(nnx.Module):
         else:
             y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)
+
+    def _grouped(self, x: Float[Array, "b t g i"]) -> Float[Array, "b t g r"]:
+        b, t, g, _ = x.shape
+        if self.quantized and self.num.kernel_impl() == "pallas" and self.groups_fit(g):
+            xg = x.reshape(b * t, g, -1).transpose(1, 0, 2)  # [g, bt, i]
+            return gm.batched_matmul(xg, self.grouped_weights(g), impl="pallas").transpose(1, 0, 2).reshape(b, t, g, -1)
+        w = self.dense_weight(x.dtype).reshape(g, self.weight.shape[0] // g, -1)
+        return jnp.einsum("btgi,gri->btgr", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 class Embedding(nnx.Module):
