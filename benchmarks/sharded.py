@@ -111,16 +111,22 @@ class Check:
     verify: np.ndarray  # target logits of the verify chunk [b, VERIFY, vocab]
     draft: np.ndarray  # drafter logits of the first round's block [b, block, vocab]
     tokens: list[list[int]]  # greedy speculative generation, the first token included
-    round_hlo: str  # the compiled decoding round (after SPMD partitioning)
+    round_hlo: str | None  # the compiled decoding round (after SPMD partitioning); None for ragged rounds
     state: BatchState  # the engine's state after the last round
 
 
-def run_check(model: dspark_jax.Model, ids: np.ndarray, n_prompt: np.ndarray, max_new: int = 6) -> Check:
+RAGGED_LENS = np.array([0, 1, 2, 3, 4, 1, 2, 3])  # tokens slot r verifies in round k: RAGGED_LENS[(r - k) % 8]
+
+
+def run_check(model: dspark_jax.Model, ids: np.ndarray, n_prompt: np.ndarray, max_new: int = 6, *,
+              ragged: bool = False) -> Check:
     """fp32 target logits of a prefill and a verify chunk, the drafter's logits, and greedy
     speculative generation of ``max_new`` tokens per request continuing from there: the engine's
     decoding round, with the engine's state placement (``sharding.state_shardings`` on a mesh).
     Two programs to compile (most of the check's time on a CPU): ``_prefill_and_verify``, which
-    also serves as the prefill, and the engine's round."""
+    also serves as the prefill, and the engine's round. ``ragged``: ragged rounds instead
+    (``Engine.round(verify_lens=)``, 8 requests verifying ``RAGGED_LENS`` rolled by one slot per
+    round: 0 to γ + 1 tokens each, always 16 in all, one verify bucket); no round HLO then."""
     b = ids.shape[0]
     engine = Engine(model, gamma=model.config.dspark.block_size)
     params = [SamplingParams(max_new_tokens=max_new, ignore_eos=True)] * b
@@ -131,14 +137,22 @@ def run_check(model: dspark_jax.Model, ids: np.ndarray, n_prompt: np.ndarray, ma
     if engine.mesh is not None:  # the engine's layout, which its round keeps
         bs = jax.device_put(bs, sharding.state_shardings(bs, engine.mesh))
     tokens = [[int(t)] for t in np.asarray(first)]
-    round_ = engine._round.lower(model.state, bs, sampled=False, top_k=False, top_p=False).compile()
+    flags = dict(sampled=False, top_k=False, top_p=False)
+    if ragged:
+        round_ = None
+        step = lambda bs, k: engine.round(bs, **flags, verify_lens=np.roll(RAGGED_LENS, k))  # noqa: E731
+    else:
+        round_ = engine._round.lower(model.state, bs, **flags).compile()
+        step = lambda bs, k: round_(model.state, bs)  # noqa: E731
+    k = 0
     while np.any(np.asarray(bs.active)):
-        bs, out = round_(model.state, bs)
+        bs, out = step(bs, k)
+        k += 1
         for i, (row, n) in enumerate(zip(np.asarray(out.tokens), np.asarray(out.n_new))):
             tokens[i] += row[:n].tolist()
     valid = np.arange(prefill.shape[1])[None, :, None] < np.asarray(n_prompt)[:, None, None]
     return Check(prefill=np.where(valid, np.asarray(prefill), 0), verify=np.asarray(verify), draft=np.asarray(draft),
-                 tokens=tokens, round_hlo=round_.as_text(), state=bs)
+                 tokens=tokens, round_hlo=None if round_ is None else round_.as_text(), state=bs)
 
 
 def check_inputs(vocab: int, batch: int = 8) -> tuple[np.ndarray, np.ndarray]:

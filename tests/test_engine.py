@@ -165,12 +165,6 @@ def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
                               mesh=mesh)
     for r, t in zip(res, truth):
         assert r.tokens == t[:12]
-    # ragged verify packs requests on one axis: refused on a mesh before anything compiles
-    from dspark_jax.decoding.generate import _engine, _sharded
-
-    eng = _engine(_sharded(tiny_f32, mesh), tiny_f32.config.dspark.block_size, None)
-    with pytest.raises(NotImplementedError, match="mesh"):
-        eng.round(eng.init_slots(2, 64), sampled=False, top_k=False, top_p=False, verify_lens=np.array([1, 2]))
 
 
 def test_stops_default_to_eos(tiny_f32):

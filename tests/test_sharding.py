@@ -295,6 +295,8 @@ def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, mo
         a, b = getattr(got, name), getattr(want, name)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=name)
     assert got.tokens == want.tokens and all(len(t) == 6 for t in want.tokens)
+    if data == 2:  # ragged verify rounds (packed tokens, per-device attention by cu_q_lens): the same tokens
+        assert sharded.run_check(m, ids, n_prompt, ragged=True).tokens == want.tokens
 
     # the state stays on its layout round after round, and the donated buffers are reused
     mesh = sharding.model_mesh(m)

@@ -479,9 +479,6 @@ class Engine:
                                   top_k=top_k, top_p=top_p)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: tuple | None):
-        if self.mesh is not None:  # the first step of every ragged round
-            raise NotImplementedError("ragged verify (verify_lens, the confidence and lagged schedulers) does not "
-                                      "run on a mesh yet: use the static scheduler with a sharded model")
         self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
         return self._draft_step(self.model.state, bs, top_k=top_k, top_p=top_p, table=table)
 

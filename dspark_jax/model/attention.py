@@ -16,7 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
 
 from dspark_jax.cache import LayerCache, read_kv, ring_positions, ring_write_slots, write_kv
 from dspark_jax.config import ModelConfig
@@ -25,7 +26,7 @@ from dspark_jax.model.compressor import Compressor
 from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
-from dspark_jax.sharding import activation_spec
+from dspark_jax.sharding import activation_spec, batch_axes
 from pallas_kernels import attention_metadata
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 
@@ -134,18 +135,45 @@ class Attention(nnx.Module):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=(q_spec, heads, req), out_specs=q_spec,
                              check_vma=False)(q, sink, requests)
 
+    def per_device_packed(self, fn, q: Float[Array, "1 T h d"], tokens: dict, requests: dict,
+                          cu: Int[Array, " b1"]) -> Float[Array, "1 T h d"]:
+        """``per_device`` for a packed chunk (ragged verify): ``fn(q, sink, tokens | requests)``
+        with q and ``tokens`` (per-token arrays) in the packed layout, request r owning rows
+        cu[r] .. cu[r+1] - 1, its ``cu_q_lens`` made by ``fn`` from ``requests["n_valid"]``. On a
+        mesh the packed rows are whole on every device (replicated over ``data``, heads over
+        ``model``): each device rolls its requests' rows to the front, so that their ``cu_q_lens``
+        start at 0, runs ``fn`` on its requests' pools, rolls the rows back and zeroes the others'
+        rows; a psum over ``data`` then gives every device every row."""
+        sink = self.attn_sink[...]
+        if self.mesh is None:
+            return fn(q, sink, tokens | requests)
+        data = batch_axes(cu.shape[0] - 1, self.mesh)
+        q_spec = activation_spec((None, None, "heads"), q.shape, self.mesh, self.cfg)
+        heads = activation_spec(("heads",), sink.shape, self.mesh, self.cfg)
+
+        def local(q, sink, tokens, cu, r):
+            if not data:
+                return fn(q, sink, tokens | r)
+            first = jax.lax.axis_index(data) * r["n_valid"].shape[0]
+            lo, hi = cu[first], cu[first + r["n_valid"].shape[0]]
+            o = fn(jnp.roll(q, -lo, axis=1), sink, {k: jnp.roll(v, -lo, axis=1) for k, v in tokens.items()} | r)
+            row = jnp.arange(q.shape[1])[None, :, None, None]
+            return jax.lax.psum(jnp.where((row >= lo) & (row < hi), jnp.roll(o, lo, axis=1), 0), data)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(q_spec, heads, P(), P(), P(data or None)),
+                             out_specs=q_spec, check_vma=False)(q, sink, tokens, cu, requests)
+
     def _ragged(self, q, window, entries, top, chunk: Chunk, impl: str) -> Float[Array, "b t h d"]:
         """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``), per
         device on a mesh (``per_device``). A packed chunk's tokens (ragged verify) go to it as they
-        are, ``cu_q_lens`` from the packing; they mix requests on one axis, so not on a mesh."""
-        requests = dict(window=window, entries=entries, top=top, start=chunk.start, n_valid=chunk.n_valid)
+        are, ``cu_q_lens`` from the packing (``per_device_packed``)."""
+        requests = dict(window=window, entries=entries, start=chunk.start, n_valid=chunk.n_valid)
         requests = {k: v for k, v in requests.items() if v is not None}
+        tokens = {} if top is None else dict(top=top)
         if chunk.packing is None:
-            return self.per_device(functools.partial(self._ragged_local, impl=impl), q, requests)
-        if self.mesh is not None:
-            raise NotImplementedError("ragged verify (packed tokens) does not run on a mesh yet: use the static "
-                                      "scheduler with a sharded model")
-        return self._ragged_local(q, self.attn_sink[...], requests, impl=impl, packed_width=chunk.width)
+            return self.per_device(functools.partial(self._ragged_local, impl=impl), q, tokens | requests)
+        return self.per_device_packed(functools.partial(self._ragged_local, impl=impl, packed_width=chunk.width),
+                                      q, tokens, requests, chunk.packing.cu)
 
     def _ragged_local(self, q: Float[Array, "b t h d"], sink: Float[Array, " h"], r: dict, *, impl: str,
                       packed_width: int | None = None) -> Float[Array, "b t h d"]:

@@ -44,22 +44,22 @@ class Compressor(nnx.Module):
         """Compress every window closed inside the chunk; returns all entries and the new state.
         ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state.
 
-        On a mesh every device runs it in a ``shard_map`` on its own requests (``data``; its
-        weights are replicated): the work is per request, and left to the partitioner the
-        gathers by window position made it collect every request's rows on every device."""
+        The projections run token-wise in the chunk's layout (packed: only the real tokens); the
+        pooling runs per request. On a mesh every device pools its own requests in a
+        ``shard_map`` (``data``; its weights are replicated): left to the partitioner, the gathers
+        by window position made it collect every request's rows on every device."""
         with jax.named_scope("compressor"):
+            kv_new, score_new = chunk.unpack(self.wkv(x)), chunk.unpack(self.wgate(x))  # [b, t, coff*w] fp32
             if self.mesh is None:
-                return self._compress(x, chunk, state)
+                return self._pool(kv_new, score_new, chunk.dense, state)
             graphdef, weights = nnx.split(self)  # passed in: a shard_map body may not close over them
-            return per_request(lambda w, *a: nnx.merge(graphdef, w)._compress(*a), self.mesh, x, chunk, state,
-                               replicated=(weights,))
+            return per_request(lambda w, *a: nnx.merge(graphdef, w)._pool(*a), self.mesh, kv_new, score_new,
+                               chunk.dense, state, replicated=(weights,))
 
-    def _compress(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
-                  ) -> tuple[KVPool, CompressorState]:
+    def _pool(self, kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], chunk: Chunk,
+              state: CompressorState) -> tuple[KVPool, CompressorState]:
+        """Pool the chunk's projected rows (per-request layout) with the ring's into the entries."""
         m, w = self.ratio, self.width
-        # projections in the chunk's layout (packed: only the real tokens), pooling per request
-        kv_new, score_new = chunk.unpack(self.wkv(x)), chunk.unpack(self.wgate(x))  # [b, t, coff*w] fp32
-        chunk = chunk.dense
         b, t = chunk.ids.shape
         ring = state.kv.shape[1]
         start = chunk.start
