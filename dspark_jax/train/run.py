@@ -174,7 +174,7 @@ def train_target(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: opta
     eval_ids = jnp.asarray(evals[0])
     if not log.done:
         state = run_phase(
-            log, state, lambda s, b, lr, i: step(s, rest, jnp.asarray(b, jnp.int32), lr), sampler, cfg.target.optim,
+            log, state, lambda s, b, lr, i: step(s, rest, jnp.asarray(b), lr), sampler, cfg.target.optim,
             deadline=deadline, max_steps=cfg.target.max_steps,
             eval_fn=lambda s: evaluate(cast_like(s.master, dtypes), rest, eval_ids),
             eval_every_s=cfg.target.eval_every_s, checkpointer=ckpt, ckpt_every_s=cfg.target.ckpt_every_s,
@@ -207,7 +207,7 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: opt
     if not log.done:
         state = run_phase(
             log, state,
-            lambda s, b, lr, i: step(s, frozen, rest, jnp.asarray(b, jnp.int32), jax.random.fold_in(key, i), lr),
+            lambda s, b, lr, i: step(s, frozen, rest, jnp.asarray(b), jax.random.fold_in(key, i), lr),
             sampler, cfg.drafter.optim, deadline=deadline, max_steps=cfg.drafter.max_steps,
             eval_fn=lambda s: evaluate(cast_like(s.master, dtypes), frozen, rest, jnp.asarray(evals[0]),
                                        jnp.asarray(anchors[0]))[0],
