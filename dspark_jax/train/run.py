@@ -104,10 +104,14 @@ def _restore(ckpt: PhaseCheckpointer, state, log: PhaseLog, sampler: WindowSampl
     return state, PhaseLog.from_json(meta["log"])
 
 
-# ---------------------------------------------------------------------------- phases
 # ---------------------------------------------------------------------------- programs
 def _ids(rows: int, cols: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((rows, cols), jnp.int32)
+
+
+def _dtypes(params: nnx.State):
+    """The storage dtype of every parameter."""
+    return jax.tree.map(lambda x: x.dtype, params)
 
 
 def _eval_anchors(cfg: RunConfig) -> int:
@@ -154,11 +158,6 @@ def submit_programs(programs: Programs, model: DeepSeekV4, cfg: RunConfig) -> di
         programs.submit("free_drafts", drafter_lib.make_free_drafts(graphdef), abstract(draft), *fixed,
                         _ids(rows, g.length), _ids(rows, anchors), after=first)
     return dict(target=tx_target, drafter=tx_drafter)
-
-
-def _dtypes(params: nnx.State):
-    """The storage dtype of every parameter."""
-    return jax.tree.map(lambda x: x.dtype, params)
 
 
 # ---------------------------------------------------------------------------- phases
