@@ -34,7 +34,6 @@ def summarize(log: dict) -> str:
              f"{tim['drafter_s']:.0f} s (first step {dp['compile_s']:.0f} s)", f"{tim['finish_s']:.0f} s"),
         "",
         *_compile_lines(log),
-        "",
         f"Corpus: {c['train_files']} train / {c['heldout_files']} held-out files of `{c['root']}` "
         f"({c['train_bytes'] / 1e6:.1f} MB / {c['heldout_bytes'] / 1e6:.2f} MB), {c['train_tokens']:,} train tokens, "
         f"{c['bytes_per_token']:.2f} bytes per token, vocabulary {c['tokenizer_vocab']}.",
