@@ -164,9 +164,9 @@ def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, y_ref, *weight_refs, 
     groups = [jnp.full((1,), m, jnp.int32), streams]
     if weight_refs:
         groups += [n + streams, 2 * n + n * streams[:, None] + streams[None, :]]
-    sums = lax.fori_loop(1, t.splits, lambda s, acc: tuple(a + _load(part_ref, rows, ok, s * t.mp + c)
-                                                           for a, c in zip(acc, groups)),
-                         tuple(_load(part_ref, rows, ok, c) for c in groups))  # the S splits added in order
+    sums = [_load(part_ref, rows, ok, c) for c in groups]
+    for s in range(1, t.splits):  # the S splits added in order (unrolled: all loads in flight at once)
+        sums = [a + _load(part_ref, rows, ok, s * t.mp + c) for a, c in zip(sums, groups)]
     r = lax.rsqrt(jnp.sum(sums[0], axis=1) / k + norm_eps)  # [bt]
     # the reference's order: (mixes * r) * scale + base
     z = [(a * r.reshape(-1, *(1,) * (a.ndim - 1))) * scale_ref[g] + pltriton.load(base_ref.at[c])[None]

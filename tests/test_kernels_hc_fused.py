@@ -145,6 +145,11 @@ def test_bad_input_is_named():
         hc_fused.HcConfig(block_d=96)
 
 
+def _kernels(blocks: int) -> dict:
+    """The fused mHC kernels of ``blocks`` blocks (two units each) and one head."""
+    return {"hc_mixes": 2 * blocks + 1, "hc_pre": 2 * blocks, "hc_post": 2 * blocks, "hc_head": 1}
+
+
 def test_model_runs_every_mhc_unit_fused():
     """With ``Numerics.sinkhorn="fused"`` (the GPU default) every mHC unit of the target and of the
     drafter goes through the kernels: per layer and drafter stage two hc_pre (mixes + collapse)
@@ -157,15 +162,14 @@ def test_model_runs_every_mhc_unit_fused():
     cache = init_cache(cfg, 1, 32, jnp.float32)
     fwd = forward_step.trace(graphdef, state, ids, jnp.full((1,), 4, jnp.int32), cache).jaxpr.jaxpr
     layers, stages = cfg.num_hidden_layers, cfg.dspark.num_stages
-    unit = lambda units: {"hc_mixes": 2 * units + 1, "hc_pre": 2 * units, "hc_post": 2 * units, "hc_head": 1}  # noqa: E731
-    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == unit(layers)
+    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == _kernels(layers)
 
     def draft(state, anchor, lengths):
         return draft_block(nnx.merge(graphdef, state), init_draft_cache(cfg, 1, jnp.float32), anchor, lengths,
                            lambda lg, k: jnp.argmax(lg, -1)).logits
 
     jaxpr = jax.make_jaxpr(draft)(state, jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32))
-    assert collections.Counter(name for name, _ in pallas_calls(jaxpr.jaxpr)) == unit(stages)
+    assert collections.Counter(name for name, _ in pallas_calls(jaxpr.jaxpr)) == _kernels(stages)
     assert Numerics().sinkhorn_impl() == "loop" and not Numerics().mhc_fused()  # the CPU default stays
 
 
