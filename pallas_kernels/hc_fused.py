@@ -10,8 +10,8 @@ expansion): about 7 launches per unit on a GPU for almost no bytes. Here:
 
   1. ``_mixes_kernel``, grid (token tiles, K splits): over its range of K, partial sums of the
      mixes x_flat @ fn^T (M = (2 + n) n columns) and of x_flat^2, stored as partials
-     [T, S * MP] float32: split s in columns [s MP, (s + 1) MP), MP a power of two > M, column M of
-     each split holding its sum of squares;
+     [T, S * MP] float32: split s in columns [s MP, (s + 1) MP), MP a power of two > M (at least
+     16), column M of each split holding its sum of squares;
   2. ``_collapse_kernel``, grid (token tiles, d chunks): the S partials summed in order,
      rsqrt(mean(x^2) + eps), scale and base, the gates, and the collapse y = sum_i pre_i X_i of its
      d chunk; the first chunk of each token tile also runs the Sinkhorn iterations
@@ -60,9 +60,10 @@ if TYPE_CHECKING:
 class HcConfig:
     """Tiles (powers of two). ``block_t``: most tokens per program (a call with fewer tokens takes
     the next power of two >= T, at least 16: the mixes' dot needs 16 rows); ``block_k``: columns
-    of x_flat per step of the mixes' loop; ``split_k``: columns per program of the mixes (K is
-    split over ceil(K / split_k) programs per token tile); ``block_d``: stream columns per
-    program of the collapse and the expansion."""
+    of x_flat per step of the mixes' loop; ``split_k``: at most this many columns per program of
+    the mixes (K is split over S >= K / split_k programs per token tile, a whole number of loop
+    steps each); ``block_d``: stream columns per program of the collapse and the expansion. The
+    tiles shrink to divide K and d."""
 
     block_t: int = 32
     block_k: int = 128
@@ -90,6 +91,7 @@ class _Tiles:
 
 
 def _tiles(tokens: int, n: int, d: int, m: int, config: HcConfig) -> _Tiles:
+    """The tiles of a call of T = ``tokens`` tokens, n streams of d and M = ``m`` mixes."""
     if not backend.is_power_of_2(n):
         raise ValueError(f"mHC kernels need a power-of-two number of streams, got n = {n}")
     k = n * d
