@@ -539,7 +539,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     save(out)
 
     trace_dir = os.path.join(trace_root, name)
-    with _trace(trace_dir):
+    with profiler_trace(trace_dir):
         bs, traced = timed_rounds(bs)
     out["traced_wall_ms"] = 1e3 * float(np.mean(traced))
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
@@ -574,7 +574,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     return out
 
 
-def _trace(log_dir: str):
+def profiler_trace(log_dir: str):
     """``jax.profiler.trace`` without the Python tracer (its overhead would count as host time),
     where this jax version takes profiler options."""
     try:

@@ -192,20 +192,13 @@ class GemmConfig:
 
     def fit(self, n: int, k: int, fmt: str) -> "GemmConfig":
         """This config with tiles shrunk to divide N and K (and the format's scale blocks)."""
-        bn = _largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
+        bn = backend.largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
         bk_cap = min(self.block_k, FP8_BLOCK) if fmt == "fp8" else self.block_k
-        bk = _largest_pow2_divisor(k, bk_cap)
+        bk = backend.largest_pow2_divisor(k, bk_cap)
         kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
         if bn < 16 or bk < kmin:
             raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
         return dataclasses.replace(self, block_n=bn, block_k=bk)
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
 
 
 def default_config(block_m: int, fmt: str) -> GemmConfig:

@@ -47,7 +47,8 @@ def test_numerics_sinkhorn_choice():
     assert Numerics(sinkhorn="loop").sinkhorn_impl() == "loop"
     assert Numerics(sinkhorn="unrolled").sinkhorn_impl() == "unrolled"
     assert Numerics(sinkhorn="kernel").sinkhorn_impl() == "kernel"
-    assert Numerics().sinkhorn_impl() == "loop"  # "auto" on the CPU; the kernel on a GPU
+    assert Numerics(sinkhorn="fused").sinkhorn_impl() == "fused" and Numerics(sinkhorn="fused").mhc_fused()
+    assert Numerics().sinkhorn_impl() == "loop" and not Numerics().mhc_fused()  # "auto" on the CPU; fused on a GPU
     with pytest.raises(ValueError, match="sinkhorn must be"):
         Numerics(sinkhorn="scan")
 

@@ -19,6 +19,7 @@ from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.dspark import init_draft_cache
 from tests.checkpoint_helpers import flat_params, random_model
+from tests.helpers import pallas_calls
 
 
 def _abstract(cfg, weight_format="dense"):
@@ -231,20 +232,6 @@ def small_ep(small_model):
     return small_model, ids, n_prompt, sharded.run_check(small_model, ids, n_prompt)
 
 
-def _pallas_calls(jaxpr, inside: bool = False) -> list[bool]:
-    """For every ``pallas_call`` of a jaxpr (nested ones included): whether it runs inside a ``shard_map``."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append(inside)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                if hasattr(sub, "eqns"):
-                    found += _pallas_calls(sub, inside or eqn.primitive.name == "shard_map")
-    return found
-
-
 def test_kernels_run_per_device(small_model):
     """On a mesh every Pallas kernel of a prefill + verify + draft step (ragged attention over the
     window, the C4 entries and the drafter's ring, fp8 KV writes, grouped matmuls of the routed
@@ -258,7 +245,7 @@ def test_kernels_run_per_device(small_model):
         draft = init_draft_cache(model.config, ids.shape[0], jnp.float32)
         jaxpr = jax.make_jaxpr(sharded._prefill_and_verify, static_argnums=0)(
             model.graphdef, model.state, ids, n_prompt, cache, draft)
-        return _pallas_calls(jaxpr.jaxpr)
+        return [inside for _, inside in pallas_calls(jaxpr.jaxpr)]
 
     plain = kernels(small_model)
     assert len(plain) >= 8 and not any(plain)  # 2 ragged attentions, 2 x 2 fp8 writes, 3 x 2 grouped matmuls
