@@ -1,5 +1,5 @@
 """mHC units on the device: the fused Pallas kernels (``pallas_kernels.hc_fused``, ``sinkhorn="fused"``,
-the GPU default) against the previous GPU path (plain XLA with the gates + Sinkhorn kernel of
+opt-in) against the previous GPU path (plain XLA with the gates + Sinkhorn kernel of
 ``hc_weights``: ``sinkhorn="kernel"``), at DeepSeek-V4-Flash widths (4 streams of 4096, bf16
 streams, float32 parameters), for T tokens per call.
 

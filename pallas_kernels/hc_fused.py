@@ -67,7 +67,7 @@ class HcConfig:
 
     block_t: int = 32
     block_k: int = 128
-    split_k: int = 1024
+    split_k: int = 512  # measured on the H200 at 1 token: 25 us per hc_pre against 44 us with 1024
     block_d: int = 128
     num_warps: int = 4
     num_stages: int = 2

@@ -151,7 +151,7 @@ def _kernels(blocks: int) -> dict:
 
 
 def test_model_runs_every_mhc_unit_fused():
-    """With ``Numerics.sinkhorn="fused"`` (the GPU default) every mHC unit of the target and of the
+    """With ``Numerics.sinkhorn="fused"`` every mHC unit of the target and of the
     drafter goes through the kernels: per layer and drafter stage two hc_pre (mixes + collapse)
     and two hc_post; hc_head (mixes + collapse) once for the target, once for the drafter. (The
     programs are traced on the abstract model, not run.)"""

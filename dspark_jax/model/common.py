@@ -45,7 +45,7 @@ class Numerics:
         fusions per mHC unit on a GPU and a long compile), "kernel" (plain JAX with the gates and
         Sinkhorn in ``pallas_kernels.hc_weights``: one launch for them), "fused" (every mHC unit in
         ``pallas_kernels.hc_fused``: hc_pre and hc_head in two launches, hc_post in one) or "auto"
-        (fused on a GPU, the loop elsewhere). The kernels are for inference only (no gradient).
+        (the Sinkhorn kernel on a GPU, the loop elsewhere; "fused" is opt-in until it measures faster, see docs/benchmarks.md). The kernels are for inference only (no gradient).
     matmul_precision: float32 matmuls (the lm_head, router and compressor of every model; all of
         an fp32 model) in true float32 like the PyTorch reference ("highest"), or at the backend's
         default ("default": TF32 on NVIDIA GPUs). Set by ``precision_scope`` in inference entry
@@ -94,7 +94,7 @@ class Numerics:
         if self.sinkhorn == "auto":
             from pallas_kernels.backend import on_gpu
 
-            return "fused" if on_gpu() else "loop"
+            return "kernel" if on_gpu() else "loop"
         return self.sinkhorn
 
     def mhc_fused(self) -> bool:
