@@ -91,7 +91,7 @@ def main():
     ap.add_argument("--tune-prefill", action="store_true",
                     help="only the many-token regime: row tiles 64 / 128 x wider column tiles, 8192 tokens")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no new size after this many seconds (400; --decode: 110)")
+                    help="start no new size after this many seconds (400; --decode: 90)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU: checks the script runs")
     ap.add_argument("--decode", action="store_true",
@@ -225,7 +225,7 @@ def compiled_kernels(fn, *args):
 def decode(args):
     """The ``--decode`` mode (module docstring)."""
     t_start = time.time()
-    budget = args.budget_s or 110.0
+    budget = args.budget_s or 90.0
     env = environment()
     print(env, flush=True)
     tokens_list = [int(t) for t in (args.tokens or "1,2").split(",")]
