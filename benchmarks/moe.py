@@ -18,8 +18,9 @@ $OUT and prints a table as it goes.
     python benchmarks/moe.py --tokens 1,6,48,192,1024,8192 --tune
 
 ``--decode``: one whole MoE layer (learned routing, routed and shared experts) at decode token
-counts (default 1 and 2), the decode path (router kernels + pair kernels: ``MoE.decode_path``)
-against the grouped path it replaces (``MoE.decode_kernels = False``): device time, the kernels
+counts (default 1 and 2), the decode path (router kernels + pair kernels: ``MoE.decode_path``,
+its bound raised to the largest token count asked for, e.g. ``--tokens 1,2,6`` for a batch-1
+verify step) against the grouped path (``MoE.decode_max_pairs = 0``): device time, the kernels
 of the compiled layer (kernel-launching HLO instructions, Pallas custom calls among them) and the
 largest difference of the outputs; also the router alone (kernels vs XLA: time, selections that
 differ). ``--decode-tune`` adds a few pair-kernel tiles. Writes moe_decode.json under $OUT.
@@ -253,7 +254,7 @@ def decode(args):
         moe = MoE(cfg, False, num, rngs=nnx.Rngs(0))
         graphs = {}
         for path in ("decode", "grouped"):
-            moe.decode_kernels = path == "decode"
+            moe.decode_max_pairs = max(tokens_list) * cfg.num_experts_per_tok if path == "decode" else 0
             graphs[path], state = nnx.split(moe)
 
         def layer(x, state, graph):

@@ -128,7 +128,7 @@ def _ops(moe, tokens: int) -> list[str]:
 def test_moe_decode_step_runs_as_four_kernels(hashed):
     """On the Pallas path a decode step (pairs <= PAIR_TILES_MAX) runs the router kernels and the
     pair kernels with the shared expert inside: no matmul, top-k or sort outside the kernels. More
-    pairs, ``decode_kernels`` off or the XLA path keep the grouped path (a mesh too: ``decode_path``)."""
+    pairs, ``decode_max_pairs`` 0 or the XLA path keep the grouped path (a mesh too: ``decode_path``)."""
     cfg = config.tiny().replace(n_routed_experts=24, num_experts_per_tok=3)
     num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
     moe = nnx.eval_shape(lambda: MoE(cfg, hashed, num, rngs=nnx.Rngs(0)))
@@ -141,10 +141,11 @@ def test_moe_decode_step_runs_as_four_kernels(hashed):
     grouped = "pallas:grouped_matmul_fp8_k32_swiglu"
     big = _ops(moe, 6)  # 18 pairs
     assert "pallas:router_logits" not in big and grouped in big
-    moe.decode_kernels = False
+    moe.decode_max_pairs = 0
     off = _ops(moe, 5)
     assert grouped in off and "pallas:pair_experts_up" not in off
-    moe.decode_kernels = True
+    moe.decode_max_pairs = 18
+    assert _ops(moe, 6) == ops  # the bound is the layer's
     moe.experts.num = dataclasses.replace(num, kernels="xla")  # the routed experts' switch
     xla = _ops(moe, 5)
     assert "pallas:router_logits" not in xla and "pallas:pair_experts_up" not in xla and "dot_general" in xla

@@ -210,14 +210,15 @@ class MoE(nnx.Module):
         if impl == "auto":
             impl = "dense" if cfg.n_routed_experts <= 16 else "grouped"
         self.impl = impl
-        self.decode_kernels = True  # False: the grouped path at every token count (for comparisons)
+        # (token, expert) pairs up to which a step takes the decode kernels (0: never; for comparisons)
+        self.decode_max_pairs = PAIR_TILES_MAX
 
     def decode_path(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs as the decode kernels: the router kernels, then
         the pair kernels with the shared expert as one more pair (4 launches with learned routing).
-        For grouped experts on the Pallas path without a mesh, up to ``PAIR_TILES_MAX`` pairs."""
-        return (self.decode_kernels and self.impl == "grouped" and self.experts.mesh is None and self.gate.mesh is None
-                and tokens * self.gate.cfg.num_experts_per_tok <= PAIR_TILES_MAX
+        For grouped experts on the Pallas path without a mesh, up to ``decode_max_pairs`` pairs."""
+        return (self.impl == "grouped" and self.experts.mesh is None and self.gate.mesh is None
+                and tokens * self.gate.cfg.num_experts_per_tok <= self.decode_max_pairs
                 and self.experts.num.kernel_impl() == "pallas")
 
     def token_axes(self, batch: int) -> tuple[str, ...]:
