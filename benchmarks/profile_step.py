@@ -198,17 +198,15 @@ class Attribution:
                 self._cache[hlo_op] = s
         return self._cache[hlo_op]
 
-    def static_kernels(self) -> collections.Counter:
-        """Kernel-launching instructions of the entry computation and of loop bodies, by scope."""
+    def kernel_instructions(self) -> list[str]:
+        """Kernel-launching instructions of the entry computation and of loop bodies."""
         inlined = {c for ins in self.instrs.values() for c in ins.fused}
-        out = collections.Counter()
-        for comp, names in self.comps.items():
-            if comp in inlined:
-                continue
-            for n in names:
-                if self.instrs[n].opcode not in _NO_KERNEL:
-                    out[self.scope(n)] += 1
-        return out
+        return [n for comp, names in self.comps.items() if comp not in inlined for n in names
+                if self.instrs[n].opcode not in _NO_KERNEL]
+
+    def static_kernels(self) -> collections.Counter:
+        """``kernel_instructions`` by scope."""
+        return collections.Counter(self.scope(n) for n in self.kernel_instructions())
 
 
 # ----------------------------------------------------------------------------- trace events

@@ -150,12 +150,16 @@ def matmul_f32(x: Float[Array, "... i"], w: Float[Array, "o i"]) -> Float[Array,
     x = x.astype(jnp.float32)
     if w.dtype != jnp.bfloat16:
         return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
+    y = jnp.einsum("p...i,oi->p...o", jnp.stack(bf16_parts(x)), w, preferred_element_type=jnp.float32)
+    return y[0] + (y[1] + y[2])
+
+
+def bf16_parts(x: Float[Array, "..."]) -> tuple[Array, Array, Array]:
+    """fp32 x as three bf16 numbers hi + mid + lo (exactly: together they hold its 24 significand bits)."""
     hi = x.astype(jnp.bfloat16)
     rest = x - hi.astype(jnp.float32)
     mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    y = jnp.einsum("p...i,oi->p...o", jnp.stack([hi, mid, lo]), w, preferred_element_type=jnp.float32)
-    return y[0] + (y[1] + y[2])
+    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 class Linear(nnx.Module):
