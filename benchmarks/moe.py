@@ -16,11 +16,22 @@ Bytes = the distinct chosen experts' weights as stored + activations; FLOPs = 2 
 $OUT and prints a table as it goes.
 
     python benchmarks/moe.py --tokens 1,6,48,192,1024,8192 --tune
+
+``--decode``: one whole MoE layer (learned routing, routed and shared experts) at decode token
+counts (default 1 and 2), the decode path (router kernels + pair kernels: ``MoE.decode_path``,
+its bound raised to the largest token count asked for, e.g. ``--tokens 1,2,6`` for a batch-1
+verify step) against the grouped path (``MoE.decode_max_pairs = 0``): device time, the kernels
+of the compiled layer (kernel-launching HLO instructions, Pallas custom calls among them) and the
+largest difference of the outputs; also the router alone (kernels vs XLA: time, selections that
+differ). ``--decode-tune`` adds a few pair-kernel tiles. Writes moe_decode.json under $OUT.
+
+    python -m benchmarks.moe --decode
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -34,6 +45,7 @@ from dspark_jax import config as config_lib
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.moe import MoE, grouped_experts
 from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import pair_experts
 
 TUNE = {  # row tile -> configurations tried
     16: [gm.GemmConfig(64, 256, 4, 4), gm.GemmConfig(32, 256, 4, 4), gm.GemmConfig(128, 128, 4, 3),
@@ -73,16 +85,25 @@ def routing(rng, tokens: int, cfg) -> tuple[np.ndarray, np.ndarray]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,6,48,192,1024,8192")
-    ap.add_argument("--formats", default="official,fp8,dense",
-                    help="weight formats: official (FP4 experts), fp8 (FP4 values as e4m3 codes), dense (bf16)")
+    ap.add_argument("--tokens", default=None, help="1,6,48,192,1024,8192 (--decode: 1,2)")
+    ap.add_argument("--formats", default=None, help="weight formats: official (FP4 experts), fp8 (FP4 values as "
+                    "e4m3 codes), dense (bf16); default official,fp8,dense (--decode: fp8,official)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-prefill", action="store_true",
                     help="only the many-token regime: row tiles 64 / 128 x wider column tiles, 8192 tokens")
-    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new size after this many seconds (400; --decode: 90)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU: checks the script runs")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode path vs grouped path of a whole layer (tokens default 1,2; formats fp8,official)")
+    ap.add_argument("--decode-tune", action="store_true", help="with --decode: also a few pair-kernel tiles")
     args = ap.parse_args()
+    if args.decode:
+        return decode(args)
+    args.budget_s = args.budget_s or 400.0
+    args.tokens = args.tokens or "1,6,48,192,1024,8192"
+    args.formats = args.formats or "official,fp8,dense"
     t_start = time.time()
     env = environment()
     print(env, flush=True)
@@ -183,6 +204,120 @@ def main():
               f"{r['pct_copy_bw']:5.1f} {r['pct_matmul_peak']:5.1f} | {r['layer_s'] * 1e6:8.1f} | "
               f"{'-' if rd is None else f'{rd * 1e6:.1f}'}")
     plot(results, env)
+
+
+DECODE_TUNE = [  # (up, down) pair-kernel tiles tried by --decode-tune, beside the defaults
+    (gm.GemmConfig(32, 256, 4, 4), gm.GemmConfig(32, 256, 4, 4)),
+    (gm.GemmConfig(64, 128, 4, 4), gm.GemmConfig(16, 128, 4, 4)),
+    (gm.GemmConfig(32, 128, 4, 3), gm.GemmConfig(64, 128, 4, 3)),
+    (gm.GemmConfig(128, 128, 4, 3), gm.GemmConfig(32, 512, 4, 3)),
+]
+
+
+def compiled_kernels(fn, *args):
+    """``jit(fn)`` compiled for ``args``, and its kernel-launching HLO instructions as 'opcode name'."""
+    from benchmarks.profile_step import Attribution
+
+    compiled = jax.jit(fn).lower(*args).compile()
+    attr = Attribution(compiled.as_text())
+    return compiled, [f"{attr.instrs[n].opcode} {n}" for n in attr.kernel_instructions()]
+
+
+def decode(args):
+    """The ``--decode`` mode (module docstring)."""
+    t_start = time.time()
+    budget = args.budget_s or 90.0
+    env = environment()
+    print(env, flush=True)
+    tokens_list = [int(t) for t in (args.tokens or "1,2").split(",")]
+    formats = (args.formats or "fp8,official").split(",")
+    if args.smoke:
+        cfg = config_lib.tiny(dspark=False).replace(n_routed_experts=32, num_experts_per_tok=6)
+    else:  # one DeepSeek-V4-Flash MoE layer
+        cfg = config_lib.flash(dspark=False)
+    reps = 3 if args.smoke else args.reps
+    results, tuning = [], []
+    out = {"env": env, "config": {"experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok,
+                                  "hidden": cfg.hidden_size, "intermediate": cfg.moe_intermediate_size},
+           "results": results, "tuning": tuning}
+
+    def over_budget():
+        if time.time() - t_start > budget:
+            print("budget exhausted", flush=True)
+            return True
+        return False
+
+    for f_i, fmt in enumerate(formats):
+        if over_budget():
+            break
+        num = Numerics(weight_format=fmt, quant_sim=True, kernels="pallas")
+        moe = MoE(cfg, False, num, rngs=nnx.Rngs(0))
+        graphs = {}
+        for path in ("decode", "grouped"):
+            moe.decode_max_pairs = max(tokens_list) * cfg.num_experts_per_tok if path == "decode" else 0
+            graphs[path], state = nnx.split(moe)
+
+        def layer(x, state, graph):
+            return nnx.merge(graph, state)(x[None], jnp.zeros((1, x.shape[0]), jnp.int32))[0]
+
+        for tokens in tokens_list:
+            if over_budget():
+                break
+            x = jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size), jnp.bfloat16)
+            r = {"format": fmt, "tokens": tokens, "pairs": tokens * cfg.num_experts_per_tok}
+            ys, kernel_lists = {}, {}
+            for path, graph in graphs.items():
+                fn = functools.partial(layer, graph=graph)
+                t0 = time.time()
+                compiled, kernels = compiled_kernels(fn, x, state)
+                r[f"{path}_kernels"] = len(kernels)
+                r[f"{path}_custom_calls"] = sum(k.startswith("custom-call") for k in kernels)
+                ys[path] = np.asarray(compiled(x, state), np.float32)
+                r[f"{path}_s"] = device_time(fn, x, state, reps=reps)
+                r[f"{path}_compile_and_time_s"] = time.time() - t0
+                kernel_lists[f"{path}_kernel_list"] = kernels
+                print({k: (round(v, 7) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            r["max_rel_diff"] = float(np.abs(ys["decode"] - ys["grouped"]).max() / np.abs(ys["grouped"]).max())
+            r["speedup"] = r["grouped_s"] / r["decode_s"]
+            if f_i == 0:  # the router alone (the same for every weight format)
+                gate = moe.gate
+                ids = jnp.zeros((tokens,), jnp.int32)
+                route = {k: jax.jit(lambda x, k=k: gate(x, ids, kernel=k)) for k in (True, False)}
+                sel = {k: np.sort(np.asarray(f(x)[1]), axis=1) for k, f in route.items()}
+                r["router_selections_differ"] = int((sel[True] != sel[False]).any(axis=1).sum())
+                r["router_kernels_s"] = device_time(lambda x: route[True](x)[0], x, reps=reps)
+                r["router_xla_s"] = device_time(lambda x: route[False](x)[0], x, reps=reps)
+            print({k: (round(v, 7) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            results.append(dict(r, **kernel_lists))
+            write_json("moe_decode.json", out)
+            if args.decode_tune:
+                weights = tuple(moe.experts.weights(n) for n in ("w1", "w2", "w3"))
+                shared = moe.shared_experts.weights()
+                w = jnp.full((tokens, cfg.num_experts_per_tok), 0.25, jnp.float32)
+                idx = jnp.asarray(routing(np.random.default_rng(tokens), tokens, cfg)[0])
+                for up, down in [pair_experts.default_configs(weights[0].fmt), *DECODE_TUNE]:
+                    if over_budget():
+                        break
+
+                    def pairs(x, up=up, down=down):
+                        return pair_experts.kernel(x, w, idx, *weights, limit=cfg.swiglu_limit, quant_sim=True,
+                                                   shared=shared, out_dtype=x.dtype, up_config=up, down_config=down)
+                    try:
+                        tt = device_time(pairs, x, reps=reps)
+                        tuning.append({"format": fmt, "tokens": tokens, "up": up.__dict__, "down": down.__dict__,
+                                       "pairs_s": tt})
+                        print("tune", fmt, tokens, up, down, f"{tt * 1e6:.1f} us", flush=True)
+                    except Exception as e:
+                        print("tune", fmt, tokens, up, down, "failed", type(e).__name__, str(e)[:200], flush=True)
+                write_json("moe_decode.json", out)
+        del moe, state, graphs
+
+    print("\nformat tokens | decode us kernels (custom) | grouped us kernels (custom) | speed-up | max rel diff")
+    for r in results:
+        print(f"{r['format']:>8} {r['tokens']:>6} | {r['decode_s'] * 1e6:9.1f} {r['decode_kernels']:4d} "
+              f"({r['decode_custom_calls']}) | {r['grouped_s'] * 1e6:10.1f} {r['grouped_kernels']:4d} "
+              f"({r['grouped_custom_calls']}) | {r['speedup']:5.2f}x | {r['max_rel_diff']:.2e}")
+    print("written", os.path.join(out_dir(), "moe_decode.json"), flush=True)
 
 
 def plot(results, env):

@@ -198,17 +198,15 @@ class Attribution:
                 self._cache[hlo_op] = s
         return self._cache[hlo_op]
 
-    def static_kernels(self) -> collections.Counter:
-        """Kernel-launching instructions of the entry computation and of loop bodies, by scope."""
+    def kernel_instructions(self) -> list[str]:
+        """Kernel-launching instructions of the entry computation and of loop bodies."""
         inlined = {c for ins in self.instrs.values() for c in ins.fused}
-        out = collections.Counter()
-        for comp, names in self.comps.items():
-            if comp in inlined:
-                continue
-            for n in names:
-                if self.instrs[n].opcode not in _NO_KERNEL:
-                    out[self.scope(n)] += 1
-        return out
+        return [n for comp, names in self.comps.items() if comp not in inlined for n in names
+                if self.instrs[n].opcode not in _NO_KERNEL]
+
+    def static_kernels(self) -> collections.Counter:
+        """``kernel_instructions`` by scope."""
+        return collections.Counter(self.scope(n) for n in self.kernel_instructions())
 
 
 # ----------------------------------------------------------------------------- trace events
@@ -539,7 +537,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     save(out)
 
     trace_dir = os.path.join(trace_root, name)
-    with _trace(trace_dir):
+    with profiler_trace(trace_dir):
         bs, traced = timed_rounds(bs)
     out["traced_wall_ms"] = 1e3 * float(np.mean(traced))
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
@@ -574,7 +572,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     return out
 
 
-def _trace(log_dir: str):
+def profiler_trace(log_dir: str):
     """``jax.profiler.trace`` without the Python tracer (its overhead would count as host time),
     where this jax version takes profiler options."""
     try:

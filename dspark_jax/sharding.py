@@ -323,14 +323,16 @@ def shard_state(state: nnx.State, shardings: Mapping[str, NamedSharding]) -> nnx
 def attach_mesh(module, mesh: Mesh):
     """Tell the modules of ``module`` (placed by ``param_shardings``) which mesh they run on, so
     that their per-request work runs per device in a ``shard_map``: the attention kernels, the
-    compressors, fp8 cache writes and top-k selections (indexer, router) on each device's requests
-    (and heads), the FP8 linears (``Linear`` with an FP8 weight) on each device's requests and
-    weight shard (column- or row-parallel as the weight is split), and the routed experts (grouped
-    MoE path, ``moe.expert_parallel``) on each device's experts, when the experts are split (else
-    the partitioner would gather every expert); returns ``module``."""
+    compressors, fp8 cache writes, the fused mHC kernels and top-k selections (indexer, router) on
+    each device's requests (and heads), the FP8 linears (``Linear`` with an FP8 weight) on each
+    device's requests and weight shard (column- or row-parallel as the weight is split), and the
+    routed experts (grouped MoE path, ``moe.expert_parallel``) on each device's experts, when the
+    experts are split (else the partitioner would gather every expert); returns ``module``."""
     from dspark_jax.model.attention import Attention
+    from dspark_jax.model.block import Block
     from dspark_jax.model.common import Linear
     from dspark_jax.model.compressor import Compressor
+    from dspark_jax.model.deepseek_v4 import DeepSeekV4
     from dspark_jax.model.indexer import Indexer
     from dspark_jax.model.moe import Experts, Gate
 
@@ -341,7 +343,7 @@ def attach_mesh(module, mesh: Mesh):
     for path, mod in nnx.iter_modules(module):
         if isinstance(mod, Experts):
             mod.mesh = mesh if split else None
-        elif isinstance(mod, (Attention, Compressor, Indexer, Gate)):
+        elif isinstance(mod, (Attention, Compressor, Indexer, Gate, Block, DeepSeekV4)):
             mod.mesh = mesh if multi else None
         elif isinstance(mod, Linear) and mod.quantized:  # the FP8 GEMM: per device on its weight shard
             mod.mesh = mesh if multi else None

@@ -124,3 +124,11 @@ def next_power_of_2(n: int) -> int:
 
 def is_power_of_2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap`` (1 if none larger)."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b

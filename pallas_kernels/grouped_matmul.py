@@ -192,20 +192,13 @@ class GemmConfig:
 
     def fit(self, n: int, k: int, fmt: str) -> "GemmConfig":
         """This config with tiles shrunk to divide N and K (and the format's scale blocks)."""
-        bn = _largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
+        bn = backend.largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
         bk_cap = min(self.block_k, FP8_BLOCK) if fmt == "fp8" else self.block_k
-        bk = _largest_pow2_divisor(k, bk_cap)
+        bk = backend.largest_pow2_divisor(k, bk_cap)
         kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
         if bn < 16 or bk < kmin:
             raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
         return dataclasses.replace(self, block_n=bn, block_k=bk)
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
 
 
 def default_config(block_m: int, fmt: str) -> GemmConfig:
@@ -252,37 +245,54 @@ def _dot_t(a: Array, b: Array) -> Array:
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: int, bn: int, bk: int, dt) -> Array:
-    """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
-    output columns n0 .. n0 + bn of group g."""
+def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
+                 dt) -> tuple[tuple[Array, ...], Array | None]:
+    """The weights of one loop step decoded in registers: output columns n0 .. n0 + bn of group g
+    against inputs k0 .. k0 + bk, as ``dt`` tiles [bn, bk] (fp4: the low and high nibbles
+    [bn, bk / 2], which multiply the even and odd inputs), and the fp32 scale of their product
+    (fp8: one per 128 x 128 block) or None."""
     if fmt == "dense":
-        (x_ref,), (w_ref,) = x_refs, w_refs
-        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
-        w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)]
-        return _dot_t(x, w.astype(dt))
+        (w_ref,) = w_refs
+        return (w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt),), None
     if fmt == "fp8":
-        (x_ref,), (w_ref, s_ref) = x_refs, w_refs
-        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+        w_ref, s_ref = w_refs
         w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
-        nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-        s = _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
-        return _dot_t(x, w) * s
+        nb = -(-n // FP8_BLOCK)
+        return (w,), _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
     if fmt == "fp8_k32":
-        (x_ref,), (w_ref, s_ref) = x_refs, w_refs
-        x = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+        w_ref, s_ref = w_refs
         w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
         sb = s_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // FP4_BLOCK, bk // FP4_BLOCK)]
         s = jnp.broadcast_to(_scale_bf16(sb)[:, :, None], (bn, bk // FP4_BLOCK, FP4_BLOCK)).reshape(bn, bk)
-        return _dot_t(x, w * s.astype(dt))
-    (xe_ref, xo_ref), (w_ref, s_ref) = x_refs, w_refs
+        return (w * s.astype(dt),), None
+    w_ref, s_ref = w_refs
     half, nsb = bk // 2, bk // FP4_BLOCK  # packed bytes, scale blocks of this step
-    xe = xe_ref[pl.ds(r0, bm), pl.ds(k0 // 2, half)]
-    xo = xo_ref[pl.ds(r0, bm), pl.ds(k0 // 2, half)]
     b = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // 2, half)].astype(jnp.int32)
     sb = s_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // FP4_BLOCK, nsb)]
     # one scale per 16 packed bytes, spread over them in registers, applied as a bf16 power of two
     s = jnp.broadcast_to(_scale_bf16(sb)[:, :, None], (bn, nsb, FP4_BLOCK // 2)).reshape(bn, half).astype(dt)
-    return _dot_t(xe, _fp4_decode(b & 15, dt) * s) + _dot_t(xo, _fp4_decode(b >> 4, dt) * s)
+    return (_fp4_decode(b & 15, dt) * s, _fp4_decode(b >> 4, dt) * s), None
+
+
+def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
+                 dt) -> Array:
+    """fp32 [m, bn] product of one loop step: the inputs ``xs`` (x [m, bk]; fp4: its even and odd
+    columns [m, bk / 2]) against ``weight_tiles``."""
+    tiles, scale = weight_tiles(w_refs, fmt, g, n, k, n0, k0, bn, bk, dt)
+    acc = _dot_t(xs[0], tiles[0])
+    for x, w in zip(xs[1:], tiles[1:]):
+        acc = acc + _dot_t(x, w)
+    return acc if scale is None else acc * scale
+
+
+def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: int, bn: int, bk: int, dt) -> Array:
+    """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
+    output columns n0 .. n0 + bn of group g."""
+    if fmt == "fp4":
+        xs = tuple(ref[pl.ds(r0, bm), pl.ds(k0 // 2, bk // 2)] for ref in x_refs)
+    else:
+        xs = (x_refs[0][pl.ds(r0, bm), pl.ds(k0, bk)],)
+    return step_product(xs, w_refs, fmt, g, n, k, n0, k0, bn, bk, dt)
 
 
 def _kernel(*refs, fmt: str, n: int, k: int, bm: int, cfg: GemmConfig, n_weights: int, limit: float | None):
@@ -324,7 +334,8 @@ def _kernel(*refs, fmt: str, n: int, k: int, bm: int, cfg: GemmConfig, n_weights
         o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = jnp.zeros((bm, bn), o_ref.dtype)
 
 
-def _flat(w: Weights) -> tuple[Array, ...]:
+def flat_operands(w: Weights) -> tuple[Array, ...]:
+    """The kernel operands of stacked weights: values [G * N, K'] (and scales [G * N', K''])."""
     vals = w.values.reshape(-1, w.values.shape[-1])
     return (vals,) if w.fmt == "dense" else (vals, w.scales.reshape(-1, w.scales.shape[-1]))
 
@@ -342,7 +353,7 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
     m = x.shape[0]
     args = [tile_group, num_tiles, *_x_operands(x, fmt)]
     for w in ws:
-        args += _flat(w)
+        args += flat_operands(w)
     if limit is not None:
         args.append(row_weight.astype(jnp.float32))
     kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit)

@@ -47,7 +47,8 @@ def test_numerics_sinkhorn_choice():
     assert Numerics(sinkhorn="loop").sinkhorn_impl() == "loop"
     assert Numerics(sinkhorn="unrolled").sinkhorn_impl() == "unrolled"
     assert Numerics(sinkhorn="kernel").sinkhorn_impl() == "kernel"
-    assert Numerics().sinkhorn_impl() == "loop"  # "auto" on the CPU; the kernel on a GPU
+    assert Numerics(sinkhorn="fused").sinkhorn_impl() == "fused" and Numerics(sinkhorn="fused").mhc_fused()
+    assert Numerics().sinkhorn_impl() == "loop" and not Numerics().mhc_fused()  # "auto" on the CPU; fused on a GPU
     with pytest.raises(ValueError, match="sinkhorn must be"):
         Numerics(sinkhorn="scan")
 
@@ -256,7 +257,7 @@ def test_fake_quantisation():
 def test_moe_grouped_equals_dense(quant_sim, weight_format):
     """The grouped MoE path (each selected expert read once: kernel and loop reference) equals
     every-expert compute, with bf16 / fp32 weights and with FP4 experts + FP8 shared expert."""
-    from dspark_jax.model.moe import MoE
+    from dspark_jax.model.moe import PAIR_TILES_MAX, MoE
 
     cfg = config.tiny().replace(n_routed_experts=24, num_experts_per_tok=3)  # top-3 of 24: many empty experts
     num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, quant_sim=quant_sim, weight_format=weight_format)
@@ -272,9 +273,11 @@ def test_moe_grouped_equals_dense(quant_sim, weight_format):
     np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), rtol=1e-4, atol=1e-5)
     moe.experts.num = moe.shared_experts.w1.num = dataclasses.replace(num, kernels="pallas")  # interpret mode
     np.testing.assert_allclose(np.asarray(moe(x, ids)), np.asarray(dense), rtol=1e-4, atol=1e-5)
-    # 5 tokens x top-3 <= PAIR_TILES_MAX: one tile per pair (kernel), then the loop reference
-    for kernels in ("pallas", num.kernels):
+    # 5 tokens x top-3 <= PAIR_TILES_MAX: one tile per pair (kernel), the decode kernels (opt-in),
+    # then the loop reference
+    for kernels, pairs in (("pallas", 0), ("pallas", PAIR_TILES_MAX), (num.kernels, 0)):
         moe.experts.num = moe.shared_experts.w1.num = dataclasses.replace(num, kernels=kernels)
+        moe.decode_max_pairs = pairs
         np.testing.assert_allclose(np.asarray(moe(x[:1, :5], ids[:1, :5])), np.asarray(dense[:1, :5]),
                                    rtol=1e-4, atol=1e-5)
     # and the dense path equals a per-token loop over the selected experts

@@ -15,31 +15,7 @@ from dspark_jax.api import forward_step
 from dspark_jax.cache import init_cache
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.model.common import Numerics
-
-MATMULS = ("dot_general", "ragged_dot_general", "ragged_dot")
-
-
-def _subjaxprs(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _subjaxprs(v)
-
-
-def matmul_precisions(jaxpr) -> list:
-    """The precision parameter of every matmul in ``jaxpr`` and its sub-programs."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in MATMULS:
-            out.append(eqn.params.get("precision"))
-        for v in eqn.params.values():
-            for sub in _subjaxprs(v):
-                out.extend(matmul_precisions(sub))
-    return out
-
+from tests.helpers import matmul_precisions
 
 HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 

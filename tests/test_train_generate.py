@@ -149,3 +149,12 @@ def test_the_bundled_manifest_pins_the_shipped_packages():
     for pin in manifest["packages"].values():
         assert pin["version"] and len(pin["files"]) > 0
         assert all(r.endswith(".py") and len(h) == 64 for r, h in pin["files"].items())
+
+
+def test_generated_continuations_must_leave_a_decoding_round():
+    from dspark_jax.train.config import toy, toy_generate
+
+    gamma = toy().model.dspark.block_size
+    toy().replace(generate=dataclasses.replace(toy_generate(), new_tokens=gamma + 1))
+    with pytest.raises(ValueError, match="must exceed the block size"):
+        toy().replace(generate=dataclasses.replace(toy_generate(), new_tokens=gamma))

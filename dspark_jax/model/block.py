@@ -5,17 +5,40 @@ X -> hc_pre(attn) -> attn_norm -> attention -> hc_post -> hc_pre(ffn) -> ffn_nor
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.cache import LayerCache
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.attention import Attention
 from dspark_jax.model.common import Chunk, Numerics
-from dspark_jax.model.hyper import hc_post, hc_pre, hc_unit_params
+from dspark_jax.model.hyper import hc_head, hc_post, hc_pre, hc_unit_params
 from dspark_jax.model.moe import MoE
 from dspark_jax.model.norms_rope import RMSNorm
+from dspark_jax.sharding import per_request
+
+
+def mhc_mesh(owner) -> Mesh | None:
+    """The mesh on which ``owner``'s fused mHC kernels run per device, each on its own requests (a
+    ``pallas_call`` has no partitioning rule), or None: one device, or plain JAX, which the
+    partitioner splits. ``owner`` (a Block or the model) has ``num`` and ``mesh`` (set by
+    ``dspark_jax.sharding.attach_mesh``)."""
+    return owner.mesh if owner.num.mhc_fused() else None
+
+
+def hc_head_of(owner, x: Float[Array, "b t n d"]) -> Float[Array, "b t d"]:
+    """``hc_head`` with ``owner``'s head parameters: the model's, or the last drafter stage's."""
+    c = owner.cfg
+
+    def head(fn, base, scale, x):
+        return hc_head(x, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, fused=owner.num.mhc_fused())
+
+    return per_request(head, mhc_mesh(owner), x,
+                       replicated=(owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...]))
 
 
 class Block(nnx.Module):
@@ -28,12 +51,23 @@ class Block(nnx.Module):
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_unit_params(rngs, n, d, (2 + n) * n)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_unit_params(rngs, n, d, (2 + n) * n)
         self.cfg, self.num = cfg, num
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: fused mHC kernels then run per device
 
     def _pre(self, x, fn, base, scale):
         c = self.cfg
+
+        def pre(fn, base, scale, x):
+            return hc_pre(x, fn, base, scale, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+                          sinkhorn_impl=self.num.sinkhorn_impl())
+
         with jax.named_scope("mhc"):
-            return hc_pre(x, fn[...], base[...], scale[...], iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-                          norm_eps=c.rms_norm_eps, sinkhorn_impl=self.num.sinkhorn_impl())
+            return per_request(pre, mhc_mesh(self), x, replicated=(fn[...], base[...], scale[...]))
+
+    def post(self, f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
+             comb: Float[Array, "b t n n"]) -> Float[Array, "b t n d"]:
+        """``hc_post`` (the fused kernel when selected)."""
+        with jax.named_scope("mhc"):
+            return per_request(functools.partial(hc_post, fused=self.num.mhc_fused()), mhc_mesh(self), f, x, post, comb)
 
     def attn_in(self, x: Float[Array, "b t n d"]):
         """Collapsed, normalised attention input and the mHC weights to expand its output."""
@@ -45,14 +79,11 @@ class Block(nnx.Module):
         y, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         with jax.named_scope("moe"):
             f = self.ffn(self.ffn_norm(y), ids)
-        with jax.named_scope("mhc"):
-            return hc_post(f, x, post, comb)
+        return self.post(f, x, post, comb)
 
     def __call__(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache
                  ) -> tuple[Float[Array, "b t n d"], LayerCache]:
         y, post, comb = self.attn_in(x)
         with jax.named_scope("attention"):
             f, cache = self.attn(y, chunk, cache)
-        with jax.named_scope("mhc"):
-            x = hc_post(f, x, post, comb)
-        return self.ffn_residual(x, chunk.ids), cache
+        return self.ffn_residual(self.post(f, x, post, comb), chunk.ids), cache

@@ -42,10 +42,12 @@ class Numerics:
     kernels: attention / fp8-cache-write implementation for decode and verify chunks: "pallas"
         (the Pallas kernels: Triton on a GPU, interpret mode on CPU), "xla" (their pure-JAX
         references) or "auto" (pallas on a GPU, xla elsewhere).
-    sinkhorn: how mHC's gates and Sinkhorn iterations run: "loop" (fast to compile; training uses
-        it), "unrolled" (no per-iteration loop overhead, but tens of small fusions per mHC unit on
-        a GPU and a long compile), "kernel" (``pallas_kernels.hc_weights``: one launch per unit;
-        inference only, no gradient) or "auto" (the kernel on a GPU, the loop elsewhere).
+    sinkhorn: how mHC's units run: "loop" (plain JAX, the Sinkhorn iterations as a loop: fast to
+        compile; training uses it), "unrolled" (no per-iteration loop overhead, but tens of small
+        fusions per mHC unit on a GPU and a long compile), "kernel" (plain JAX with the gates and
+        Sinkhorn in ``pallas_kernels.hc_weights``: one launch for them), "fused" (every mHC unit in
+        ``pallas_kernels.hc_fused``: hc_pre and hc_head in two launches, hc_post in one) or "auto"
+        (the Sinkhorn kernel on a GPU, the loop elsewhere; "fused" is opt-in until it measures faster, see docs/benchmarks.md). The kernels are for inference only (no gradient).
     matmul_precision: float32 matmuls (the lm_head, router and compressor of every model; all of
         an fp32 model) in true float32 like the PyTorch reference ("highest"), or at the backend's
         default ("default": TF32 on NVIDIA GPUs). Set by ``precision_scope`` in inference entry
@@ -70,8 +72,8 @@ class Numerics:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.kernels not in ("auto", "pallas", "xla"):
             raise ValueError(f"kernels must be 'auto', 'pallas' or 'xla', got {self.kernels!r}")
-        if self.sinkhorn not in ("auto", "loop", "unrolled", "kernel"):
-            raise ValueError(f"sinkhorn must be 'auto', 'loop', 'unrolled' or 'kernel', got {self.sinkhorn!r}")
+        if self.sinkhorn not in ("auto", "loop", "unrolled", "kernel", "fused"):
+            raise ValueError(f"sinkhorn must be 'auto', 'loop', 'unrolled', 'kernel' or 'fused', got {self.sinkhorn!r}")
         if self.matmul_precision not in ("highest", "default"):
             raise ValueError(f"matmul_precision must be 'highest' or 'default', got {self.matmul_precision!r}")
 
@@ -96,6 +98,10 @@ class Numerics:
 
             return "kernel" if on_gpu() else "loop"
         return self.sinkhorn
+
+    def mhc_fused(self) -> bool:
+        """Whether mHC's units run as the fused kernels (``sinkhorn_impl() == "fused"``)."""
+        return self.sinkhorn_impl() == "fused"
 
     def kernel_impl(self) -> str:
         """The implementation the kernel dispatchers get (resolved when tracing)."""
@@ -146,12 +152,16 @@ def matmul_f32(x: Float[Array, "... i"], w: Float[Array, "o i"]) -> Float[Array,
     x = x.astype(jnp.float32)
     if w.dtype != jnp.bfloat16:
         return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
+    y = jnp.einsum("p...i,oi->p...o", jnp.stack(bf16_parts(x)), w, preferred_element_type=jnp.float32)
+    return y[0] + (y[1] + y[2])
+
+
+def bf16_parts(x: Float[Array, "..."]) -> tuple[Array, Array, Array]:
+    """fp32 x as three bf16 numbers hi + mid + lo (exactly: together they hold its 24 significand bits)."""
     hi = x.astype(jnp.bfloat16)
     rest = x - hi.astype(jnp.float32)
     mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    y = jnp.einsum("p...i,oi->p...o", jnp.stack([hi, mid, lo]), w, preferred_element_type=jnp.float32)
-    return y[0] + (y[1] + y[2])
+    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 class Linear(nnx.Module):

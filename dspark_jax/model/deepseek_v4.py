@@ -18,10 +18,10 @@ from jaxtyping import Array, Float, Int
 
 from dspark_jax.cache import TargetCache
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.block import Block
+from dspark_jax.model.block import Block, hc_head_of
 from dspark_jax.model.common import Chunk, Embedding, Linear, Numerics, Packing
 from dspark_jax.model.dspark import DSparkStage
-from dspark_jax.model.hyper import hc_head, hc_unit_params
+from dspark_jax.model.hyper import hc_unit_params
 from dspark_jax.model.norms_rope import RMSNorm
 
 
@@ -38,6 +38,7 @@ class DeepSeekV4(nnx.Module):
         if cfg.dspark is not None:
             self.mtp = nnx.List([DSparkStage(cfg, s, num, rngs=rngs) for s in range(cfg.dspark.num_stages)])
         self.cfg, self.num = cfg, num
+        self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh`` (``block.mhc_mesh``)
 
     def embed_streams(self, ids: Array) -> Float[Array, "b t n d"]:
         with jax.named_scope("embed"):
@@ -47,8 +48,7 @@ class DeepSeekV4(nnx.Module):
     def logits_from_streams(self, x: Float[Array, "b t n d"]) -> Float[Array, "b t v"]:
         """hc_head -> norm -> lm_head, fp32 logits."""
         with jax.named_scope("head"):
-            y = hc_head(x, self.hc_head_fn[...], self.hc_head_base[...], self.hc_head_scale[...],
-                        hc_eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
+            y = hc_head_of(self, x)
             return self.head(self.norm(y), jnp.float32)
 
     def forward(self, ids: Int[Array, "b t"], n_valid: Int[Array, " b"], cache: TargetCache, *,

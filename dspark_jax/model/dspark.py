@@ -26,9 +26,9 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import ring_write_slots, scatter_rows
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.attention import ragged_attention, sink_attention
-from dspark_jax.model.block import Block
+from dspark_jax.model.block import Block, hc_head_of
 from dspark_jax.model.common import Linear, Numerics, Packing, matmul_f32, normal_init
-from dspark_jax.model.hyper import hc_head, hc_post, hc_unit_params
+from dspark_jax.model.hyper import hc_unit_params
 from dspark_jax.model.norms_rope import RMSNorm
 from pallas_kernels import attention_metadata
 
@@ -79,9 +79,7 @@ class DSparkStage(Block):
         y, post, comb = self.attn_in(x)
         with jax.named_scope("attention"):
             f = self._block_attention(y, pos, ring, ring_visible, lengths)
-        with jax.named_scope("mhc"):
-            x = hc_post(f, x, post, comb)
-        return self.ffn_residual(x, ids)
+        return self.ffn_residual(self.post(f, x, post, comb), ids)
 
     def _block_attention(self, y, pos, ring, ring_visible, lengths) -> Float[Array, "b g d"]:
         q, _ = self.attn.project_q(y, pos)
@@ -169,8 +167,7 @@ def draft_block(model, cache: DraftCache, anchor: Int[Array, " b"], lengths: Int
             x = stage.draft_layer(x, ids, pos, ring, lengths=lengths)
     last = stages[-1]
     with jax.named_scope("head"):
-        z = hc_head(x, last.hc_head_fn[...], last.hc_head_base[...], last.hc_head_scale[...], hc_eps=cfg.hc_eps,
-                    norm_eps=cfg.rms_norm_eps)  # pre-norm hidden Z [b, g, d]
+        z = hc_head_of(last, x)  # pre-norm hidden Z [b, g, d]
         base = model.head(last.norm(z), jnp.float32)  # U [b, g, v]
 
     markov = last.markov_head

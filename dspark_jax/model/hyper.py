@@ -58,9 +58,14 @@ def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, 
            ) -> tuple[Float[Array, "b t d"], Float[Array, "b t n"], Float[Array, "b t n n"]]:
     """Collapse the streams for a sub-block; returns (block input, post weights, mixing matrix C).
 
-    sinkhorn_impl: how the gates and the Sinkhorn iterations run: "loop" / "unrolled" (plain JAX,
-    see ``sinkhorn``) or "kernel" (``pallas_kernels.hc_weights``: one launch on a GPU).
+    sinkhorn_impl: how the unit runs: "loop" / "unrolled" (plain JAX, see ``sinkhorn``), "kernel"
+    (plain JAX with the gates and Sinkhorn in ``pallas_kernels.hc_weights``: one launch for them on
+    a GPU) or "fused" (all of it in ``pallas_kernels.hc_fused``: two launches on a GPU).
     """
+    if sinkhorn_impl == "fused":
+        from pallas_kernels.hc_fused import pre_kernel
+
+        return pre_kernel(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     n = x.shape[-2]
     mix = _mixes(x, fn, norm_eps)
     z = jnp.concatenate([mix[..., :n] * scale[0], mix[..., n:2 * n] * scale[1], mix[..., 2 * n:] * scale[2]],
@@ -72,22 +77,32 @@ def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, 
     elif sinkhorn_impl in ("loop", "unrolled"):
         pre, post, comb = mix_weights(z, n=n, iters=iters, eps=hc_eps, unroll=sinkhorn_impl == "unrolled")
     else:
-        raise ValueError(f"sinkhorn_impl must be 'loop', 'unrolled' or 'kernel', got {sinkhorn_impl!r}")
+        raise ValueError(f"sinkhorn_impl must be 'loop', 'unrolled', 'kernel' or 'fused', got {sinkhorn_impl!r}")
     y = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2)
     return y.astype(x.dtype), post, comb
 
 
 def hc_post(f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
-            comb: Float[Array, "b t n n"]) -> Float[Array, "b t n d"]:
-    """X'_j = post_j * f + sum_i C[i, j] X_i (note the sum over the FIRST index of C)."""
+            comb: Float[Array, "b t n n"], *, fused: bool = False) -> Float[Array, "b t n d"]:
+    """X'_j = post_j * f + sum_i C[i, j] X_i (note the sum over the FIRST index of C).
+    fused: in one Pallas kernel (``pallas_kernels.hc_fused``)."""
+    if fused:
+        from pallas_kernels.hc_fused import post_kernel
+
+        return post_kernel(f, x, post, comb)
     mixed = jnp.einsum("btij,btid->btjd", comb, x.astype(jnp.float32))
     y = post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed
     return y.astype(x.dtype)
 
 
 def hc_head(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, hc_eps: float,
-            norm_eps: float) -> Float[Array, "b t d"]:
-    """Final collapse: sigmoid-gated sum of the streams (no Sinkhorn, no post)."""
+            norm_eps: float, fused: bool = False) -> Float[Array, "b t d"]:
+    """Final collapse: sigmoid-gated sum of the streams (no Sinkhorn, no post).
+    fused: in Pallas kernels (``pallas_kernels.hc_fused``: two launches)."""
+    if fused:
+        from pallas_kernels.hc_fused import head_kernel
+
+        return head_kernel(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
     pre = jax.nn.sigmoid(_mixes(x, fn, norm_eps) * scale[0] + base) + hc_eps
     return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
 

@@ -14,18 +14,14 @@ from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal
 from dspark_jax.model.quant import fp8_sim
 from dspark_jax.sharding import batch_axes, mesh_axes, per_request
 from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import pair_experts, routing
 from pallas_kernels.grouped_matmul import swiglu
 from pallas_kernels.group_metadata import group_tiles, pair_tiles
+from pallas_kernels.routing import gate_weights, route_scores
 
-PAIR_TILES_MAX = 16  # (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6)
-
-
-def route_scores(logits: Float[Array, "n e"], func: str) -> Float[Array, "n e"]:
-    if func == "sqrtsoftplus":
-        return jnp.sqrt(jax.nn.softplus(logits))
-    if func == "softmax":
-        return jax.nn.softmax(logits, axis=-1)
-    return jax.nn.sigmoid(logits)
+# (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6); on the
+# Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
+PAIR_TILES_MAX = 16
 
 
 class Gate(nnx.Module):
@@ -39,20 +35,21 @@ class Gate(nnx.Module):
         self.hash_routing, self.cfg = hash_routing, cfg
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
-    def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Int[Array, "n k"]]:
-        """Routing weights [n, k] (fp32) and expert indices [n, k]."""
+    def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"], *, kernel: bool = False
+                 ) -> tuple[Array, Int[Array, "n k"]]:
+        """Routing weights [n, k] (fp32) and expert indices [n, k]. ``kernel``: through the Pallas
+        router kernels (``pallas_kernels.routing``; no mesh), else XLA."""
         cfg = self.cfg
-        logits = matmul_f32(x, self.weight[...])
-        scores = route_scores(logits, cfg.scoring_func)
-        if self.hash_routing:
-            idx = self.tid2eid[...][ids]
-        else:
+        opts = dict(func=cfg.scoring_func, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+        idx = self.tid2eid[...][ids] if self.hash_routing else None
+        if kernel:
+            bias = None if self.hash_routing else self.bias[...]
+            return routing.kernel(x, self.weight[...], bias, idx, top_k=cfg.num_experts_per_tok, **opts)
+        scores = route_scores(matmul_f32(x, self.weight[...]), cfg.scoring_func)
+        if idx is None:
             idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh,
                               scores + self.bias[...])
-        w = jnp.take_along_axis(scores, idx, axis=-1)
-        if cfg.scoring_func != "softmax" and cfg.norm_topk_prob:
-            w = w / jnp.sum(w, axis=-1, keepdims=True)
-        return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+        return gate_weights(scores, idx, **opts), idx.astype(jnp.int32)
 
 
 class SharedExpert(nnx.Module):
@@ -66,6 +63,10 @@ class SharedExpert(nnx.Module):
     def __call__(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
         h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
+
+    def weights(self) -> tuple[gm.Weights, gm.Weights, gm.Weights]:
+        """w1, w2, w3 as one-group weights of the grouped matmul's formats."""
+        return self.w1.grouped_weights(), self.w2.grouped_weights(), self.w3.grouped_weights()
 
 
 class Experts(nnx.Module):
@@ -123,6 +124,15 @@ class Experts(nnx.Module):
         if self.mesh is not None:
             return expert_parallel(x, w, idx, *weights, mesh=self.mesh, token_axes=token_axes, **options)
         return grouped_experts(x, w, idx, *weights, **options)
+
+    def pairs(self, x: Float[Array, "n d"], w: Array, idx: Array, *, shared=None, out_dtype=jnp.float32,
+              **kernel_options) -> Float[Array, "n d"]:
+        """The pair kernels (``pallas_kernels.pair_experts``): each (token, expert) pair reads its
+        expert's weights, no tiles or sorting; for a decode step's few pairs. ``shared``: the shared
+        expert's (w1, w2, w3), computed as one more pair per token and added."""
+        weights = tuple(self.weights(n) for n in ("w1", "w2", "w3"))
+        return pair_experts.kernel(x, w, idx, *weights, limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim,
+                                   shared=shared, out_dtype=out_dtype, **kernel_options)
 
 
 def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
@@ -200,6 +210,18 @@ class MoE(nnx.Module):
         if impl == "auto":
             impl = "dense" if cfg.n_routed_experts <= 16 else "grouped"
         self.impl = impl
+        # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
+        # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
+        # (one Flash layer at 1 token: 283 us against 189 us, docs/benchmarks.md).
+        self.decode_max_pairs = 0
+
+    def decode_path(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs as the decode kernels: the router kernels, then
+        the pair kernels with the shared expert as one more pair (4 launches with learned routing).
+        For grouped experts on the Pallas path without a mesh, up to ``decode_max_pairs`` pairs."""
+        return (self.impl == "grouped" and self.experts.mesh is None and self.gate.mesh is None
+                and tokens * self.gate.cfg.num_experts_per_tok <= self.decode_max_pairs
+                and self.experts.num.kernel_impl() == "pallas")
 
     def token_axes(self, batch: int) -> tuple[str, ...]:
         """The mesh axes the step's tokens are split over on entering the routed experts: those
@@ -210,6 +232,10 @@ class MoE(nnx.Module):
     def __call__(self, x: Float[Array, "b t d"], ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
+        if self.decode_path(xf.shape[0]):
+            w, idx = self.gate(xf, ids.reshape(-1), kernel=True)
+            y = self.experts.pairs(xf, w, idx, shared=self.shared_experts.weights(), out_dtype=x.dtype)
+            return y.reshape(shape)
         w, idx = self.gate(xf, ids.reshape(-1))
         if self.impl == "grouped":
             routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]))

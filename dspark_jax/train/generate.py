@@ -97,12 +97,12 @@ def sample_prefixes(stream: np.ndarray, n: int, length: int, rng: np.random.Gene
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
-def generate_data(model: DeepSeekV4, cfg: GenerateConfig, train_stream: np.ndarray, held_stream: np.ndarray, *,
-                  seed: int, deadline: float, say=print) -> dict:
+def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream: np.ndarray, held_stream: np.ndarray,
+                  *, seed: int, deadline: float, say=print) -> dict:
     """The held-out batch (greedy) and training batches (rows alternately greedy / T = 1) until
-    ``cfg.sequences`` or until the next batch would end after ``deadline``."""
-    graphdef, state = nnx.split(model)
-    generate = make_generate(graphdef, cfg)
+    ``cfg.sequences`` or until the next batch would end after ``deadline``. ``generate`` is
+    ``make_generate(graphdef, cfg)`` (or its executable) and ``state`` the model's whole state
+    (``nnx.split(model)``)."""
     rng = np.random.default_rng([seed, 7])
     key = jax.random.key(seed + 7)
     b = cfg.batch_size
@@ -110,7 +110,7 @@ def generate_data(model: DeepSeekV4, cfg: GenerateConfig, train_stream: np.ndarr
     t0 = time.time()
     held = np.asarray(generate(state, jnp.asarray(sample_prefixes(held_stream, b, cfg.prefix_tokens, rng)),
                                jnp.zeros((b,), jnp.float32), jax.random.fold_in(key, 0)))
-    first_s = time.time() - t0  # compilation + one batch
+    first_s = time.time() - t0  # one batch (and the compilation unless compiled ahead)
     batches, batch_s = [], []
     while len(batches) * b < cfg.sequences:
         t1 = time.time()
@@ -128,7 +128,7 @@ def generate_data(model: DeepSeekV4, cfg: GenerateConfig, train_stream: np.ndarr
                  batch_s=float(np.median(batch_s)), generated_tokens=new,
                  tokens_per_s=new / max(sum(batch_s), 1e-9), total_s=time.time() - t0)
     say(f"[generate] {len(train)} sequences of {cfg.prefix_tokens} + {cfg.new_tokens} tokens ({new:,} generated, "
-        f"{stats['tokens_per_s']:,.0f} tokens/s; first batch with compilation {first_s:.1f} s)")
+        f"{stats['tokens_per_s']:,.0f} tokens/s; first batch {first_s:.1f} s)")
     return dict(train=train.astype(np.int32), temperature=np.tile(temps, len(batches)), heldout=held.astype(np.int32),
                 stats=stats)
 
@@ -179,6 +179,14 @@ def round_chains(accepted: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+def replay_anchors(seq_len: int, first_anchor: int, gamma: int) -> np.ndarray:
+    """Every anchor of a replayed sequence whose round has γ labels: first_anchor .. seq_len-γ-1."""
+    anchors = np.arange(first_anchor, seq_len - gamma, dtype=np.int32)
+    if len(anchors) < 1:
+        raise ValueError(f"sequences of {seq_len} tokens leave no round after an anchor at {first_anchor}")
+    return anchors
+
+
 def simulate_rounds(free_drafts, draft_state, frozen, rest, sequences: np.ndarray, first_anchor: int, gamma: int,
                     chunk: int) -> dict:
     """Replay greedy speculative decoding over greedy sequences (the committed text of greedy
@@ -187,10 +195,7 @@ def simulate_rounds(free_drafts, draft_state, frozen, rest, sequences: np.ndarra
 
     Returns confidence [rounds, γ] (raw logits), accepted [rounds], sequence [rounds] (index of the
     sequence each round belongs to)."""
-    seq_len = sequences.shape[1]
-    anchors = np.arange(first_anchor, seq_len - gamma, dtype=np.int32)
-    if len(anchors) < 1:
-        raise ValueError(f"sequences of {seq_len} tokens leave no round after an anchor at {first_anchor}")
+    anchors = replay_anchors(sequences.shape[1], first_anchor, gamma)
     conf, acc, seq = [], [], []
     for s in range(0, len(sequences), chunk):
         ids = sequences[s:s + chunk]

@@ -23,7 +23,7 @@ class PhaseLog:
     name: str
     history: list[dict] = field(default_factory=list)  # one entry per step
     evals: list[dict] = field(default_factory=list)
-    compile_s: float = 0.0  # first step of this invocation (compilation + one step)
+    compile_s: float = 0.0  # first step of this invocation (one step; its compilation unless compiled ahead)
     train_s: float = 0.0  # wall time of all later steps (evaluations and checkpoints excluded)
     steps: int = 0
     tokens: int = 0
@@ -151,7 +151,7 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
             log.compile_s = t_ready - t_start
             log.peak_memory_gib = peak_memory_gib()
             mem = "" if log.peak_memory_gib is None else f", device memory peak {log.peak_memory_gib:.1f} GiB"
-            tqdm.write(f"[{log.name}] first step (compile) took {log.compile_s:.1f} s, batch {batch.shape}{mem}")
+            tqdm.write(f"[{log.name}] first step took {log.compile_s:.1f} s, batch {batch.shape}{mem}")
         else:
             state, metrics = step_fn(state, batch, lr, log.steps)
         flush()  # fetching the previous step's metrics keeps at most one step in flight

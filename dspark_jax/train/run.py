@@ -23,6 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from tokenizers import Tokenizer
 from tqdm import tqdm
@@ -32,6 +33,7 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train import drafter as drafter_lib
 from dspark_jax.train import generate as gen_lib
 from dspark_jax.train import sts as sts_lib
+from dspark_jax.train.ahead import Programs, abstract
 from dspark_jax.train.checkpointing import PhaseCheckpointer
 from dspark_jax.train.config import RunConfig
 from dspark_jax.train.corpus import WindowSampler, build_corpus, windows
@@ -102,17 +104,72 @@ def _restore(ckpt: PhaseCheckpointer, state, log: PhaseLog, sampler: WindowSampl
     return state, PhaseLog.from_json(meta["log"])
 
 
-# ---------------------------------------------------------------------------- phases
-def train_target(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadline, resume) -> dict:
+# ---------------------------------------------------------------------------- programs
+def _ids(rows: int, cols: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((rows, cols), jnp.int32)
+
+
+def _dtypes(params: nnx.State):
+    """The storage dtype of every parameter."""
+    return jax.tree.map(lambda x: x.dtype, params)
+
+
+def _eval_anchors(cfg: RunConfig) -> int:
+    """Anchors per held-out window in the drafter's evaluation."""
+    return min(cfg.draft_loss.num_anchors, cfg.seq_len - 1)
+
+
+def submit_programs(programs: Programs, model: DeepSeekV4, cfg: RunConfig) -> dict[str, optax.GradientTransformation]:
+    """Every jitted program of the run, submitted with the abstract arguments its phase calls it with
+    (known from the model's structure and the config before any data exists; ``model`` may be
+    abstract, from ``nnx.eval_shape``): the target's train step and evaluation at once, the later
+    phases' programs once those two are compiled (so that they compile while the target trains).
+    Returns the optimizers the train steps close over, by phase."""
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    lr = jax.ShapeDtypeStruct((), jnp.float32, weak_type=True)  # a Python float
+    held = _ids(cfg.eval_windows, cfg.seq_len)
+
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    dtypes = jax.tree.map(lambda x: x.dtype, params)
-    tx = make_optimizer(cfg.target.optim, params)
+    tx_target = make_optimizer(cfg.target.optim, params)
+    state = jax.eval_shape(lambda p: init_state(p, tx_target), params)
+    programs.submit("target_step", make_target_step(graphdef, _dtypes(params), tx_target), state, abstract(rest),
+                    _ids(cfg.target.batch_size, cfg.seq_len), lr)
+    programs.submit("target_eval", make_target_eval(graphdef), abstract(params), abstract(rest), held)
+    first = ("target_step", "target_eval")
+
+    g = cfg.generate
+    if g is not None:
+        graphdef_all, everything = nnx.split(model)
+        programs.submit("generate", gen_lib.make_generate(graphdef_all, g), abstract(everything),
+                        _ids(g.batch_size, g.prefix_tokens), jax.ShapeDtypeStruct((g.batch_size,), jnp.float32), key,
+                        after=first)
+
+    graphdef, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
+    tx_drafter = make_optimizer(cfg.drafter.optim, draft)
+    state = jax.eval_shape(lambda p: init_state(p, tx_drafter), draft)
+    fixed = abstract(frozen), abstract(rest)
+    programs.submit("drafter_step", drafter_lib.make_drafter_step(graphdef, _dtypes(draft), tx_drafter, cfg.draft_loss),
+                    state, *fixed, _ids(cfg.drafter.batch_size, cfg.seq_len), key, lr, after=first)
+    programs.submit("drafter_eval", drafter_lib.make_drafter_eval(graphdef, cfg.draft_loss), abstract(draft), *fixed,
+                    held, _ids(cfg.eval_windows, _eval_anchors(cfg)), after=first)
+    if g is not None:
+        rows = min(cfg.eval_windows, g.heldout_sequences)  # simulate_rounds' chunks
+        anchors = len(gen_lib.replay_anchors(g.length, g.prefix_tokens, cfg.model.dspark.block_size))
+        programs.submit("free_drafts", drafter_lib.make_free_drafts(graphdef), abstract(draft), *fixed,
+                        _ids(rows, g.length), _ids(rows, anchors), after=first)
+    return dict(target=tx_target, drafter=tx_drafter)
+
+
+# ---------------------------------------------------------------------------- phases
+def train_target(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: optax.GradientTransformation, train_w,
+                 evals, work, deadline, resume) -> dict:
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    dtypes = _dtypes(params)
     state = init_state(params, tx)
     sampler = WindowSampler(train_w, cfg.target.batch_size, seed=cfg.seed)
     ckpt = PhaseCheckpointer(os.path.join(work, "ckpt_target"))
     state, log = _restore(ckpt, state, PhaseLog("target"), sampler, resume)
-    step = make_target_step(graphdef, dtypes, tx)
-    evaluate = make_target_eval(graphdef)
+    step, evaluate = programs.get("target_step"), programs.get("target_eval")
     eval_ids = jnp.asarray(evals[0])
     if not log.done:
         state = run_phase(
@@ -133,17 +190,16 @@ def train_target(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadli
     return dict(phase=log.to_json(), heldout=held)
 
 
-def train_drafter(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadline, resume):
-    graphdef, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
-    dtypes = jax.tree.map(lambda x: x.dtype, draft)
-    tx = make_optimizer(cfg.drafter.optim, draft)
+def train_drafter(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: optax.GradientTransformation, train_w,
+                  evals, work, deadline, resume):
+    _, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
+    dtypes = _dtypes(draft)
     state = init_state(draft, tx)
     sampler = WindowSampler(train_w, cfg.drafter.batch_size, seed=cfg.seed + 1)
     ckpt = PhaseCheckpointer(os.path.join(work, "ckpt_drafter"))
     state, log = _restore(ckpt, state, PhaseLog("drafter"), sampler, resume)
-    step = drafter_lib.make_drafter_step(graphdef, dtypes, tx, cfg.draft_loss)
-    evaluate = drafter_lib.make_drafter_eval(graphdef, cfg.draft_loss)
-    a = min(cfg.draft_loss.num_anchors, cfg.seq_len - 1)
+    step, evaluate = programs.get("drafter_step"), programs.get("drafter_eval")
+    a = _eval_anchors(cfg)
     anchors = np.asarray(drafter_lib.sample_anchors(jax.random.key(cfg.seed + 2), len(evals) * cfg.eval_windows,
                                                     cfg.seq_len, a)).reshape(len(evals), cfg.eval_windows, a)
     key = jax.random.key(cfg.seed + 3)
@@ -176,8 +232,8 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, train_w, evals, work, deadl
     return dict(phase=log.to_json(), heldout=held), blocks
 
 
-def generate_phase(model: DeepSeekV4, cfg: RunConfig, train_w, held_w, corpus_stats: dict, work: str,
-                   deadline: float, resume: bool) -> tuple[np.ndarray, dict, dict]:
+def generate_phase(model: DeepSeekV4, cfg: RunConfig, programs: Programs, train_w, held_w, corpus_stats: dict,
+                   work: str, deadline: float, resume: bool) -> tuple[np.ndarray, dict, dict]:
     """Sequences the trained target generates (cached in ``<work>/generated.npz``) and the
     drafter's training windows made of them and of corpus windows."""
     gcfg = cfg.generate
@@ -185,19 +241,20 @@ def generate_phase(model: DeepSeekV4, cfg: RunConfig, train_w, held_w, corpus_st
                        model=cfg.model.to_hf_dict(), dtype=cfg.dtype)
     data = gen_lib.cached_generate(
         os.path.join(work, "generated.npz"), fingerprint,
-        lambda: gen_lib.generate_data(model, gcfg, train_w.reshape(-1), held_w.reshape(-1), seed=cfg.seed,
-                                      deadline=deadline, say=_say), resume=resume)
+        lambda: gen_lib.generate_data(programs.get("generate"), nnx.split(model)[1], gcfg, train_w.reshape(-1),
+                                      held_w.reshape(-1), seed=cfg.seed, deadline=deadline, say=_say), resume=resume)
     windows_, mix = gen_lib.drafter_windows(data["train"], train_w, cfg.seq_len, gcfg.corpus_fraction, cfg.seed)
     stats = dict(data["stats"], **mix)
     _say(f"[generate] drafter data: {mix['generated_windows']} generated + {mix['corpus_windows']} corpus windows")
     return windows_, data, stats
 
 
-def decoding_rounds(model: DeepSeekV4, cfg: RunConfig, heldout_sequences: np.ndarray) -> tuple[dict, dict]:
+def decoding_rounds(model: DeepSeekV4, cfg: RunConfig, programs: Programs, heldout_sequences: np.ndarray
+                    ) -> tuple[dict, dict]:
     """Greedy speculative decoding replayed on the greedy continuations of held-out prefixes."""
-    graphdef, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
+    _, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
     t0 = time.time()
-    rounds = gen_lib.simulate_rounds(drafter_lib.make_free_drafts(graphdef), draft, frozen, rest, heldout_sequences,
+    rounds = gen_lib.simulate_rounds(programs.get("free_drafts"), draft, frozen, rest, heldout_sequences,
                                      cfg.generate.prefix_tokens, cfg.model.dspark.block_size, cfg.eval_windows)
     metrics = dict(gen_lib.decoding_metrics(rounds, cfg.model.dspark.block_size),
                    sequences=len(heldout_sequences), eval_s=time.time() - t0)
@@ -214,6 +271,13 @@ def training_numerics(dtype, **changes) -> Numerics:
     return dataclasses.replace(num, **changes)
 
 
+def new_model(cfg: RunConfig) -> DeepSeekV4:
+    """The untrained pair (seeded)."""
+    model = DeepSeekV4(cfg.model, training_numerics(cfg.dtype), rngs=nnx.Rngs(cfg.seed))
+    init_hash_routes(model, jax.random.key(cfg.seed))
+    return model
+
+
 def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resume: bool = True) -> dict:
     """Run everything within ``cfg.minutes``; returns the log written to ``<out>/train_log.json``.
 
@@ -227,40 +291,51 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
                      seq_len=cfg.seq_len, dtype=cfg.dtype, model_config=cfg.model.to_hf_dict(), timings={})
     _say(f"[run] device {log['device']}, budget {cfg.minutes:.2f} min, output {out_dir}")
 
-    tok, train_w, held_w, log["corpus"] = prepare_data(cfg, work, resume=resume)
-    evals = _eval_batches(held_w, cfg)
-    log["timings"]["data_s"] = time.time() - t_start
-    c = log["corpus"]
-    _say(f"[data] {c['train_files']} train / {c['heldout_files']} held-out files, {c['train_tokens']:,} train "
-         f"tokens ({c['bytes_per_token']:.2f} bytes/token), {len(train_w)} windows of {cfg.seq_len}")
-
-    model = DeepSeekV4(cfg.model, training_numerics(cfg.dtype), rngs=nnx.Rngs(cfg.seed))
-    init_hash_routes(model, jax.random.key(cfg.seed))
-    log["parameters"] = count_parameters(model)
-
-    train_time = deadline - cfg.reserve_s - time.time()
-    if train_time <= 0:
-        raise RuntimeError(f"no time left for training after data preparation ({cfg.minutes} min budget)")
-    t0 = time.time()
-    log["target"] = train_target(model, cfg, train_w, evals, work, t0 + cfg.target_share * train_time, resume)
-    log["timings"]["target_s"] = time.time() - t0
-    drafter_w, generated = train_w, None
-    if cfg.generate is not None:
+    with Programs(ahead=cfg.compile_ahead, say=_say, t0=t_start) as programs:
+        # The programs need only the model's structure: the target's compile in background
+        # threads while the model is initialised and the data prepared, the later phases' while
+        # the target trains.
+        optimizers = submit_programs(programs, nnx.eval_shape(lambda: new_model(cfg)), cfg)
         t0 = time.time()
-        gen_deadline = t0 + cfg.generate.share * (deadline - cfg.reserve_s - t0)
-        drafter_w, generated, log["generate"] = generate_phase(model, cfg, train_w, held_w, log["corpus"], work,
-                                                               gen_deadline, resume)
-        log["timings"]["generate_s"] = time.time() - t0
-    t0 = time.time()
-    log["drafter"], blocks = train_drafter(model, cfg, drafter_w, evals, work, deadline - cfg.reserve_s, resume)
-    log["timings"]["drafter_s"] = time.time() - t0
+        model = new_model(cfg)
+        log["parameters"] = count_parameters(model)
+        log["timings"]["init_s"] = time.time() - t0
 
-    t0 = time.time()
-    if generated is not None:
-        rounds, log["drafter"]["decoding"] = decoding_rounds(model, cfg, generated["heldout"])
-        sts_json, test = sts_lib.calibrate_rounds(rounds, cfg.model.dspark.block_size)
-    else:
-        sts_json, test = sts_lib.calibrate_blocks(blocks)
+        t0 = time.time()
+        tok, train_w, held_w, log["corpus"] = prepare_data(cfg, work, resume=resume)
+        evals = _eval_batches(held_w, cfg)
+        log["timings"]["data_s"] = time.time() - t0
+        c = log["corpus"]
+        _say(f"[data] {c['train_files']} train / {c['heldout_files']} held-out files, {c['train_tokens']:,} train "
+             f"tokens ({c['bytes_per_token']:.2f} bytes/token), {len(train_w)} windows of {cfg.seq_len}")
+
+        train_time = deadline - cfg.reserve_s - time.time()
+        if train_time <= 0:
+            raise RuntimeError(f"no time left for training after data preparation ({cfg.minutes} min budget)")
+        t0 = time.time()
+        log["target"] = train_target(model, cfg, programs, optimizers["target"], train_w, evals, work,
+                                     t0 + cfg.target_share * train_time, resume)
+        log["timings"]["target_s"] = time.time() - t0
+        drafter_w, generated = train_w, None
+        if cfg.generate is not None:
+            t0 = time.time()
+            gen_deadline = t0 + cfg.generate.share * (deadline - cfg.reserve_s - t0)
+            drafter_w, generated, log["generate"] = generate_phase(model, cfg, programs, train_w, held_w,
+                                                                   log["corpus"], work, gen_deadline, resume)
+            log["timings"]["generate_s"] = time.time() - t0
+        t0 = time.time()
+        # The drafter's programs compiled while the target trained: the phase spends its time on steps.
+        log["drafter"], blocks = train_drafter(model, cfg, programs, optimizers["drafter"], drafter_w, evals, work,
+                                               deadline - cfg.reserve_s, resume)
+        log["timings"]["drafter_s"] = time.time() - t0
+
+        t0 = time.time()
+        if generated is not None:
+            rounds, log["drafter"]["decoding"] = decoding_rounds(model, cfg, programs, generated["heldout"])
+            sts_json, test = sts_lib.calibrate_rounds(rounds, cfg.model.dspark.block_size)
+        else:
+            sts_json, test = sts_lib.calibrate_blocks(blocks)
+        log["compile"] = programs.to_json()
     log["sts"] = dict(test, temperatures=sts_json["temperatures"], fit_blocks=sts_json["fit_blocks"],
                       fit_ece_before=sts_json["ece_before"], fit_ece_after=sts_json["ece_after"],
                       labels=sts_json["labels"])

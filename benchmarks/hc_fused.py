@@ -1,0 +1,237 @@
+"""mHC units on the device: the fused Pallas kernels (``pallas_kernels.hc_fused``, ``sinkhorn="fused"``,
+opt-in) against the previous GPU path (plain XLA with the gates + Sinkhorn kernel of
+``hc_weights``: ``sinkhorn="kernel"``), at DeepSeek-V4-Flash widths (4 streams of 4096, bf16
+streams, float32 parameters), for T tokens per call.
+
+For each T and path, and for each piece (hc_pre, hc_post, hc_head), compiled on its own:
+
+- ``kernels``: kernel-launching instructions of the compiled program (``profile_step.Attribution``);
+- ``device_us``: device time of its kernels per call, from a profiler trace of ``--calls`` calls,
+  and ``launches`` per call seen in the trace;
+- ``max_rel_err``: the largest deviation of each output from the plain-JAX reference (float32
+  matmuls at HIGHEST; for hc_pre the Sinkhorn iterations as a loop, for hc_post and hc_head the
+  current path itself), divided by the output's largest magnitude;
+- ``roofline_us``: the piece's bytes (parameters + streams read once, outputs written once) over the
+  copy bandwidth measured in the same run.
+
+And per path ``unit_us``: wall time per mHC unit (hc_pre then hc_post, the sub-block replaced by its
+input) of a chain of ``--chain`` dependent units in one program, each launch included as in a step.
+
+    python -m benchmarks.hc_fused                     # writes hc_fused.json under $OUT
+    python -m benchmarks.hc_fused --tokens 1,6 --sweep  # also a few tilings of the fused hc_pre
+    python -m benchmarks.hc_fused --smoke             # tiny widths on CPU (interpret mode): the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import ceilings, environment, median_time, write_json
+from benchmarks.profile_step import Attribution, profiler_trace, trace_events
+from dspark_jax.model.hyper import hc_head, hc_post, hc_pre
+from pallas_kernels import hc_fused
+
+N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+T0 = time.time()
+
+
+def inputs(tokens: int, d: int, seed: int = 0) -> dict:
+    """Each piece's arguments: streams x [1, T, n, d] bf16, the pre / head units' parameters, a
+    sub-block output f and the (reference's) post weights and mixing matrix."""
+    rng = np.random.default_rng(seed)
+    m = (2 + N) * N
+    x = jnp.asarray(rng.standard_normal((1, tokens, N, d)), jnp.bfloat16)
+    pre = (jnp.asarray(rng.standard_normal((m, N * d)) * 0.02, jnp.float32),
+           jnp.asarray(rng.standard_normal(m) * 0.5, jnp.float32), jnp.asarray([0.7, 1.3, 0.9], jnp.float32))
+    head = (jnp.asarray(rng.standard_normal((N, N * d)) * 0.02, jnp.float32),
+            jnp.asarray(rng.standard_normal(N) * 0.5, jnp.float32), jnp.asarray([1.1], jnp.float32))
+    _, post_w, comb = hc_pre(x, *pre, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    f = jnp.asarray(rng.standard_normal((1, tokens, d)), jnp.bfloat16)
+    return {"hc_pre": (x, *pre), "hc_post": (f, x, post_w, comb), "hc_head": (x, *head)}
+
+
+def pieces(path: str, config: hc_fused.HcConfig | None = None) -> dict:
+    """hc_pre / hc_post / hc_head (arguments as ``inputs`` gives them) for a path: "fused",
+    "current" (XLA with the Sinkhorn kernel) or "reference" (XLA, the Sinkhorn iterations as a loop)."""
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    impl = {"fused": "fused", "current": "kernel", "reference": "loop"}[path]
+    fused = path == "fused"
+
+    def pre(x, fn, base, scale):
+        if config is not None:
+            return hc_fused.pre_kernel(x, fn, base, scale, config=config, **kw)
+        return hc_pre(x, fn, base, scale, sinkhorn_impl=impl, **kw)
+
+    return {"hc_pre": pre,
+            "hc_post": lambda f, x, post_w, comb: hc_post(f, x, post_w, comb, fused=fused),
+            "hc_head": lambda x, fn, base, scale: hc_head(x, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS,
+                                                          fused=fused)}
+
+
+def unit_chain(path: str, units: int):
+    """``units`` dependent mHC units: x -> hc_pre -> hc_post(f = y) -> x' (arguments: hc_pre's)."""
+    impl = {"fused": "fused", "current": "kernel"}[path]
+
+    def chain(x, fn, base, scale):
+        for _ in range(units):
+            y, post_w, comb = hc_pre(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
+                                     sinkhorn_impl=impl)
+            x = hc_post(y, x, post_w, comb, fused=path == "fused")
+        return x
+
+    return chain
+
+
+def compile_highest(fn, name: str, *args):
+    """``jax.jit(fn)`` compiled with float32 matmuls at HIGHEST (as the model's inference entry
+    points trace), as the HLO module ``jit_<name>``: (compiled, module name, kernel instructions,
+    seconds)."""
+    def named(*a):
+        return fn(*a)
+
+    named.__name__ = named.__qualname__ = name
+    t0 = time.time()
+    with jax.default_matmul_precision("highest"):
+        compiled = jax.jit(named).lower(*args).compile()
+    text = compiled.as_text()
+    module = text.split(",")[0].split()[-1] if text.startswith("HloModule") else ""
+    return compiled, module, sum(Attribution(text).static_kernels().values()), time.time() - t0
+
+
+def piece_bytes(name: str, tokens: int, d: int) -> int:
+    stream, k = 2 * tokens * d, N * d  # bf16 bytes of one stream (or of y, f)
+    return {"hc_pre": 4 * (2 + N) * N * k + N * stream + stream,
+            "hc_post": N * stream + stream + N * stream,
+            "hc_head": 4 * N * k + N * stream + stream}[name]
+
+
+def device_times(compiled: dict, calls: int, trace_root: str) -> dict:
+    """Device microseconds and kernel launches per call of each compiled program ({key: (compiled,
+    module name, arguments)}), from one trace."""
+    out_dir = tempfile.mkdtemp(dir=trace_root)
+    for c, _, a in compiled.values():
+        jax.block_until_ready(c(*a))
+    with profiler_trace(out_dir):
+        for c, _, a in compiled.values():
+            for _ in range(calls):
+                jax.block_until_ready(c(*a))
+    files = sorted(glob.glob(os.path.join(out_dir, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        return {k: {"error": f"no trace written under {out_dir}"} for k in compiled}
+    res = {}
+    for key, (_, module, _) in compiled.items():
+        events, source = trace_events(files[-1], module)
+        res[key] = {"device_us": sum(e.dur_ns for e in events) / calls / 1e3, "launches": len(events) / calls}
+        if "no event of module" in source:
+            res[key]["note"] = source
+    return res
+
+
+def rel_err(got, want) -> float:
+    got = [np.asarray(g, np.float32) for g in jax.tree_util.tree_leaves(got)]
+    want = [np.asarray(w, np.float32) for w in jax.tree_util.tree_leaves(want)]
+    return max(float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)) for g, w in zip(got, want))
+
+
+def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
+    inp = inputs(tokens, d)
+    row = {"tokens": tokens}
+    compiled, outs = {}, {}
+    for path in ("current", "fused"):
+        for name, fn in pieces(path).items():
+            try:
+                c, module, kernels, secs = compile_highest(fn, f"{path}_{name}_t{tokens}", *inp[name])
+                outs[(path, name)] = jax.block_until_ready(c(*inp[name]))
+            except Exception as err:  # noqa: BLE001 (recorded, and the other pieces still run)
+                row[f"{path}/{name}"] = {"error": f"{type(err).__name__}: {str(err)[:2000]}"}
+                print(f"T={tokens} {path}/{name} FAILED:", row[f"{path}/{name}"]["error"], flush=True)
+                continue
+            compiled[(path, name)] = (c, module, inp[name])
+            row[f"{path}/{name}"] = {"kernels": kernels, "compile_s": round(secs, 2)}
+    # the references: plain XLA with the Sinkhorn iterations as a loop for hc_pre; the current
+    # path (plain XLA) for hc_post and hc_head
+    c = compile_highest(pieces("reference")["hc_pre"], f"reference_hc_pre_t{tokens}", *inp["hc_pre"])[0]
+    ref = {"hc_pre": c(*inp["hc_pre"]), "hc_post": outs.get(("current", "hc_post")),
+           "hc_head": outs.get(("current", "hc_head"))}
+    for (path, name), out in outs.items():
+        if ref[name] is not None:
+            row[f"{path}/{name}"]["max_rel_err"] = rel_err(out, ref[name])
+        row[f"{path}/{name}"]["roofline_us"] = piece_bytes(name, tokens, d) / ceil["copy_GBps"] / 1e3
+    for path in ("current", "fused"):
+        print(f"[{time.time() - T0:.0f} s] T={tokens} {path}:", {n: row[f"{path}/{n}"] for n in
+                                                               ("hc_pre", "hc_post", "hc_head")}, flush=True)
+    for key, times in device_times(compiled, args.calls, trace_root).items():
+        row[f"{key[0]}/{key[1]}"].update(times)
+    print(f"[{time.time() - T0:.0f} s] T={tokens} device us, launches per call:",
+          {k: (round(v.get("device_us", float("nan")), 2), v.get("launches")) for k, v in row.items()
+           if isinstance(v, dict)}, flush=True)
+    for path in ("current", "fused"):
+        if any(f"{path}/{n}" not in {f"{p}/{m}" for p, m in compiled} for n in ("hc_pre", "hc_post")):
+            continue  # (a piece failed above)
+        c, _, kernels, secs = compile_highest(unit_chain(path, args.chain), f"{path}_unit_t{tokens}", *inp["hc_pre"])
+        row[f"{path}/unit"] = {"unit_us": 1e6 * median_time(c, *inp["hc_pre"], repeat=args.repeat) / args.chain,
+                               "kernels_per_unit": kernels / args.chain, "compile_s": round(secs, 2)}
+    print(f"[{time.time() - T0:.0f} s] T={tokens} unit (hc_pre + hc_post):",
+          {p: row.get(f"{p}/unit") for p in ("current", "fused")}, flush=True)
+    return row
+
+
+SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(split_k=512), hc_fused.HcConfig(split_k=2048),
+         hc_fused.HcConfig(block_k=64, split_k=512), hc_fused.HcConfig(block_t=64, num_warps=8),
+         hc_fused.HcConfig(block_d=256, num_stages=3))
+
+
+def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
+    """Device time of the fused hc_pre under a few tilings."""
+    a = inputs(tokens, d)["hc_pre"]
+    compiled = {}
+    for i, cfg in enumerate(SWEEP):
+        c, module, _, _ = compile_highest(pieces("fused", cfg)["hc_pre"], f"sweep{i}_t{tokens}", *a)
+        compiled[i] = (c, module, a)
+    rows = []
+    for i, times in device_times(compiled, args.calls, trace_root).items():
+        rows.append({"tokens": tokens, "config": repr(SWEEP[i]), **times})
+        print("sweep", rows[-1], flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,6,32,192,2048", help="tokens per call (comma-separated)")
+    p.add_argument("--calls", type=int, default=20, help="calls of each piece under the profiler")
+    p.add_argument("--chain", type=int, default=4, help="dependent units per program for unit_us")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs of the chain (median)")
+    p.add_argument("--sweep", action="store_true", help="also time a few tilings of the fused hc_pre")
+    p.add_argument("--smoke", action="store_true", help="d = 128, T <= 6 (on a CPU: interpret mode)")
+    args = p.parse_args()
+    d = 128 if args.smoke else 4096
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.smoke:
+        tokens = [t for t in tokens if t <= 6] or [6]
+    env = environment()
+    print(env, flush=True)
+    ceil = ceilings(copy_gib=0.25 if args.smoke else 1.0, matmul_n=512 if args.smoke else 4096)
+    print(ceil, flush=True)
+    out = {"env": env, "ceilings": ceil, "config": {"n": N, "d": d, "iters": ITERS, "chain": args.chain,
+                                                    "calls": args.calls, "fused_tiles": repr(hc_fused.HcConfig())},
+           "results": [], "sweep": []}
+    trace_root = tempfile.mkdtemp(prefix="hc_fused_trace")
+    for t in tokens:
+        out["results"].append(run_tokens(t, d, args, ceil, trace_root))
+        write_json("hc_fused.json", out)
+    if args.sweep:
+        for t in tokens:
+            out["sweep"] += sweep(t, d, args, trace_root)
+            write_json("hc_fused.json", out)
+
+
+if __name__ == "__main__":
+    main()

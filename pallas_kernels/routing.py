@@ -1,0 +1,220 @@
+"""The MoE router of a decode step in two Pallas kernels, and its pure-JAX reference.
+
+For tokens x [n, D] and the router weight W [E, D] (the official ``gate.weight``):
+
+    logits = x W^T                                  float32 (``model.common.matmul_f32``)
+    scores = route_scores(logits)                   sqrtsoftplus / softmax / sigmoid
+    idx    = top_k(scores + bias)                   learned routing (the bias only selects), or given
+                                                    (hash routing: the table lookup stays outside)
+    w      = scores[idx] (/ their sum) * scale      normalised unless softmax or ``norm`` is off
+
+``logits_kernel`` computes the logits over a grid of expert tiles (the 2 MiB bf16 weight of a
+DeepSeek-V4-Flash router streams through many programs at once; one program alone would read it
+at a single multiprocessor's bandwidth); ``select_kernel`` does everything after it for a tile of
+tokens in one program. The logits accumulate in float32 exactly as ``matmul_f32`` computes them:
+bf16 activations and weights in one bf16 dot; fp32 activations with bf16 weights split into three
+bf16 parts (three dots, combined as hi + (mid + lo)); fp32 weights in an IEEE fp32 dot (never TF32).
+Only the summation order can differ from XLA's GEMM. The top-k is ``jax.lax.top_k``'s: the largest
+first, equal values in index order (scores must not be NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import backend
+
+if TYPE_CHECKING:
+    from jaxtyping import Array, Float, Int
+
+SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+BLOCK_T = 16  # tokens per program (the dot's smallest row tile)
+
+
+# ------------------------------------------------------------------------------ pure-JAX reference
+def route_scores(logits: Float[Array, "n e"], func: str) -> Float[Array, "n e"]:
+    if func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits)
+
+
+def gate_weights(scores: Float[Array, "n e"], idx: Int[Array, "n k"], *, func: str, norm: bool,
+                 scale: float) -> Float[Array, "n k"]:
+    """The routing weights of the chosen experts: their scores, normalised to sum 1 (unless softmax
+    scores or ``norm`` off), times ``scale``."""
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    if func != "softmax" and norm:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w * scale
+
+
+def reference(x: Float[Array, "n d"], weight: Float[Array, "e d"], bias: Float[Array, " e"] | None,
+              idx: Int[Array, "n k"] | None, *, top_k: int, func: str, norm: bool,
+              scale: float) -> tuple[Float[Array, "n k"], Int[Array, "n k"]]:
+    """(w [n, k] fp32, idx [n, k] int32) in plain JAX: learned routing (``bias``) or given ``idx``."""
+    from dspark_jax.model.common import matmul_f32
+
+    _check(x, weight, bias, idx, top_k, func)
+    scores = route_scores(matmul_f32(x, weight), func)
+    if idx is None:
+        idx = lax.top_k(scores + bias, top_k)[1]
+    return gate_weights(scores, idx, func=func, norm=norm, scale=scale), idx.astype(jnp.int32)
+
+
+def _check(x, weight, bias, idx, top_k: int, func: str) -> None:
+    if func not in SCORE_FUNCS:
+        raise ValueError(f"score function must be one of {SCORE_FUNCS}, got {func!r}")
+    if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be a bf16 / fp32 [n, D] matrix, got {x.dtype} {x.shape}")
+    if weight.ndim != 2 or weight.shape[1] != x.shape[1] or weight.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"the router weight must be bf16 / fp32 [E, {x.shape[1]}], got {weight.dtype} {weight.shape}")
+    e = weight.shape[0]
+    if (bias is None) == (idx is None):
+        raise ValueError("give either the selection bias (learned routing) or the expert indices (hash routing)")
+    if bias is not None and bias.shape != (e,):
+        raise ValueError(f"the selection bias must be [{e}], got {bias.shape}")
+    if idx is not None and (idx.shape != (x.shape[0], top_k) or not jnp.issubdtype(idx.dtype, jnp.integer)):
+        raise ValueError(f"expert indices must be integer [{x.shape[0]}, {top_k}], got {idx.dtype} {idx.shape}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must lie in [1, {e}] experts, got {top_k}")
+
+
+# ------------------------------------------------------------------------------ Pallas kernels
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """``block_e`` experts per logits program, ``block_k`` inputs per loop step (powers of two >= 16)."""
+
+    block_e: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _iota(n: int, start=0) -> Array:
+    return start + jnp.arange(n, dtype=jnp.int32)
+
+
+def _logits_kernel(x_ref, w_ref, o_ref, *, n: int, e: int, d: int, be: int, bk: int):
+    from dspark_jax.model.common import bf16_parts
+
+    rows = _iota(BLOCK_T, pl.program_id(0) * BLOCK_T)[:, None]
+    experts = _iota(be, pl.program_id(1) * be)[:, None]
+    row_ok, expert_ok = rows < n, experts < e
+    exact_f32 = w_ref.dtype == jnp.float32
+
+    def dot(a, b):
+        prec = lax.Precision.HIGHEST if exact_f32 else None  # IEEE fp32 for fp32 weights, never TF32
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+    def body(step, accs):
+        cols = _iota(bk, step * bk)[None, :]
+        x = pltriton.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(row_ok, (BLOCK_T, bk)), other=0.0)
+        w = pltriton.load(w_ref.at[experts, cols], mask=jnp.broadcast_to(expert_ok, (be, bk)), other=0.0)
+        if exact_f32:
+            parts = (x.astype(jnp.float32),)
+        elif x.dtype == jnp.float32:
+            parts = bf16_parts(x)
+        else:
+            parts = (x,)
+        return tuple(a + dot(p, w) for a, p in zip(accs, parts))
+
+    n_parts = 3 if x_ref.dtype == jnp.float32 and not exact_f32 else 1
+    accs = lax.fori_loop(0, d // bk, body, (jnp.zeros((BLOCK_T, be), jnp.float32),) * n_parts)
+    y = accs[0] if n_parts == 1 else accs[0] + (accs[1] + accs[2])  # as matmul_f32 combines them
+    pltriton.store(o_ref.at[rows, experts.T], y, mask=row_ok & expert_ok.T)
+
+
+def _select_kernel(*refs, n: int, e: int, k: int, func: str, norm: bool, scale: float, learned: bool):
+    l_ref, sel_ref, w_ref, idx_ref = refs
+    ep, kp = backend.next_power_of_2(e), backend.next_power_of_2(k)
+    rows = _iota(BLOCK_T, pl.program_id(0) * BLOCK_T)[:, None]
+    cols, slots = _iota(ep)[None, :], _iota(kp)[None, :]
+    row_ok, col_ok = rows < n, cols < e
+    logits = pltriton.load(l_ref.at[rows, cols], mask=row_ok & col_ok, other=0.0)
+    scores = route_scores(jnp.where(col_ok, logits, -jnp.inf), func)  # padded experts score 0
+    if learned:
+        biased = scores + pltriton.load(sel_ref.at[cols], mask=col_ok, other=0.0)
+        taken = ~col_ok
+    else:
+        given = pltriton.load(sel_ref.at[rows, slots], mask=row_ok & (slots < k), other=0)
+    idx = jnp.zeros((BLOCK_T, kp), jnp.int32)
+    w = jnp.zeros((BLOCK_T, kp), jnp.float32)
+    total = jnp.zeros((BLOCK_T, 1), jnp.float32)
+    for j in range(k):
+        if learned:  # the largest remaining biased score, the lowest index among equals (lax.top_k)
+            best = jnp.max(jnp.where(taken, -jnp.inf, biased), axis=1, keepdims=True)
+            pick = jnp.min(jnp.where(~taken & (biased == best), cols, ep), axis=1, keepdims=True)
+            taken = taken | (cols == pick)
+        else:
+            pick = jnp.sum(jnp.where(slots == j, given, 0), axis=1, keepdims=True)
+        wj = jnp.sum(jnp.where(cols == pick, scores, 0.0), axis=1, keepdims=True)  # one term: exact
+        idx = jnp.where(slots == j, pick, idx)
+        w = jnp.where(slots == j, wj, w)
+        total = total + wj
+    if func != "softmax" and norm:
+        w = w / total
+    out_ok = row_ok & (slots < k)
+    pltriton.store(w_ref.at[rows, slots], w * scale, mask=out_ok)
+    pltriton.store(idx_ref.at[rows, slots], idx, mask=out_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _logits_pallas(x, weight, *, cfg: RouterConfig, interpret: bool):
+    n, d = x.shape
+    e = weight.shape[0]
+    with backend.quiet_triton_deprecation():
+        return pl.pallas_call(
+            functools.partial(_logits_kernel, n=n, e=e, d=d, be=cfg.block_e, bk=cfg.block_k),
+            grid=(pl.cdiv(n, BLOCK_T), pl.cdiv(e, cfg.block_e)),
+            out_shape=jax.ShapeDtypeStruct((n, e), jnp.float32),
+            compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
+            interpret=interpret,
+            name="router_logits",
+        )(x, weight)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "func", "norm", "scale", "interpret"))
+def _select_pallas(logits, sel, *, k: int, func: str, norm: bool, scale: float, interpret: bool):
+    n, e = logits.shape
+    kernel = functools.partial(_select_kernel, n=n, e=e, k=k, func=func, norm=norm, scale=scale,
+                               learned=sel.ndim == 1)
+    with backend.quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(n, BLOCK_T),),
+            out_shape=(jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)),
+            compiler_params=backend.compiler_params(4, 1),
+            interpret=interpret,
+            name="router_select",
+        )(logits, sel)
+
+
+def kernel(x: Float[Array, "n d"], weight: Float[Array, "e d"], bias: Float[Array, " e"] | None,
+           idx: Int[Array, "n k"] | None, *, top_k: int, func: str, norm: bool, scale: float,
+           config: RouterConfig | None = None, interpret: bool | None = None
+           ) -> tuple[Float[Array, "n k"], Int[Array, "n k"]]:
+    """The Pallas kernels (same contract as ``reference``)."""
+    _check(x, weight, bias, idx, top_k, func)
+    cfg = config or RouterConfig()
+    d = x.shape[1]
+    bk = 1
+    while bk * 2 <= cfg.block_k and d % (bk * 2) == 0:
+        bk *= 2
+    if bk < 16 or not backend.is_power_of_2(cfg.block_e) or cfg.block_e < 16:
+        raise ValueError(f"no legal router tiles: need D % 16 == 0 (D = {d}) and block_e a power of two >= 16 "
+                         f"(got {cfg.block_e})")
+    interpret = backend.interpret_mode(interpret)
+    logits = _logits_pallas(x, weight, cfg=dataclasses.replace(cfg, block_k=bk), interpret=interpret)
+    sel = bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
+    return _select_pallas(logits, sel, k=top_k, func=func, norm=bool(norm), scale=float(scale), interpret=interpret)
+

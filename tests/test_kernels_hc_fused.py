@@ -1,0 +1,195 @@
+"""The fused mHC kernels (hc_pre, hc_post, hc_head) against their references, their lowering for
+gfx950 and NVIDIA GPUs, and their place in the model.
+
+Interpret mode fills every output of a ``pallas_call`` with NaN before the kernel runs
+(``test_kernels_attention.test_interpret_mode_poisons_outputs``), so finite outputs mean every
+element was written.
+
+Tolerance: the kernels and the references add in different orders (the mixes' K-long dot products
+in S splits, the streams in a tree), and the gates carry those differences through the sigmoid and
+the Sinkhorn iterations. Float32 outputs agree within 2e-6 of each output's largest magnitude
+(about 16 float32 ulps; the largest deviation seen is 9e-7, on post); bfloat16 outputs (y, X')
+within 2^-8 of it (one bfloat16 rounding step).
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+from dspark_jax import config, sharding
+from dspark_jax.api import forward_step
+from dspark_jax.cache import init_cache
+from dspark_jax.model.block import hc_head_of
+from dspark_jax.model.common import Numerics
+from dspark_jax.model.deepseek_v4 import DeepSeekV4
+from dspark_jax.model.dspark import DSparkStage, draft_block, init_draft_cache
+from dspark_jax.model.hyper import hc_head, hc_post, hc_pre
+from pallas_kernels import hc_fused, lowering
+from tests.helpers import matmul_precisions, pallas_calls
+
+N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+F32_TOL, BF16_TOL = 2e-6, 2.0**-8  # of the largest magnitude of each output
+SD = jax.ShapeDtypeStruct
+
+
+def _unit(rng, lead, d, dtype):
+    """Streams x, sub-block output f, and pre- and head-unit parameters (non-zero bases, scales
+    away from 1: a misplaced one shows)."""
+    x = jnp.asarray(rng.standard_normal((*lead, N, d)), dtype)
+    f = jnp.asarray(rng.standard_normal((*lead, d)), dtype)
+    m = (2 + N) * N
+    pre = (jnp.asarray(rng.standard_normal((m, N * d)) * 0.05, jnp.float32),
+           jnp.asarray(rng.standard_normal(m), jnp.float32), jnp.asarray([0.7, 1.3, 0.9], jnp.float32))
+    head = (jnp.asarray(rng.standard_normal((N, N * d)) * 0.05, jnp.float32),
+            jnp.asarray(rng.standard_normal(N), jnp.float32), jnp.asarray([1.2], jnp.float32))
+    return x, f, pre, head
+
+
+def _close(got, want, dtype, name):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, name
+    assert np.isfinite(got).all(), f"{name}: unwritten or non-finite elements"
+    assert np.abs(want).max() > 0.1, f"{name}: a trivially small reference"
+    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("lead,d,dtype", [
+    # 74 tokens: 3 token tiles of 32, the last one partial; K = 2048 in 4 splits; 4 d chunks of 128
+    ((2, 37), 512, jnp.float32),
+    # 3 tokens in one tile of 16; K = 128 in 1 split; one d chunk of 32; bf16 streams
+    ((1, 3), 32, jnp.bfloat16),
+])
+def test_fused_unit_matches_reference(lead, d, dtype):
+    """hc_pre / hc_post (/ hc_head) through the model's entry points (``sinkhorn_impl="fused"``,
+    ``fused=True``: the kernels in interpret mode here) against the plain-JAX references, with
+    the references' output dtypes."""
+    x, f, (fn, base, scale), head = _unit(np.random.default_rng(0), lead, d, dtype)
+    t = hc_fused._tiles(int(np.prod(lead)), N, d, (2 + N) * N, hc_fused.HcConfig())
+    assert (t.splits, d // t.bd) == ((4, 4) if d == 512 else (1, 1))  # the tiling the cases describe
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    got = hc_pre(x, fn, base, scale, sinkhorn_impl="fused", **kw)
+    want = hc_pre(x, fn, base, scale, sinkhorn_impl="loop", **kw)
+    for g, w, name in zip(got, want, ("y", "post", "comb")):
+        assert g.dtype == w.dtype, name
+        _close(g, w, dtype if name == "y" else jnp.float32, name)
+    np.testing.assert_allclose(np.asarray(got[2]).sum(-2), 1.0, atol=1e-5)  # ends on a column normalisation
+
+    post, comb = want[1:]
+    out = hc_post(f, x, post, comb, fused=True)
+    assert out.dtype == dtype
+    _close(out, hc_post(f, x, post, comb), dtype, "hc_post")
+
+    if dtype == jnp.float32:  # (hc_head's collapse kernel is hc_pre's without post and comb)
+        y = hc_head(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS, fused=True)
+        _close(y, hc_head(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS), dtype, "hc_head")
+
+
+def test_mixes_dot_is_ieee_float32():
+    """The kernels' only dot (the mixes) asks for precision HIGHEST, which the Triton lowering
+    turns into an IEEE float32 dot (its default for float32 operands, like HIGH, is TF32),
+    whatever the caller's default matmul precision."""
+    x, f, (fn, base, scale), head = _unit(np.random.default_rng(1), (1, 2), 32, jnp.bfloat16)
+    with jax.default_matmul_precision("tensorfloat32"):
+        jaxpr = jax.make_jaxpr(lambda x: (
+            hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS),
+            hc_fused.head_kernel(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS)))(x)
+    assert [name for name, _ in pallas_calls(jaxpr.jaxpr)] == ["hc_mixes", "hc_pre", "hc_mixes", "hc_head"]
+    assert matmul_precisions(jaxpr.jaxpr) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)] * 2
+
+
+def _lower_unit(tokens: int, d: int, dtype, arch: str, platform: str) -> str:
+    def unit(x, f, fn, base, scale, hfn, hbase, hscale):
+        y, post, comb = hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
+                                            interpret=False)
+        return (y, hc_fused.post_kernel(f, x, post, comb, interpret=False),
+                hc_fused.head_kernel(x, hfn, hbase, hscale, hc_eps=HC_EPS, norm_eps=NORM_EPS, interpret=False))
+
+    m, f32 = (2 + N) * N, jnp.float32
+    args = (SD((tokens, N, d), dtype), SD((tokens, d), dtype), SD((m, N * d), f32), SD((m,), f32), SD((3,), f32),
+            SD((N, N * d), f32), SD((N,), f32), SD((1,), f32))
+    return lowering.lower(unit, *args, arch=arch, platform=platform)
+
+
+@pytest.mark.parametrize("arch,platform,tokens,d,dtype", [
+    ("gfx950", "rocm", 6, 4096, jnp.bfloat16),  # Flash, a verify chunk
+    ("gfx950", "rocm", 2 * 2048 + 5, 4096, jnp.bfloat16),  # Flash, a prefill chunk (a partial last tile)
+    ("NVIDIA H200", "cuda", 1, 4096, jnp.bfloat16),  # Flash, a decode step
+    ("NVIDIA H200", "cuda", 12, 256, jnp.float32),  # the shipped model's width, float32
+])
+def test_lowers_for_gpus(arch, platform, tokens, d, dtype):
+    """hc_pre (2 kernels), hc_post (1) and hc_head (2): five Triton calls, through JAX's Triton
+    lowering for an abstract gfx950 (ROCm) and H200 (CUDA) device (no GPU needed)."""
+    assert lowering.count_triton_calls(_lower_unit(tokens, d, dtype, arch, platform)) == 5
+
+
+def test_bad_input_is_named():
+    x, f, (fn, base, scale), head = _unit(np.random.default_rng(2), (1, 2), 32, jnp.float32)
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    with pytest.raises(ValueError, match=r"fn must be \[24, 128\]"):
+        hc_fused.pre_kernel(x, fn[:, :64], base, scale, **kw)
+    with pytest.raises(ValueError, match=r"scale \[1\]"):
+        hc_fused.head_kernel(x, head[0], head[1], scale, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    with pytest.raises(ValueError, match="power-of-two number of streams"):
+        hc_fused.pre_kernel(x[..., :3, :], fn[:15, :96], base[:15], scale, **kw)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hc_fused.pre_kernel(x[..., :24], fn[:, :96], base, scale, **kw)
+    with pytest.raises(ValueError, match=r"post \(1, 2, 4\)"):
+        hc_fused.post_kernel(f, x, jnp.ones((1, 2, 3)), jnp.ones((1, 2, 4, 4)))
+    with pytest.raises(ValueError, match="block_d must be a power of two"):
+        hc_fused.HcConfig(block_d=96)
+
+
+def _kernels(blocks: int) -> dict:
+    """The fused mHC kernels of ``blocks`` blocks (two units each) and one head."""
+    return {"hc_mixes": 2 * blocks + 1, "hc_pre": 2 * blocks, "hc_post": 2 * blocks, "hc_head": 1}
+
+
+def test_model_runs_every_mhc_unit_fused():
+    """With ``Numerics.sinkhorn="fused"`` every mHC unit of the target and of the
+    drafter goes through the kernels: per layer and drafter stage two hc_pre (mixes + collapse)
+    and two hc_post; hc_head (mixes + collapse) once for the target, once for the drafter. (The
+    programs are traced on the abstract model, not run.)"""
+    cfg = config.tiny()
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, sinkhorn="fused")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
+    ids = jnp.ones((1, 4), jnp.int32)
+    cache = init_cache(cfg, 1, 32, jnp.float32)
+    fwd = forward_step.trace(graphdef, state, ids, jnp.full((1,), 4, jnp.int32), cache).jaxpr.jaxpr
+    layers, stages = cfg.num_hidden_layers, cfg.dspark.num_stages
+    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == _kernels(layers)
+
+    def draft(state, anchor, lengths):
+        return draft_block(nnx.merge(graphdef, state), init_draft_cache(cfg, 1, jnp.float32), anchor, lengths,
+                           lambda lg, k: jnp.argmax(lg, -1)).logits
+
+    jaxpr = jax.make_jaxpr(draft)(state, jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32))
+    assert collections.Counter(name for name, _ in pallas_calls(jaxpr.jaxpr)) == _kernels(stages)
+
+
+def test_fused_mhc_runs_per_device_on_a_mesh():
+    """On a mesh (``sharding.attach_mesh``) the fused kernels of a block's units and of the head
+    run inside a ``shard_map``, each device on its own requests (a ``pallas_call`` has no
+    partitioning rule)."""
+    cfg = config.tiny()
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, sinkhorn="fused")
+    stage = nnx.eval_shape(lambda: DSparkStage(cfg, cfg.dspark.num_stages - 1, num, rngs=nnx.Rngs(0)))  # + a head
+    x = jnp.ones((8, 2, cfg.hc_mult, cfg.hidden_size), jnp.float32)
+    for mesh, inside in ((None, False), (sharding.make_mesh(model=1, data=8), True)):
+        if mesh is not None:
+            sharding.attach_mesh(stage, mesh)
+        graphdef, state = nnx.split(stage)
+
+        def unit(state, x):
+            s = nnx.merge(graphdef, state)
+            y, post, comb = s.attn_in(x)
+            return hc_head_of(s, s.post(y, x, post, comb))
+
+        calls = pallas_calls(jax.make_jaxpr(unit)(state, x).jaxpr)
+        assert [name for name, _ in calls] == ["hc_mixes", "hc_pre", "hc_post", "hc_mixes", "hc_head"]
+        assert all(i == inside for _, i in calls), calls

@@ -1,0 +1,227 @@
+"""The MoE decode kernels: the router kernels and the pair kernels against their references, the
+MoE layer's choice of them, and their gfx950 / NVIDIA lowering at DeepSeek-V4-Flash shapes.
+
+Interpret mode fills every kernel output with NaN before the kernel runs
+(``test_kernels_attention.test_interpret_mode_poisons_outputs``); every logit feeds the selection
+and every element of h feeds y, so finite results mean every element was written.
+Tolerances are the grouped kernel's (``test_kernels_grouped_matmul``): bf16 activations rtol 1e-2,
+atol 1e-3 x max|reference| (its fused SwiGLU test); fp32 routing rtol 1e-6 (exact indices); the
+fp32 MoE layer against ``Experts.dense`` is ``test_mechanisms.test_moe_grouped_equals_dense``
+(rtol 1e-4, atol 1e-5), which runs a 5-token step through these kernels.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import config
+from dspark_jax.model.common import Numerics
+from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, grouped_experts
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import lowering, pair_experts, routing
+from tests.test_kernels_grouped_matmul import _random_weights
+
+SD = jax.ShapeDtypeStruct
+
+
+def _router_case(rng, n, e, d, xdt, wdt, learned):
+    x = jnp.asarray(rng.standard_normal((n, d)), xdt)
+    w = rng.standard_normal((e, d)) * 0.02
+    if learned and e >= 256:
+        # exact ties: experts 3 / 10 / 77 / 200 share one strong row, 50 / 120 / 250 a weaker one, so
+        # that the 5th and 6th picks are 50 and 120 (lower indices first), not 250
+        u = np.asarray(x, np.float64).sum(0) / d
+        w[[3, 10, 77, 200]] = 3 * u
+        w[[50, 120, 250]] = 2 * u
+    bias = rng.standard_normal(e) * 0.1
+    if learned and e >= 256:
+        bias[[3, 10, 77, 200]], bias[[50, 120, 250]] = 0.05, 0.02
+    return x, jnp.asarray(w, wdt), jnp.asarray(bias, jnp.float32)
+
+
+@pytest.mark.parametrize("n,e,xdt,wdt,func,learned", [
+    (2, 256, jnp.bfloat16, jnp.bfloat16, "sqrtsoftplus", True),  # Flash's router, with ties
+    # hash routing; fp32 activations against bf16 weights (three bf16 parts); 24 experts padded to
+    # 32 lanes (softmax over the real ones); two token tiles. (fp32 weights and learned routing in
+    # an fp32 model: test_mechanisms.test_moe_grouped_equals_dense.)
+    (20, 24, jnp.float32, jnp.bfloat16, "softmax", False),
+])
+def test_router_kernel_matches_reference(n, e, xdt, wdt, func, learned):
+    rng = np.random.default_rng(e + n)
+    k = 6 if e >= 256 else 3
+    x, w, bias = _router_case(rng, n, e, 256, xdt, wdt, learned)
+    idx = None if learned else jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
+    opts = dict(top_k=k, func=func, norm=True, scale=1.5)
+    got_w, got_i = routing.kernel(x, w, bias if learned else None, idx, **opts, interpret=True)
+    want_w, want_i = routing.reference(x, w, bias if learned else None, idx, **opts)
+    assert got_i.dtype == jnp.int32 and got_w.shape == (n, k)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    assert np.isfinite(np.asarray(got_w)).all() and np.abs(np.asarray(got_w)).min() > 0
+    if learned and e >= 256:
+        np.testing.assert_array_equal(np.asarray(got_i)[:, :6], [[3, 10, 77, 200, 50, 120]] * n)
+
+
+def _weights(rng, fmt, e, d, i):
+    return tuple(_random_weights(rng, s, fmt) for s in ((e, i, d), (e, d, i), (e, i, d)))
+
+
+@pytest.mark.parametrize("fmt,shared_fmt,quant_sim", [("dense", None, False), ("fp4", "fp8", True)])
+def test_pair_kernels_match_reference(fmt, shared_fmt, quant_sim):
+    """bf16 activations; FP4 experts with an FP8 (128 x 128 blocks) shared expert as the checkpoints
+    store them; the dense case without a shared expert also equals the grouped path. (fp8_k32
+    experts and fp32 activations: ``test_mechanisms.test_moe_grouped_equals_dense``.)"""
+    rng = np.random.default_rng(1)
+    e, d, i, n, k = 8, 256, 128, 2, 3
+    w1, w2, w3 = _weights(rng, fmt, e, d, i)
+    shared = None if shared_fmt is None else _weights(rng, shared_fmt, 1, d, i)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    idx = jnp.asarray([[5, 1, 5], [0, 7, 2]], jnp.int32)  # expert 5 twice
+    w = jnp.asarray(rng.random((n, k)) + 0.1, jnp.float32)
+    opts = dict(limit=1.0, quant_sim=quant_sim, shared=shared)
+    got = np.asarray(pair_experts.kernel(x, w, idx, w1, w2, w3, **opts, interpret=True))
+    want = np.asarray(pair_experts.reference(x, w, idx, w1, w2, w3, **opts))
+    assert np.isfinite(got).all()
+    scale = np.abs(want).max()
+    assert scale > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * scale)
+    if shared is None:
+        grouped = grouped_experts(x, w, idx, w1, w2, w3, limit=1.0, quant_sim=quant_sim, impl="xla")
+        np.testing.assert_allclose(want, np.asarray(grouped), rtol=1e-2, atol=1e-3 * scale)
+        # the clamp is active (limit 1.0 against products of several units)
+        g = np.asarray(w1.values, np.float32)[np.asarray(idx)] @ np.asarray(x, np.float32)[:, None, :, None]
+        assert np.abs(g).max() > 1.0
+    else:  # the shared expert's contribution is in (not trivially small)
+        alone = np.asarray(pair_experts.reference(x, w, idx, w1, w2, w3, limit=1.0, quant_sim=quant_sim))
+        assert np.abs(want - alone).max() > 0.05 * scale
+
+
+def _pallas_calls(jaxpr) -> list[str]:
+    """Names of the pallas_calls of a jaxpr (nested ones included), and the primitives outside them."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append("pallas:" + str(eqn.params["name"]))
+            continue
+        found.append(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _pallas_calls(sub)
+    return found
+
+
+def _ops(moe, tokens: int) -> list[str]:
+    """The ops of a MoE layer's step of ``tokens`` tokens, traced on its abstract state."""
+    graphdef, state = nnx.split(moe)
+    x = SD((1, tokens, moe.gate.cfg.hidden_size), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda s, x, ids: nnx.merge(graphdef, s)(x, ids))(state, x, SD((1, tokens), jnp.int32))
+    return _pallas_calls(jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_moe_decode_step_runs_as_four_kernels(hashed):
+    """On the Pallas path a decode step (pairs <= PAIR_TILES_MAX) runs the router kernels and the
+    pair kernels with the shared expert inside: no matmul, top-k or sort outside the kernels. More
+    pairs, ``decode_max_pairs`` 0 or the XLA path keep the grouped path (a mesh too: ``decode_path``)."""
+    cfg = config.tiny().replace(n_routed_experts=24, num_experts_per_tok=3)
+    num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
+    moe = nnx.eval_shape(lambda: MoE(cfg, hashed, num, rngs=nnx.Rngs(0)))
+    assert moe.decode_max_pairs == 0 and "pallas:router_logits" not in _ops(moe, 5)  # opt-in
+    moe.decode_max_pairs = PAIR_TILES_MAX
+    ops = _ops(moe, 5)
+    kernels = [o for o in ops if o.startswith("pallas:")]
+    assert kernels == ["pallas:router_logits", "pallas:router_select", "pallas:pair_experts_up",
+                       "pallas:pair_experts_down"], kernels
+    assert not {"dot_general", "top_k", "sort", "scatter-add", "scatter_add"} & set(ops), ops
+    assert ("gather" in ops) == hashed  # the hash table lookup
+    grouped = "pallas:grouped_matmul_fp8_k32_swiglu"
+    big = _ops(moe, 6)  # 18 pairs
+    assert "pallas:router_logits" not in big and grouped in big
+    moe.decode_max_pairs = 0
+    off = _ops(moe, 5)
+    assert grouped in off and "pallas:pair_experts_up" not in off
+    moe.decode_max_pairs = 18
+    assert _ops(moe, 6) == ops  # the bound is the layer's
+    moe.experts.num = dataclasses.replace(num, kernels="xla")  # the routed experts' switch
+    xla = _ops(moe, 5)
+    assert "pallas:router_logits" not in xla and "pallas:pair_experts_up" not in xla and "dot_general" in xla
+
+
+def test_bad_inputs_are_named():
+    rng = np.random.default_rng(2)
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    w, bias = jnp.ones((16, 256), jnp.bfloat16), jnp.zeros((16,), jnp.float32)
+    opts = dict(top_k=2, func="sqrtsoftplus", norm=True, scale=1.0)
+    with pytest.raises(ValueError, match="either the selection bias"):
+        routing.kernel(x, w, bias, jnp.zeros((2, 2), jnp.int32), **opts)
+    with pytest.raises(ValueError, match="score function"):
+        routing.kernel(x, w, bias, None, **dict(opts, func="relu"))
+    with pytest.raises(ValueError, match="top_k"):
+        routing.kernel(x, w, bias, None, **dict(opts, top_k=17))
+    w1, w2, w3 = _weights(rng, "dense", 4, 256, 64)
+    args = (x, jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="quant_sim needs D and I multiples of 128"):
+        pair_experts.kernel(*args, w1, w2, w3, limit=1.0, quant_sim=True)
+    with pytest.raises(ValueError, match="routed weights must be"):
+        pair_experts.kernel(*args, w1, w1, w3, limit=1.0, quant_sim=False)
+    with pytest.raises(ValueError, match="shared expert must be one group"):
+        pair_experts.kernel(*args, w1, w2, w3, limit=1.0, quant_sim=False, shared=(w1, w2, w3))
+
+
+FLASH = dict(e=256, d=4096, i=2048, k=6)
+
+
+def _flash_weights(fmt: str, groups: int, n: int, k: int) -> gm.Weights:
+    if fmt == "fp4":
+        return gm.Weights(SD((groups, n, k // 2), jnp.uint8), SD((groups, n, k // 32), jnp.uint8), "fp4")
+    if fmt == "fp8":
+        return gm.Weights(SD((groups, n, k), jnp.float8_e4m3fn), SD((groups, n // 128, k // 128), jnp.uint8), "fp8")
+    if fmt == "fp8_k32":
+        return gm.Weights(SD((groups, n, k), jnp.float8_e4m3fn), SD((groups, n, k // 32), jnp.uint8), "fp8_k32")
+    return gm.Weights(SD((groups, n, k), jnp.bfloat16), None, "dense")
+
+
+def _flash_layer(fmt: str, shared_fmt: str, groups: int):
+    e, d, i = (groups, FLASH["d"], FLASH["i"])
+    return tuple(_flash_weights(f, g, a, b) for f, g, (a, b) in ((fmt, e, (i, d)), (fmt, e, (d, i)), (fmt, e, (i, d)),
+                                                                 (shared_fmt, 1, (i, d)), (shared_fmt, 1, (d, i)),
+                                                                 (shared_fmt, 1, (i, d))))
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+@pytest.mark.parametrize("fmt,shared_fmt,tokens", [("fp4", "fp8", 1), ("fp8_k32", "fp8", 2), ("dense", "dense", 2)])
+def test_flash_decode_step_lowers(arch, platform, fmt, shared_fmt, tokens):
+    """A Flash MoE decode step (router, routed and shared experts) as the model runs it: 4 kernels."""
+    n, k = tokens, FLASH["k"]
+    ws = _flash_layer(fmt, shared_fmt, FLASH["e"])
+
+    def step(x, gate, bias, w1, w2, w3, s1, s2, s3):
+        w, idx = routing.kernel(x, gate, bias, None, top_k=k, func="sqrtsoftplus", norm=True, scale=1.5,
+                                interpret=False)
+        return pair_experts.kernel(x, w, idx, w1, w2, w3, limit=10.0, quant_sim=fmt != "dense", shared=(s1, s2, s3),
+                                   out_dtype=jnp.bfloat16, interpret=False)
+
+    text = lowering.lower(step, SD((n, FLASH["d"]), jnp.bfloat16), SD((FLASH["e"], FLASH["d"]), jnp.bfloat16),
+                          SD((FLASH["e"],), jnp.float32), *ws, arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 4
+
+
+def test_fp32_router_and_experts_lower():
+    """fp32 activations (an fp32 model): the three-part router dots and IEEE fp32 dots, hash routing."""
+    n, k, e, d, i = 2, 6, 256, 4096, 2048
+
+    def step(x, gate, idx, w1, w2, w3):
+        w, idx = routing.kernel(x, gate, None, idx, top_k=k, func="sqrtsoftplus", norm=True, scale=1.5,
+                                interpret=False)
+        return pair_experts.kernel(x, w, idx, w1, w2, w3, limit=10.0, quant_sim=False, interpret=False)
+
+    experts = (gm.Weights(SD(s, jnp.float32), None, "dense") for s in ((e, i, d), (e, d, i), (e, i, d)))
+    with jax.default_matmul_precision("highest"):
+        text = lowering.lower(step, SD((n, d), jnp.float32), SD((e, d), jnp.bfloat16), SD((n, k), jnp.int32), *experts)
+    assert lowering.count_triton_calls(text) == 4
