@@ -2,9 +2,8 @@
 small expert-parallel config, and the collectives of a compiled decoding round (DESIGN 7).
 
 The small config takes the paths that matter under a mesh: 32 routed experts (the grouped / ragged
-MoE path, more than 16 experts), a C4 layer with its indexer, one DSpark stage, the checkpoint's
-weight formats (FP8 linears, FP4 experts), and the Pallas kernels (interpret mode on CPU) for the
-ragged attention, the grouped matmul of the experts and the FP8 GEMMs of the linears. The Flash figures
+MoE path, more than 16 experts), a C4 layer with its indexer, one DSpark stage, and the Pallas
+kernels (interpret mode on CPU) for the ragged attention and the grouped matmul. The Flash figures
 come from a round compiled for real Flash dims from abstract arrays.
 
     python -m benchmarks.sharded                       # per-device bytes, sharded == unsharded
@@ -48,22 +47,21 @@ COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "coll
 
 def small_config() -> config.ModelConfig:
     """Tiny widths, one C4 layer with its indexer and hash-routed experts, 32 routed experts, one
-    DSpark stage (window attention, learned routing); 4 output groups of rank 128, so that wo_a's
-    FP8 rows split over 4 devices in whole 128-row scale blocks (its grouped GEMM per device). A
-    C128 layer would add nothing here: the check's 24 tokens never fill a 128-token window, so it
-    would hold no compressed entry."""
+    DSpark stage (window attention, learned routing). A C128 layer would add nothing here: the
+    check's 24 tokens never fill a 128-token window, so it would hold no compressed entry."""
     ds = config.DSparkConfig(block_size=3, noise_token_id=511, target_layer_ids=(0,), markov_rank=16, num_stages=1)
     return config.tiny().replace(num_hidden_layers=1, compress_ratios=(4,), num_hash_layers=1,
-                                 n_routed_experts=32, o_groups=4, o_lora_rank=128, dspark=ds)
+                                 n_routed_experts=32, dspark=ds)
 
 
-def small_model(seed: int = 3, kernels: str = "pallas") -> dspark_jax.Model:
-    """``small_config`` in fp32 with random weights in the checkpoint's formats (FP8 linears with
-    their 128 x 128 block scales, FP4 routed experts: ``weight_format="official"``); sinks, ape,
-    biases and hc bases made non-zero (noise of 0.3 x their spread on every fp32 array) so that a
-    misplaced one shows."""
-    cfg = small_config()
-    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, weight_format="official", kernels=kernels)
+def small_model(seed: int = 3, kernels: str = "pallas", weight_format: str = "dense",
+                cfg: config.ModelConfig | None = None) -> dspark_jax.Model:
+    """``cfg`` (default ``small_config``) in fp32 with random weights (``weight_format="official"``:
+    FP8 linears with their 128 x 128 block scales and FP4 routed experts, as in the checkpoint);
+    sinks, ape, biases and hc bases made non-zero (noise of 0.3 x their spread on every fp32
+    array) so that a misplaced one shows."""
+    cfg = cfg or small_config()
+    num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, weight_format=weight_format, kernels=kernels)
     module = DeepSeekV4(cfg, num, rngs=nnx.Rngs(seed))
     state = nnx.state(module)
     leaves, treedef = jax.tree_util.tree_flatten(state)

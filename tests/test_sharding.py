@@ -285,16 +285,14 @@ def test_sharded_equals_unsharded_with_ragged_moe_and_kernels(small_ep, data, mo
     assert got.state.cache.layers[0].window.sharding.spec == (P("data") if data > 1 else P())
     assert not [w for w in caught if "donated" in str(w.message)], [str(w.message) for w in caught]
 
-    # the round's collectives: the experts' token exchange; no expert weight, FP8 linear weight or
-    # cache array gathered (identified by the dims of its shard, or of the whole array)
+    # the round's collectives: the experts' token exchange; no expert weight or cache array
+    # gathered (identified by the dims of its shard, or of the whole array)
     found = sharded.collectives(got.round_hlo)
     assert bool(found["reduce-scatter"]) == (data > 1), found  # MoE outputs back to their requests
     assert found["all-reduce"] or model == 1, found
     arrays = sharded.forbidden_arrays(m, got.state)
-    n_experts = 2 * 6  # w1, w2, w3 and their scales, in the layer and the drafter's stage
-    n_linears = 2 * 7 if model == 4 else 0  # wq_b, wo_a, wo_b (x 2) and the indexer's wq_b, with scales
     n_caches = 8 if data > 1 else 0  # window; compressor and indexer kv, score, entries; drafter ring
-    assert len(arrays) == n_experts + n_linears + n_caches, [(a.shape, a.sharding.spec) for a in arrays]
+    assert len(arrays) == 2 * 3 + n_caches, [(a.shape, a.sharding.spec) for a in arrays]  # + w1, w2, w3 x 2
     assert not sharded.gathers_of(got.round_hlo, arrays), found["all-gather"]
 
 
@@ -341,3 +339,40 @@ def test_expert_parallel_moe_moves_tokens_not_experts(data, model):
     assert size("reduce-scatter") == ([] if data == 1 else [n // data * d * 4]), found
     assert size("all-reduce") == ([] if model == 1 else [n // data * d * 4]), found
     assert not found["all-to-all"] and not found["collective-permute"], found
+
+
+def test_fp8_linears_run_per_device():
+    """The checkpoint's FP8 linears (e4m3 codes, 128 x 128 block scales) through the Pallas FP8
+    GEMM (interpret mode) on a (2, 4) mesh: every kernel runs per device on its shard (column-
+    parallel wq_b, row-parallel wo_b, wo_a's grouped GEMM on the device's output groups, wq_a /
+    wkv on the device's requests), the logits equal one device's, and the compiled program
+    gathers none of their weights or scales."""
+    from benchmarks import sharded
+    from dspark_jax.api import forward_step
+
+    cfg = sharded.small_config().replace(o_groups=4, o_lora_rank=128)  # wo_a: 4 groups of 128 rows
+    plain = sharded.small_model(weight_format="official", cfg=cfg)
+    m = sharding.shard_model(plain, sharding.make_mesh(model=4, data=2))
+    attn = m.module.layers[0].attn
+    assert attn.wq_b.quantized and attn.wq_b.weight[...].dtype == jnp.float8_e4m3fn
+    assert (attn.wq_b.spec, attn.wo_a.spec, attn.wo_b.spec, attn.wq_a.spec) == (P("model"), P("model"),
+                                                                                P(None, "model"), P())
+    ids = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (8, 6)), jnp.int32)
+    n = jnp.full((8,), 6, jnp.int32)
+
+    def args(model):
+        return model.graphdef, model.state, ids, n, init_cache(cfg, 8, 8, jnp.float32)
+
+    calls = pallas_calls(jax.make_jaxpr(forward_step, static_argnums=0)(*args(m)).jaxpr)
+    assert sum(name == "grouped_matmul_fp8" for name, _ in calls) == 9, calls  # the layer's FP8 linears
+    assert all(inside for _, inside in calls), calls
+    want = np.asarray(forward_step(*args(plain))[0])
+    compiled = forward_step.lower(*args(m)).compile()
+    got = np.asarray(compiled(*args(m)[1:])[0])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    found = sharded.collectives(compiled.as_text())
+    assert found["all-reduce"], found  # wo_b's psum over model
+    linears = (attn.wq_b, attn.wo_a, attn.wo_b, attn.indexer.wq_b)
+    split = [v.get_value() for lin in linears for v in (lin.weight, lin.scale)]
+    assert all(w.sharding.spec != P() for w in split)
+    assert not sharded.gathers_of(compiled.as_text(), split), found["all-gather"]
