@@ -22,11 +22,33 @@ schedulers.json.
 
     python benchmarks/serving.py --schedulers --prompts 32 --slots 4 16
     python benchmarks/serving.py --schedulers --model /path/to/checkpoint --slots 16 64 --context 1024
+
+``--flash``: the verify schedulers on a DeepSeek-V4-Flash slice (``--depth`` layers, random
+weights, as benchmarks/decode.py builds it) against concurrency, in the ACCEPTANCE-PROFILE mode
+with CALIBRATED confidences (BENCHMARK ONLY, NOT LOSSLESS: ``Engine(accept_profile=...,
+profile_confidence=σ)``): draft k of every round gets a confidence c_k, logit-normal with
+logit spread σ and mean r_k = p_k / p_{k-1} (the profile's conditional pass rate), which the
+schedulers read as the confidence logits of the drafts; the draft then passes with
+probability exactly c_k (keyed by request seed and position, so runs repeat). Every slot
+decodes throughout (no prefill: caches filled with random rows, lengths set to ``--context``).
+For each pool size S (largest first): the pool's programs compiled at once in threads
+(``compile_pool``: static round, the two draft programs, the verify program of every token
+bucket a pool of S decoding slots reaches; nothing compiles later, the JSON records it), the SPS
+table profiled at those buckets (sps_S<S>.json / .png), then
+``--rounds`` rounds per scheduler after ``--warmup-rounds``, dispatched as ``serve`` does
+(``serving.RoundDispatcher``, outputs read one round late): accepted tokens/s, mean verify
+tokens per request and round, accept length. Writes flash_schedulers.json after every pool
+size and flash_schedulers.png (Figure 8 of the paper: throughput against concurrency).
+
+    python benchmarks/serving.py --flash            # 2-layer FP8 slice, S = 128 64 32 8 1
+    python benchmarks/serving.py --flash --smoke    # the tiny config on the CPU: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import os
 import resource
 import time
@@ -37,10 +59,12 @@ import numpy as np
 
 import dspark_jax
 from benchmarks.common import environment, out_dir, write_json
-from dspark_jax import SamplingParams
+from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
+from dspark_jax import SamplingParams, config
+from dspark_jax.decoding.engine import Engine, verify_buckets
 from dspark_jax.decoding.generate import _engine, default_model, resolve_model
-from dspark_jax.decoding.scheduler import SPSTable
-from dspark_jax.decoding.serving import decoding_pool, profile_sps
+from dspark_jax.decoding.scheduler import SPSTable, plot_table, profile, table_key
+from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_sps, round_seconds
 
 
 def peak_rss_mib() -> float:
@@ -50,13 +74,35 @@ def peak_rss_mib() -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--slots", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--slots", type=int, nargs="+", default=None, help="pool sizes (default 8 16; --flash: "
+                    "128 64 32 8 1)")
+    ap.add_argument("--context", type=int, default=None, help="cache tokens per slot (default 256; --flash: "
+                    "committed tokens per request, 2048)")
     ap.add_argument("--schedulers", action="store_true", help="compare the verify schedulers (see the docstring)")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny model)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per bucket for the SPS table")
     ap.add_argument("--round-repeats", type=int, default=25, help="timed rounds per variant for the round times")
+    ap.add_argument("--flash", action="store_true", help="the schedulers on a Flash slice, calibrated acceptance "
+                    "profile (see the docstring)")
+    ap.add_argument("--depth", type=int, default=2, help="--flash: layers of the slice")
+    ap.add_argument("--weights", default="fp8", help="--flash: weight format (fp8, official, dense)")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="--flash: target KV pool layout")
+    ap.add_argument("--accept-profile", default=",".join(map(str, DEFAULT_PROFILE)),
+                    help="--flash: per-position marginal acceptance probabilities (benchmark only)")
+    ap.add_argument("--confidence-spread", type=float, default=1.0,
+                    help="--flash: standard deviation of the calibrated confidence logits (the shipped model's "
+                         "STS-calibrated confidence logits spread 0.8-1.1 per position)")
+    ap.add_argument("--rounds", type=int, default=40, help="--flash: timed rounds per scheduler and pool")
+    ap.add_argument("--warmup-rounds", type=int, default=4, help="--flash: untimed rounds before them")
+    ap.add_argument("--compile-threads", type=int, default=8, help="--flash: programs compiled at the same time")
+    ap.add_argument("--budget-s", type=float, default=330,
+                    help="--flash: skip the remaining pool sizes once this would be passed (0 = none)")
+    ap.add_argument("--smoke", action="store_true", help="--flash on the tiny config at CPU sizes")
     args = ap.parse_args()
+    if args.flash:
+        return flash_schedulers(args)
+    args.slots = args.slots or [8, 16]
+    args.context = args.context or 256
     model = default_model() if args.model is None else resolve_model(args.model)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -156,6 +202,189 @@ def schedulers(args, model, eng, prompts, params):
         rows.append({"slots": s, "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
                      "seconds_per_round": per_round})
     write_json("schedulers.json", {"env": environment(), "rows": rows})
+
+
+# ---------------------------------------------------------------------------- --flash
+SCHEDULERS = ("static", "confidence", "lagged")
+GREEDY = dict(sampled=False, top_k=False, top_p=False)
+
+
+def _copy(state):
+    return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, state))
+
+
+def _even(tokens: int, slots: int) -> np.ndarray:
+    """``tokens`` verify tokens spread evenly over ``slots`` slots (as ``round_seconds`` does)."""
+    return np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
+
+
+def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int) -> float:
+    """Compile every program the runs on ``pool`` call before anything is timed, in ``threads``
+    threads (XLA compiles without the interpreter lock; tracing takes it in turn): the static
+    round, the two draft programs (with Algorithm 1, for any table over ``buckets``; without)
+    and the verify program of every bucket, called on drafts of the draft program's shapes, so
+    that no two threads compile the same program. Returns the seconds spent."""
+    t0 = time.perf_counter()
+    slots = pool.anchor.shape[0]
+    no_table = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.float32))
+    shapes, _ = jax.eval_shape(functools.partial(eng._draft_step, top_k=False, top_p=False, schedule=False),
+                               eng.model.state, pool, *no_table)
+    drafted = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    placeholder = SPSTable(tokens=buckets, steps_per_s=(1.0,) * len(buckets))
+    jobs = [lambda: eng.round(_copy(pool), **GREEDY),
+            lambda: eng._draft_program(_copy(pool), False, False, None),
+            lambda: eng._draft_program(_copy(pool), False, False, placeholder)]
+    jobs += [lambda b=b: eng._verify_step(eng.model.state, _copy(pool), drafted,
+                                          jnp.asarray(_even(b, slots), jnp.int32), jnp.int32(-1), tokens=b, **GREEDY)
+             for b in buckets]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
+        for out in ex.map(lambda f: jax.block_until_ready(f()), jobs):
+            del out
+    return time.perf_counter() - t0
+
+
+def run_rounds(eng: Engine, pool, scheduler: str, table: SPSTable, warmup: int, rounds: int) -> dict:
+    """``warmup`` then ``rounds`` timed rounds of every slot of (a copy of) ``pool`` under
+    ``scheduler``, dispatched and read as ``serve`` does (the host reads a round's outputs after
+    dispatching the next one)."""
+    slots = pool.anchor.shape[0]
+    disp = RoundDispatcher(eng, scheduler, table, slots)
+    running = list(range(slots))
+    bs, pending, t0 = _copy(pool), None, None
+    tokens = verified = 0
+
+    def read(index, res):
+        nonlocal tokens, verified
+        n_new, conf, lens = jax.device_get((res.n_new, res.confidence, res.verify_lens))
+        disp.read(index, running, n_new, conf)
+        if index >= warmup:
+            tokens, verified = tokens + int(n_new.sum()), verified + int(lens.sum())
+
+    for t in range(warmup + rounds):
+        if t == warmup:  # the untimed rounds done and read
+            if pending is not None:
+                read(*pending)
+                pending = None
+            t0 = time.perf_counter()
+        bs, res, index = disp.dispatch(bs, running, GREEDY)
+        if pending is not None:
+            read(*pending)
+        pending = (index, res)
+    read(*pending)
+    wall = time.perf_counter() - t0
+    return {"scheduler": scheduler, "slots": slots, "rounds": rounds, "seconds": wall,
+            "accepted_tokens_per_s": tokens / wall, "rounds_per_s": rounds / wall,
+            "mean_verify_tokens_per_request": verified / (slots * rounds),
+            "mean_accept_length": tokens / (slots * rounds)}
+
+
+def plot_flash(rows: list[dict], title: str, path: str) -> None:
+    """Figure 8 of the paper: accepted tokens/s, the ratio to static and the verify tokens per
+    request against concurrency, one line per scheduler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    static = {r["slots"]: r["accepted_tokens_per_s"] for r in rows if r["scheduler"] == "static"}
+    for name, marker in zip(SCHEDULERS, "osD"):
+        sel = sorted((r for r in rows if r["scheduler"] == name), key=lambda r: r["slots"])
+        x = [r["slots"] for r in sel]
+        axes[0].plot(x, [r["accepted_tokens_per_s"] for r in sel], marker=marker, label=name)
+        axes[1].plot(x, [r["accepted_tokens_per_s"] / static[r["slots"]] for r in sel], marker=marker, label=name)
+        axes[2].plot(x, [r["mean_verify_tokens_per_request"] for r in sel], marker=marker, label=name)
+    for ax, label in zip(axes, ("accepted tokens / s", "throughput / static", "verify tokens per request and round")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (decoding slots)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def flash_schedulers(args):
+    start = time.perf_counter()
+    if args.smoke:
+        args.slots, args.context, args.rounds, args.warmup_rounds, args.repeats = [4, 2], 64, 6, 2, 2
+        args.budget_s = 0
+    slots_list = args.slots or [128, 64, 32, 8, 1]
+    context = args.context or 2048
+    full = config.tiny() if args.smoke else config.flash()
+    cfg = sliced(full, args.depth)
+    profile_p = tuple(float(x) for x in args.accept_profile.split(","))
+    env = environment()
+    print(env, flush=True)
+    t0 = time.perf_counter()
+    model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
+    init_s = time.perf_counter() - t0
+    print(f"{args.depth}-layer slice ({args.weights}) initialised in {init_s:.1f} s "
+          f"({model.weight_bytes / 2**30:.1f} GiB)", flush=True)
+    gamma = cfg.dspark.block_size
+    eng = Engine(model, gamma=gamma, kv_layout=args.kv, accept_profile=profile_p,
+                 profile_confidence=args.confidence_spread)
+    slack = -(-(gamma + 1) * (args.warmup_rounds + args.rounds + 4) // 128) * 128 + 128
+    meta = {"env": env, "args": vars(args), "config": "tiny (smoke)" if args.smoke else "flash",
+            "depth": args.depth, "context": context, "cache_tokens_per_slot": context + slack, "init_s": init_s,
+            "acceptance": (f"ACCEPTANCE PROFILE WITH CALIBRATED CONFIDENCES (benchmark only, not lossless): "
+                           f"marginal pass rates {profile_p} (expected accept length "
+                           f"{1 + sum(profile_p[:gamma]):.3f} when everything is verified); draft k's confidence "
+                           f"c_k logit-normal, logit spread {args.confidence_spread}, mean p_k / p_(k-1); the "
+                           f"draft passes with probability c_k"),
+            "method": ("every slot decodes throughout (random cache rows, lengths set to the context, no prefill); "
+                       "per pool: all programs compiled first, the SPS table profiled at the token buckets a pool "
+                       "of decoding slots reaches, then each scheduler's rounds dispatched as serve does"),
+            "pools": [], "rows": [], "skipped": []}
+    rows = meta["rows"]
+    last_pool_s = 0.0
+    for slots in slots_list:
+        if args.budget_s and time.perf_counter() - start + last_pool_s > args.budget_s:
+            meta["skipped"].append(slots)
+            print(f"skipped {slots} slots: budget", flush=True)
+            continue
+        p0 = time.perf_counter()
+        pool = at_context(random_state(eng, slots, context + slack, seed=slots), context)
+        buckets = tuple(b for b in verify_buckets(slots, gamma) if b >= slots)  # reached by S decoding slots
+        compile_s = compile_pool(eng, pool, buckets, args.compile_threads)
+        programs = eng.compiled_programs()
+        print(f"slots {slots}: {programs} programs so far, this pool's compiled in {compile_s:.1f} s "
+              f"(buckets {buckets})", flush=True)
+        key = table_key(model, gamma=gamma, kv_layout=args.kv)
+        table = profile(round_seconds(eng, pool), buckets, key, repeats=args.repeats,
+                        meta=dict(slots=slots, context=context))
+        table.save(os.path.join(out_dir(), f"sps_S{slots}.json"))
+        plot_table(table, os.path.join(out_dir(), f"sps_S{slots}.png"))
+        print(f"slots {slots}: SPS tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}",
+              flush=True)
+        for name in SCHEDULERS:
+            row = run_rounds(eng, pool, name, table, args.warmup_rounds, args.rounds)
+            rows.append(row)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        compiled_in_runs = eng.compiled_programs() - programs
+        last_pool_s = time.perf_counter() - p0
+        meta["pools"].append({"slots": slots, "buckets": list(buckets), "compile_s": compile_s,
+                              "compiled_during_profile_and_runs": compiled_in_runs, "pool_s": last_pool_s,
+                              "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
+                              "sps_measured_steps_per_s": list(table.measured_steps_per_s)})
+        meta["elapsed_s"] = time.perf_counter() - start
+        write_json("flash_schedulers.json", meta)
+    title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'} {args.depth}-layer slice, {args.weights}, "
+             f"context {context}; {env['device']}, {env['date']}, {env['commit']}; acceptance profile with "
+             f"calibrated confidences (benchmark only, logit spread {args.confidence_spread})")
+    if rows:
+        plot_flash(rows, title, os.path.join(out_dir(), "flash_schedulers.png"))
+    print("| slots | scheduler | accepted tokens/s | x static | verify tokens per request | accept length |")
+    static = {r["slots"]: r["accepted_tokens_per_s"] for r in rows if r["scheduler"] == "static"}
+    for r in rows:
+        print(f"| {r['slots']} | {r['scheduler']} | {r['accepted_tokens_per_s']:.0f} | "
+              f"{r['accepted_tokens_per_s'] / static[r['slots']]:.3f} | {r['mean_verify_tokens_per_request']:.2f} | "
+              f"{r['mean_accept_length']:.2f} |", flush=True)
+    print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

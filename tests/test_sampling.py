@@ -1,6 +1,7 @@
 """Lossless speculative sampling: the emitted tokens follow the target distribution."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -153,28 +154,87 @@ def test_processing_applies_top_k_and_top_p():
     np.testing.assert_allclose(np.asarray(jax.nn.softmax(x)), np.asarray(jax.nn.softmax(logits * 2)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-def test_engine_sampling_matches_target_distribution(params):
-    """End to end with a model of vocabulary 8: the first two tokens of speculative samples follow
-    the target's exact joint distribution (computed from its logits)."""
+@pytest.fixture(scope="module")
+def vocab8_model():
+    """The tiny config with a vocabulary of 8, every parameter perturbed (one model for both
+    parametrisations below, which then share its compiled prefill programs)."""
     cfg = dspark_jax.config.tiny().replace(vocab_size=8, dspark=dspark_jax.config.DSparkConfig(
         block_size=GAMMA, noise_token_id=7, target_layer_ids=(3, 4, 5), markov_rank=4))
-    m = perturb(dspark_jax.init(cfg, 3, dtype=jnp.float32), 3, scale=3.0)
+    return perturb(dspark_jax.init(cfg, 3, dtype=jnp.float32), 3, scale=3.0)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_engine_sampling_matches_target_distribution(vocab8_model, params):
+    """End to end with a model of vocabulary 8: the first two tokens of speculative samples follow
+    the target's exact joint distribution (computed from its logits)."""
+    m = vocab8_model
     prompt = [0, 3, 5, 2, 6, 4]
     n = 2048
     res = dspark_jax.generate([prompt] * n, model=m, sampling=[SamplingParams(max_new_tokens=2, seed=i, ignore_eos=True, **params)
                                                               for i in range(n)])
-    samples = np.array([r.tokens for r in res])
     assert np.mean([r.stats["mean_accept_length"] for r in res]) > 1.05  # drafts do get accepted
-    # exact target distribution of (x1, x2) with the same processing
-    arr = SamplingArrays(temperature=jnp.full(1, params["temperature"]), top_k=jnp.full(1, params.get("top_k", 0)),
-                         top_p=jnp.full(1, params.get("top_p", 1.0)), seed=jnp.zeros(1, jnp.int32))
-    proc = lambda lg: np.asarray(jax.nn.softmax(process_logits(jnp.asarray(lg)[None], arr)))[0]
-    p1 = proc(np.asarray(m.logits(prompt))[0, -1])
-    seqs = np.array([prompt + [a] for a in range(8)])
-    p2 = np.stack([proc(row) for row in np.asarray(m.logits(seqs))[:, -1]])
-    expected = (p1[:, None] * p2).reshape(-1)
-    counts = np.bincount(samples[:, 0] * 8 + samples[:, 1], minlength=64)
+    assert chi2_target_pvalue(m, prompt, params, res) > 1e-4
+
+
+def chi2_target_pvalue(m, prompt, params: dict, res) -> float:
+    """Chi-square p-value of the results' tokens (all of the same length k, vocabulary 8) against
+    the target's exact joint distribution of (x1 .. xk), computed from its logits with the same
+    processing (one forward over every continuation); asserts that no sample lies outside it
+    (outside top-k / top-p)."""
+    samples = np.array([r.tokens for r in res])
+    k, v, t = samples.shape[1], 8, len(prompt)
+    seqs = np.array([list(prompt) + list(c) for c in itertools.product(range(v), repeat=k - 1)], np.int32)
+    logits = m.logits(seqs)[:, t - 1:].reshape(-1, v)  # the rows for x1 .. xk of every sequence
+    n = logits.shape[0]
+    arr = SamplingArrays(temperature=jnp.full(n, params["temperature"]), top_k=jnp.full(n, params.get("top_k", 0)),
+                         top_p=jnp.full(n, params.get("top_p", 1.0)), seed=jnp.zeros(n, jnp.int32))
+    probs = np.asarray(jax.nn.softmax(process_logits(logits, arr)), np.float64).reshape(v ** (k - 1), k, v)
+    expected = np.ones(1)
+    for j in range(k):  # P(x1 .. x_{j+1}): the row of x_{j+1} from any sequence with that prefix
+        rows = probs[::v ** (k - 1 - j), j]  # [v^j, v], prefixes in lexicographic order
+        expected = (expected[:, None] * rows).reshape(-1)
+    counts = np.bincount(np.ravel_multi_index(samples.T, (v,) * k), minlength=v ** k)
     assert counts[expected == 0].sum() == 0  # nothing outside top-k / top-p
-    pvalue = chi2(counts, expected.astype(np.float64))
-    assert pvalue > 1e-4, pvalue
+    return chi2(counts, expected)
+
+
+# A table whose rounds past 16 verify tokens are 100x slower: every round of an 8-slot pool
+# verifies at most 16 tokens (8 anchors + 8 drafts), so two verify programs (buckets 8 and 16)
+# serve both schedulers, and the lagged capacity is 8 drafts even without history.
+CLIFF = SPSTable(tokens=tuple(range(1, 33)),
+                 steps_per_s=tuple(1.0 / (1.0 + 0.3 * b) if b <= 16 else 1e-3 / b for b in range(1, 33)))
+
+
+@pytest.fixture(scope="module")
+def scheduled_model():
+    """Vocabulary 8, two layers (window-only, C4 with the indexer), one drafter stage (quick to
+    compile). STS temperatures of 8 spread the nearly saturated confidences of random weights
+    (sigmoids of logits 1 to 30) over about 0.55 to 0.98, so the schedulers' choices vary."""
+    cfg = dspark_jax.config.tiny().replace(
+        vocab_size=8, num_hidden_layers=2, compress_ratios=(0, 4), num_hash_layers=2,
+        dspark=dspark_jax.config.DSparkConfig(block_size=GAMMA, noise_token_id=7, target_layer_ids=(1,),
+                                              markov_rank=4, num_stages=1))
+    m = perturb(dspark_jax.init(cfg, 3, dtype=jnp.float32), 3, scale=3.0)
+    return dspark_jax.Model(m.module, sts_temperatures=(8.0,) * GAMMA)
+
+
+@pytest.mark.parametrize("scheduler", ["confidence", "lagged"])
+def test_scheduled_engine_sampling_matches_target_distribution(scheduled_model, scheduler):
+    """End to end under the confidence and lagged schedulers (ragged verify, packed programs,
+    verify lengths from the drafts' confidences, acceptance capped at l_r - 1): the first three
+    tokens of 1024 speculative samples (temperature 1, top-k 3: 27 cells) follow the target's
+    exact joint distribution, and the verify lengths vary between requests. x1 comes from the
+    prompt, x2 and x3 from one or two rounds. Power: the engine with the cap at l_r - 1 removed
+    emits tokens outside the target's top 3 (unverified rows are zeros) and fails here under
+    either scheduler; an unconstrained search in place of Algorithm 1's early stopping changes
+    nothing with this model and table (the exact enumeration of test_scheduler covers it)."""
+    params = dict(temperature=1.0, top_k=3)
+    prompt = [0, 3, 5, 2, 6, 4]
+    n = 1024
+    res = dspark_jax.generate([prompt] * n, model=scheduled_model, slots=8, scheduler=scheduler, sps_table=CLIFF,
+                              sampling=[SamplingParams(max_new_tokens=3, seed=i, ignore_eos=True, **params)
+                                        for i in range(n)])
+    verify = np.array([r.stats["mean_verify_tokens"] for r in res])
+    assert 1.2 < verify.mean() < GAMMA and verify.std() > 0.3, (verify.mean(), verify.std())
+    assert np.mean([r.stats["mean_accept_length"] for r in res]) > 1.05  # drafts do get accepted
+    assert chi2_target_pvalue(scheduled_model, prompt, params, res) > 1e-4

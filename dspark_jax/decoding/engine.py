@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
-from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, confidence_lengths, survival
+from dspark_jax.decoding.scheduler import SPSTable, algorithm1, allocate_topk, survival
 from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
@@ -53,6 +53,7 @@ PREFILL_TOKENS = 2048  # rows x chunk width of one prefill program (its activati
 MIN_PREFILL_CHUNK = 16  # prefill chunks are powers of 2 from here up to ``Engine.chunk_limit``
 STOP_WIDTH = 8  # stop token ids a slot checks on the device (more are checked by the host only)
 STREAM_PROFILE = 4  # random stream of the benchmark-only acceptance profile (see Engine)
+STREAM_PROFILE_CONFIDENCE = 5  # its calibrated confidences (see ``calibrated_confidence``)
 MIN_VERIFY_BUCKET = 8  # packed verify widths are powers of 2 from here (see ``verify_bucket``)
 SCHEDULERS = ("static", "confidence", "lagged")
 
@@ -102,6 +103,56 @@ def profile_conditionals(profile, gamma: int) -> tuple[float, ...]:
     return tuple(x / q if q > 0 else 0.0 for x, q in zip(p, prev))
 
 
+def logit_normal_means(cond: tuple[float, ...], spread: float) -> tuple[float, ...]:
+    """μ_k such that E[sigmoid(μ_k + spread · Z)] = r_k = cond[k], Z ~ N(0, 1) (Gauss-Hermite
+    quadrature of 96 nodes and bisection, both to ~1e-12; r_k = 0 or 1: μ_k = -inf or +inf)."""
+    x, w = np.polynomial.hermite.hermgauss(96)
+    z, w = np.sqrt(2.0) * x, w / np.sqrt(np.pi)
+    mean = lambda mu: float(np.sum(w / (1.0 + np.exp(-(mu + spread * z)))))  # noqa: E731
+    out = []
+    for r in cond:
+        if r <= 0.0 or r >= 1.0:
+            out.append(-np.inf if r <= 0.0 else np.inf)
+            continue
+        lo, hi = -60.0, 60.0
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if mean(mid) < r else (lo, mid)
+        out.append(0.5 * (lo + hi))
+    return tuple(out)
+
+
+def calibrated_confidence(seed: Int[Array, " b"], lengths: Int[Array, " b"], cond: tuple[float, ...],
+                          spread: float) -> Float[Array, "b g"]:
+    """BENCHMARK ONLY: confidence logits that are calibrated for an acceptance profile.
+
+    Draft k of a round at committed length L (position L + k) gets the logit μ_k + spread · z,
+    z ~ N(0, 1) from key(seed, L + k, STREAM_PROFILE_CONFIDENCE) folded with L (a later round
+    drafting the same position draws anew: the schedulers' choices of a round must not be
+    reused), with μ_k chosen so that its confidence c_k = sigmoid(logit) has mean r_k = cond[k - 1],
+    the profile's conditional pass probability (``logit_normal_means``; r_k of 0 or 1: c_k = r_k).
+    ``spread`` = 0: every c_k = r_k; larger: confidences nearer 0 or 1, that tell the scheduler
+    more. ``profile_accepts`` with pass probabilities sigmoid(logits) accepts d_k (given d_1 ..
+    d_{k-1}) with probability exactly its confidence."""
+    means = logit_normal_means(cond, spread)
+    z = jnp.stack([jax.vmap(jax.random.normal)(request_keys(seed, lengths + k + 1, STREAM_PROFILE_CONFIDENCE,
+                                                            round_start=lengths)) for k in range(len(cond))], axis=1)
+    return jnp.asarray(means, jnp.float32)[None] + jnp.float32(spread) * z
+
+
+def profile_accepts(seed: Int[Array, " b"], lengths: Int[Array, " b"], pass_prob: Float[Array, "b g"],
+                    limit: Int[Array, " b"] | None = None) -> Int[Array, " b"]:
+    """BENCHMARK ONLY: accepted drafts of a round at committed length L when draft k passes, given
+    that the drafts before it passed, with probability pass_prob[:, k - 1]: it passes iff u_k <
+    pass_prob, u_k = uniform(key(seed, L + k, STREAM_PROFILE)); a = the passes before the first
+    failure, at most ``limit``. A round's count depends only on the u of positions up to its first
+    failure (or its cap), all of which the next round, starting past them, never reads again."""
+    u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(seed, lengths + k + 1, STREAM_PROFILE))
+                   for k in range(pass_prob.shape[1])], axis=1)  # [b, γ]
+    a = jnp.sum(jnp.cumprod((u < pass_prob).astype(jnp.int32), axis=1), axis=1)
+    return a if limit is None else jnp.minimum(a, jnp.maximum(limit, 0))
+
+
 class Engine:
     """Compiled prefill / round functions for one model, γ and drafter.
 
@@ -120,6 +171,14 @@ class Engine:
     token after those a drafts (argmax, or a draw for sampled requests). The emitted tokens are then
     NOT the target's: this exists only to time decoding at a given accept length (E[a] = sum p_i).
 
+    profile_confidence: BENCHMARK ONLY, with ``accept_profile``. None (the default): the drafter's
+    confidences are kept (they say nothing about the profile's draws). A spread σ >= 0: the
+    drafter's confidences are replaced by calibrated ones, logit-normal with standard deviation σ
+    and mean confidence r_k = p_k / p_{k-1} at draft k (``calibrated_confidence``), which the
+    schedulers read, and draft k passes with probability c_k instead of r_k (``profile_accepts``):
+    acceptance given the confidence is the confidence, and the pass rates are still the profile's.
+    STS temperatures are then not applied (the confidences are calibrated already).
+
     scheduler: how many tokens each slot verifies per round by default (``serving.serve`` and
     ``generate`` take it per call too): "static" (γ + 1 each, the per-request layout),
     "confidence" (Algorithm 1 on the round's own confidences: ``round_confidence``) or "lagged"
@@ -131,11 +190,17 @@ class Engine:
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
                  accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
-                 sps_table: SPSTable | None = None):
+                 sps_table: SPSTable | None = None, profile_confidence: float | None = None):
         cfg = model.config
         check_scheduler(scheduler, gamma)
+        if profile_confidence is not None and (accept_profile is None or not np.isfinite(profile_confidence)
+                                               or profile_confidence < 0):
+            raise ValueError("profile_confidence (a logit spread >= 0) needs an accept_profile, got "
+                             f"{profile_confidence!r} with accept_profile {accept_profile!r}")
+        self.profile_confidence = None if profile_confidence is None else float(profile_confidence)
         self.scheduler, self.sps_table = scheduler, sps_table
-        self.temperatures = model.sts_temperatures if drafter is None else None  # STS of the model's drafter
+        # STS temperatures of the model's drafter (none for an oracle or calibrated profile confidences)
+        self.temperatures = model.sts_temperatures if drafter is None and profile_confidence is None else None
         if gamma > 0 and drafter is None and cfg.dspark is None:
             raise ValueError("this model has no DSpark drafter (no mtp.* stages): use speculative=False")
         if gamma < 0 or (gamma > 0 and drafter is None and gamma != cfg.dspark.block_size):
@@ -156,7 +221,7 @@ class Engine:
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
                               static_argnames=("sampled", "top_k", "top_p"))
-        self._draft_step = jax.jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "table"))
+        self._draft_step = jax.jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "schedule"))
         self._verify_step = jax.jit(scoped(self._verify_impl), donate_argnums=(1,),
                                     static_argnames=("sampled", "top_k", "top_p", "tokens"))
 
@@ -209,17 +274,18 @@ class Engine:
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
 
-    def _draft_impl(self, state, bs: BatchState, *, top_k: bool, top_p: bool, table: tuple | None):
-        """The first program of a ragged round: the draft phase, and with an SPS table ``table`` =
-        (tokens, steps_per_s) the verify lengths of Algorithm 1 (early stopping) on its confidences."""
+    def _draft_impl(self, state, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
+                    schedule: bool):
+        """The first program of a ragged round: the draft phase, and with ``schedule`` the verify
+        lengths of Algorithm 1 (early stopping) on its confidences, by the SPS table given as
+        arrays (``sps_tokens``, ``sps_steps``: one program for every table of that length)."""
         model = nnx.merge(self.model.graphdef, state)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
         with jax.named_scope("draft"):
             drafted = self._draft_tokens(model, bs, proc)
-        if table is None:
+        if not schedule:
             return drafted, None
-        sps = SPSTable(tokens=table[0], steps_per_s=table[1])
-        return drafted, confidence_lengths(survival(drafted[2], self.temperatures), bs.active, sps)
+        return drafted, algorithm1(survival(drafted[2], self.temperatures), bs.active, sps_tokens, sps_steps)
 
     def _verify_impl(self, state, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
                      top_p: bool, tokens: int):
@@ -257,6 +323,9 @@ class Engine:
             return pick_tokens(keys, proc(logits_k), sp.greedy)
 
         d = self.drafter(model, bs.draft, bs.anchor, lengths, pick)
+        if self.profile_confidence is not None:  # benchmark only: calibrated for the acceptance profile
+            return d.tokens, d.logits, calibrated_confidence(sp.seed, lengths, self._profile_cond,
+                                                             self.profile_confidence)
         return d.tokens, d.logits, d.confidence
 
     def _verify(self, model, bs: BatchState, drafts, lens, tokens: int | None):
@@ -291,7 +360,7 @@ class Engine:
             a, bonus = jnp.where(sp.greedy, a, a_s), jnp.where(sp.greedy, bonus, bonus_s)
 
         if self.accept_profile is not None:  # benchmark only: a from the profile, not from the drafts
-            a, bonus = self._profile_accept(sp, lengths, logits, proc, sampled, limit)
+            a, bonus = self._profile_accept(sp, lengths, logits, conf, proc, sampled, limit)
 
         commits = was_active if lens is None else was_active & (lens > 0)
         n_new = jnp.where(commits, a + 1, 0)
@@ -309,16 +378,15 @@ class Engine:
         return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(commits, a, 0),
                                              confidence=conf, verify_lens=verified.astype(jnp.int32))
 
-    def _profile_accept(self, sp: SamplingArrays, lengths, logits, proc, sampled: bool, limit=None):
-        """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``) and
-        the bonus token after them."""
-        g = self.gamma
-        u = jnp.stack([jax.vmap(jax.random.uniform)(request_keys(sp.seed, lengths + k + 1, STREAM_PROFILE))
-                       for k in range(g)], axis=1)  # [b, γ]
-        passed = u < jnp.asarray(self._profile_cond, jnp.float32)[None]
-        a = jnp.sum(jnp.cumprod(passed.astype(jnp.int32), axis=1), axis=1)
-        if limit is not None:
-            a = jnp.minimum(a, jnp.maximum(limit, 0))
+    def _profile_accept(self, sp: SamplingArrays, lengths, logits, conf, proc, sampled: bool, limit=None):
+        """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``): with
+        the profile's conditional pass probabilities, or with ``profile_confidence`` the calibrated
+        confidences ``conf``; and the bonus token after them."""
+        if self.profile_confidence is not None:
+            pass_prob = jax.nn.sigmoid(conf)  # the value the schedulers' survivals read (no STS)
+        else:
+            pass_prob = jnp.broadcast_to(jnp.asarray(self._profile_cond, jnp.float32)[None], conf.shape)
+        a = profile_accepts(sp.seed, lengths, pass_prob, limit)
         row = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]  # target logits after a drafts
         bonus = jnp.argmax(row, axis=-1).astype(jnp.int32)
         if sampled:
@@ -474,13 +542,15 @@ class Engine:
         if not table.initialised:
             raise ValueError("the confidence scheduler needs an initialised SPS table")
         table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
-        drafted, lens = self._draft_program(bs, top_k, top_p, (table.tokens, table.steps_per_s))
+        drafted, lens = self._draft_program(bs, top_k, top_p, table)
         return self._ragged_round(bs, drafted, lens, -1, int(np.asarray(lens).sum()), sampled=sampled,
                                   top_k=top_k, top_p=top_p)
 
-    def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: tuple | None):
+    def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: SPSTable | None):
         self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
-        return self._draft_step(self.model.state, bs, top_k=top_k, top_p=top_p, table=table)
+        tokens, steps = ((1,), (1.0,)) if table is None else (table.tokens, table.steps_per_s)
+        return self._draft_step(self.model.state, bs, jnp.asarray(tokens, jnp.int32),
+                                jnp.asarray(steps, jnp.float32), top_k=top_k, top_p=top_p, schedule=table is not None)
 
     def _ragged_round(self, bs: BatchState, drafted, verify_lens, capacity: int, tokens: int, *, sampled: bool,
                       top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:

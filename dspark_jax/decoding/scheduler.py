@@ -358,11 +358,15 @@ def confidence_lengths(surv: Float[Array, "r g"], active: Bool[Array, " r"], tab
     if not table.initialised:
         return _uninitialised(active, g)
     table.check_covers(r * (g + 1))
-    return _algorithm1(surv, active, jnp.asarray(table.tokens), jnp.asarray(table.steps_per_s))
+    return algorithm1(surv, active, jnp.asarray(table.tokens), jnp.asarray(table.steps_per_s))
 
 
 @jax.jit
-def _algorithm1(surv, active, tokens, steps_per_s) -> Int[Array, " r"]:
+def algorithm1(surv: Float[Array, "r g"], active: Bool[Array, " r"], tokens: Int[Array, " t"],
+               steps_per_s: Float[Array, " t"]) -> Int[Array, " r"]:
+    """``confidence_lengths`` with the table as arrays (its ``tokens`` and ``steps_per_s``, which
+    may be traced: one program for every table of a length) and no checks: the caller checks
+    the table (initialised, covering r (γ + 1) tokens)."""
     g = surv.shape[1]
     order, values = _candidates(surv, active)
     n_active = jnp.sum(active).astype(jnp.int32)

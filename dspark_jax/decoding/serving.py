@@ -76,6 +76,46 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
     return tokens, None
 
 
+class RoundDispatcher:
+    """The host half of the verify schedulers over a pool of ``slots`` slots: ``dispatch`` runs
+    one round under ``scheduler`` ("static", "confidence" or "lagged", by ``table``; without an
+    initialised table every scheduler verifies everything, as "static", with a warning) and
+    ``read`` takes a round's outputs once the host has them, for the lagged scheduler's history
+    (``scheduler.SurvivalHistory``: when it schedules round t the host has read round t - 2)."""
+
+    def __init__(self, engine: Engine, scheduler: str, table: SPSTable | None, slots: int):
+        check_scheduler(scheduler, engine.gamma)
+        if scheduler != "static" and (table is None or not table.initialised):
+            warnings.warn(UNINITIALISED_WARNING, stacklevel=3)
+            scheduler = "static"
+        if scheduler != "static":
+            table.check_covers(slots * (engine.gamma + 1))
+        self.engine, self.scheduler, self.table = engine, scheduler, table
+        self.history = SurvivalHistory(slots, engine.gamma) if scheduler == "lagged" else None
+        self.rounds = 0  # rounds dispatched
+
+    def dispatch(self, bs, running: list[int], flags: dict[str, bool]):
+        """One round over the pool; running[s] = the request slot s decodes (-1: none). Returns
+        the state, the round's (device) outputs and the round's index."""
+        eng = self.engine
+        if self.scheduler == "static":
+            bs, res = eng.round(bs, **flags)
+        elif self.scheduler == "confidence":
+            bs, res = eng.round_confidence(bs, self.table, **flags)
+        else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
+            busy = np.asarray(running) >= 0
+            capacity = lagged_capacity(self.history.lagged(self.rounds, running), busy, self.table)
+            bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
+        self.rounds += 1
+        return bs, res, self.rounds - 1
+
+    def read(self, index: int, running: list[int], n_new: np.ndarray, confidence: np.ndarray) -> None:
+        """Round ``index``'s emitted-token counts and raw confidences [slots, γ], on the host."""
+        if self.history is not None:
+            temps = self.engine.temperatures or np.ones(self.engine.gamma)
+            self.history.record(index, running, n_new > 0, survival(confidence, temps))
+
+
 def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], seeds: list[int], *, slots: int,
           max_len: int, tokenizer=None, on_progress=None, track_confidence: bool = True, scheduler: str | None = None,
           sps_table: SPSTable | None = None) -> Outputs:
@@ -88,16 +128,8 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
     out = Outputs(tokens=[[] for _ in range(n)], accepts=[[] for _ in range(n)], verified=[[] for _ in range(n)],
                   confidences=[[] for _ in range(n)], reason=["length"] * n, admitted=[0.0] * n, first=[0.0] * n,
                   finished=[0.0] * n)
-    scheduler = engine.scheduler if scheduler is None else scheduler
-    table = engine.sps_table if sps_table is None else sps_table
-    check_scheduler(scheduler, engine.gamma)
-    if scheduler != "static" and (table is None or not table.initialised):
-        warnings.warn(UNINITIALISED_WARNING, stacklevel=2)
-        scheduler = "static"
-    if scheduler != "static":
-        table.check_covers(slots * (engine.gamma + 1))
-    history = SurvivalHistory(slots, engine.gamma) if scheduler == "lagged" else None
-    rounds = 0  # rounds dispatched
+    rounds = RoundDispatcher(engine, engine.scheduler if scheduler is None else scheduler,
+                             engine.sps_table if sps_table is None else sps_table, slots)
     done = [False] * n
     flags = engine.round_flags(slots, max_len, sampled=any(p.temperature > 0 for p in params),
                                top_k=any(p.top_k > 0 for p in params),
@@ -152,17 +184,9 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         # 3 one decoding round over the pool
         running = [owner[s] if decoding[s] else -1 for s in range(slots)]
         if any(o >= 0 for o in running):
-            if scheduler == "static":
-                bs, res = engine.round(bs, **flags)
-            elif scheduler == "confidence":
-                bs, res = engine.round_confidence(bs, table, **flags)
-            else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
-                busy = np.asarray(running) >= 0
-                capacity = lagged_capacity(history.lagged(rounds, running), busy, table)
-                bs, res = engine.round_lagged(bs, capacity, int(busy.sum()), **flags)
+            bs, res, index = rounds.dispatch(bs, running, flags)
             step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence, res.verify_lens),
-                         list(owner), rounds, running))
-            rounds += 1
+                         list(owner), index, running))
 
         # 4 the previous step's tokens (the device works on this step meanwhile)
         for kind, arrays, owners, *rest in pending:
@@ -174,9 +198,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                     take(i, [int(first[s])])
                 continue
             toks, n_new, acc, conf, verified = jax.device_get(arrays)
-            if history is not None:
-                temps = engine.temperatures or np.ones(engine.gamma)
-                history.record(rest[0], rest[1], n_new > 0, survival(conf, temps))
+            rounds.read(rest[0], rest[1], n_new, conf)
             for s, i in enumerate(owners):
                 if i < 0 or done[i] or n_new[s] == 0:
                     continue
