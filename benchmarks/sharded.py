@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import re
@@ -192,16 +193,32 @@ def _with_rows_flattened(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
     return {tuple(shape), (math.prod(shape[:-1]), shape[-1])} if len(shape) > 2 else {tuple(shape)}
 
 
+def _gathered(a) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+    """The dims of a placed array's per-device shard, and of that shard gathered over one or more
+    of the mesh axes the array is split over (the whole array among them); leading dims also
+    flattened."""
+    mesh, spec = a.sharding.mesh, tuple(a.sharding.spec)
+    sizes = []  # per dim: its size gathered over each subset of its mesh axes
+    for i, n in enumerate(a.shape):
+        axes = spec[i] if i < len(spec) and spec[i] is not None else ()
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        subsets = [c for k in range(len(axes) + 1) for c in itertools.combinations(axes, k)]
+        sizes.append({n * math.prod(mesh.shape[x] for x in sub) // math.prod(mesh.shape[x] for x in axes)
+                      for sub in subsets})
+    shard = tuple(a.sharding.shard_shape(tuple(a.shape)))
+    gathered = {dims for dims in itertools.product(*sizes) if dims != shard}
+    return _with_rows_flattened(shard), {f for dims in gathered for f in _with_rows_flattened(dims)}
+
+
 def gathers_of(hlo: str, arrays) -> list[str]:
     """The all-gathers of a compiled program that move one of ``arrays`` (placed arrays, or shape
     structs with a sharding: e.g. expert weight stacks, KV pools): those whose operand has the dims
-    of an array's per-device shard or whose result has the dims of the whole array (either one
-    also with its leading dims flattened). Dims only: the XLA CPU compiler widens narrow types
-    (fp8 codes to f16, bf16 to f32) before a collective. Returns the offending instructions."""
-    shard, whole = set(), set()
-    for a in arrays:
-        shard |= _with_rows_flattened(a.sharding.shard_shape(tuple(a.shape)))
-        whole |= _with_rows_flattened(tuple(a.shape))
+    of an array's per-device shard and whose result has the dims of that shard gathered over one
+    or more of the array's mesh axes (either one also with its leading dims flattened: expert
+    stacks [E, out, in] are gathered as [E * out, in]). Dims only: the XLA CPU compiler widens
+    narrow types (fp8 codes to f16, bf16 to f32) before a collective. Returns the offending
+    instructions."""
+    forms = [_gathered(a) for a in arrays]  # a replicated array has no gathered form
     types = {}  # instruction name -> its result type
     for line in hlo.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) [\w\-]+\(", line)
@@ -212,8 +229,9 @@ def gathers_of(hlo: str, arrays) -> list[str]:
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) all-gather(?:-start)?\(([^)]*)\)", line)
         if not m:
             continue
-        operands = [d for name in re.findall(r"%?([\w.\-]+)", m.group(3)) for d in _dims(types.get(name, ""))]
-        if any(d in shard for d in operands) or any(d in whole for d in _dims(m.group(2))):
+        operands = {d for name in re.findall(r"%?([\w.\-]+)", m.group(3)) for d in _dims(types.get(name, ""))}
+        results = set(_dims(m.group(2)))
+        if any(operands & shard and results & gathered for shard, gathered in forms):
             bad.append(line.strip()[:200])
     return bad
 
@@ -445,7 +463,7 @@ def main(argv=None) -> None:
         rows = traffic(hlo)
         bad = gathers_of(hlo, forbidden_arrays(model_, bs))
         print(f"mesh {data}x{size} ({time.perf_counter() - t0:.0f} s to compile): "
-              f"{'NO gather of a KV pool or expert weights' if not bad else 'GATHERS ' + str(bad)}")
+              + ("no gather of an expert weight, FP8 linear weight or cache array" if not bad else f"GATHERS {bad}"))
         totals = flash_round_totals(rows)
         for kind, t in sorted(totals.items()):
             print(f"    {kind:18s} x{t['count']:4d} {t['bytes'] / 1e6:8.1f} MB  "
