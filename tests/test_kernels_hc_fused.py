@@ -178,12 +178,12 @@ def test_fused_mhc_runs_per_device_on_a_mesh():
     partitioning rule)."""
     cfg = config.tiny()
     num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, sinkhorn="fused")
-    stage = nnx.eval_shape(lambda: DSparkStage(cfg, cfg.dspark.num_stages - 1, num, rngs=nnx.Rngs(0)))  # + a head
+    model = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))  # the rules name whole-model paths
     x = jnp.ones((8, 2, cfg.hc_mult, cfg.hidden_size), jnp.float32)
     for mesh, inside in ((None, False), (sharding.make_mesh(model=1, data=8), True)):
         if mesh is not None:
-            sharding.attach_mesh(stage, mesh)
-        graphdef, state = nnx.split(stage)
+            sharding.attach_mesh(model, mesh)
+        graphdef, state = nnx.split(model.mtp[-1])  # the last stage: a block's units + a head
 
         def unit(state, x):
             s = nnx.merge(graphdef, state)
