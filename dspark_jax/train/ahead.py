@@ -11,9 +11,9 @@ executable's (a batch halved after an out-of-memory error) go to the jitted func
 compiles for them.
 
 Programs submitted as ``background`` compile while an earlier phase trains on the device, and
-must leave that phase alone: they compile on a small pool of threads at a lower OS priority, one
-core each, with the compiler options ``UNTUNED`` (no autotuning: XLA's GPU autotuner times
-candidate kernels on the device the phase trains on, and compiles every candidate on all cores).
+must leave that phase alone: they compile on a small pool of threads at a lower OS priority, with
+the compiler options ``UNTUNED`` (no autotuning: XLA's GPU autotuner times candidate kernels on the
+device the phase trains on, and compiles every candidate on all cores).
 A program's options apply however it compiles (ahead or in place), so both give the same program;
 an option the installed XLA rejects is dropped (logged) and the program compiles without it.
 
@@ -36,7 +36,8 @@ import jax
 
 # Compiler options of background programs: no autotuning (XLA GPU: each GEMM takes cuBLAS's
 # heuristic algorithm instead of timing candidates on the device, no Triton GEMM fusions, whose
-# untuned tiling is a fixed default) and one compilation thread. Ignored by the CPU backend.
+# untuned tiling is a fixed default) and no compilation thread pool of their own. Ignored by the
+# CPU backend.
 UNTUNED = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False, "xla_gpu_force_compilation_parallelism": 1}
 BACKGROUND_NICE = 10  # OS priority increment of the background compilation threads (Linux)
 
