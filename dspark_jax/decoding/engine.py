@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
-from dspark_jax.decoding.scheduler import SPSTable, algorithm1, allocate_topk, survival
+from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, bucket_early_stopping, survival
 from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
@@ -181,7 +181,8 @@ class Engine:
 
     scheduler: how many tokens each slot verifies per round by default (``serving.serve`` and
     ``generate`` take it per call too): "static" (γ + 1 each, the per-request layout),
-    "confidence" (Algorithm 1 on the round's own confidences: ``round_confidence``) or "lagged"
+    "confidence" (bucket-aware early stopping on the round's own confidences, the paper's
+    Algorithm 1 where each token count is its own bucket: ``round_confidence``) or "lagged"
     (capacity from confidences two rounds old, allocated by the current ones: ``round_lagged``),
     with the rounds-per-second table ``sps_table`` (``scheduler.SPSTable``; None or uninitialised:
     every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
@@ -277,7 +278,7 @@ class Engine:
     def _draft_impl(self, state, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
                     schedule: bool):
         """The first program of a ragged round: the draft phase, and with ``schedule`` the verify
-        lengths of Algorithm 1 (early stopping) on its confidences, by the SPS table given as
+        lengths of bucket-aware early stopping on its confidences, by the SPS table given as
         arrays (``sps_tokens``, ``sps_steps``: one program for every table of that length)."""
         model = nnx.merge(self.model.graphdef, state)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
@@ -285,7 +286,8 @@ class Engine:
             drafted = self._draft_tokens(model, bs, proc)
         if not schedule:
             return drafted, None
-        return drafted, algorithm1(survival(drafted[2], self.temperatures), bs.active, sps_tokens, sps_steps)
+        return drafted, bucket_early_stopping(survival(drafted[2], self.temperatures), bs.active, sps_tokens,
+                                              sps_steps)
 
     def _verify_impl(self, state, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
                      top_p: bool, tokens: int):
@@ -536,9 +538,9 @@ class Engine:
 
     def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
                          top_p: bool) -> tuple[BatchState, RoundOutput]:
-        """A ragged round of the confidence scheduler: the draft program also runs Algorithm 1
-        on its confidences (``scheduler.confidence_lengths``); the host waits for the lengths,
-        the only host sync of any round, to pick the verify bucket of their sum."""
+        """A ragged round of the confidence scheduler: the draft program also runs bucket-aware
+        early stopping on its confidences (``scheduler.confidence_lengths``); the host waits for
+        the lengths, the only host sync of any round, to pick the verify bucket of their sum."""
         if not table.initialised:
             raise ValueError("the confidence scheduler needs an initialised SPS table")
         table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
@@ -589,8 +591,8 @@ class Engine:
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
         chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
-        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with Algorithm 1)
-        and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
+        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
+        schedule) and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
         return frozenset(self._shapes)
 
 
