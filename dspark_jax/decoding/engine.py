@@ -428,7 +428,18 @@ class Engine:
                         anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
                         n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sampling)
-        return bs if self.mesh is None else jax.device_put(bs, state_shardings(bs, self.mesh))
+        return self.place(bs)
+
+    def place(self, bs: BatchState) -> BatchState:
+        """``bs`` committed to the model's device (off a mesh) or laid out on its mesh
+        (``sharding.state_shardings``). Every state the engine builds is, and so must be a state
+        built by hand (benchmarks): a program's outputs are committed when any input is (loaded
+        weights are), and jax compiles a program apart for uncommitted inputs, so an uncommitted
+        first state would compile each program twice (its first call, then the calls on outputs)."""
+        if self.mesh is not None:
+            return jax.device_put(bs, state_shardings(bs, self.mesh))
+        leaf = jax.tree_util.tree_leaves(self.model.state)[0]
+        return jax.device_put(bs, next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0])
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:
@@ -540,12 +551,15 @@ class Engine:
                          top_p: bool) -> tuple[BatchState, RoundOutput]:
         """A ragged round of the confidence scheduler: the draft program also runs bucket-aware
         early stopping on its confidences (``scheduler.confidence_lengths``); the host waits for
-        the lengths, the only host sync of any round, to pick the verify bucket of their sum."""
+        the lengths, the only host sync of any round, to pick the verify bucket of their sum, and
+        hands them back as host lengths are (``round``): the verify program of a bucket is then one
+        program whoever chose the lengths (the device's output would be a committed input)."""
         if not table.initialised:
             raise ValueError("the confidence scheduler needs an initialised SPS table")
         table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
         drafted, lens = self._draft_program(bs, top_k, top_p, table)
-        return self._ragged_round(bs, drafted, lens, -1, int(np.asarray(lens).sum()), sampled=sampled,
+        lens = np.asarray(lens)
+        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), sampled=sampled,
                                   top_k=top_k, top_p=top_p)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: SPSTable | None):
@@ -585,8 +599,14 @@ class Engine:
     def compiled_programs(self) -> int:
         """Number of distinct compiled programs of every kind (prefill, first, admit, round, and the
         draft and verify programs of ragged rounds)."""
-        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round, self._draft_step,
-                                             self._verify_step))
+        return sum(self.compiled_by_program().values())
+
+    def compiled_by_program(self) -> dict[str, int]:
+        """Compiled programs per kind of ``compiled_shapes`` ("prefill", "first", "admit", "round",
+        "draft", "verify"): one per shape called when nothing compiles twice (``place``)."""
+        fns = dict(prefill=self._prefill, first=self._first, admit=self._admit, round=self._round,
+                   draft=self._draft_step, verify=self._verify_step)
+        return {k: f._cache_size() for k, f in fns.items()}
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
