@@ -250,7 +250,7 @@ def random_state(eng: Engine, batch: int, alloc: int, seed: int):
     cache = dataclasses.replace(bs.cache, layers=jax.tree.map(fill, bs.cache.layers, is_leaf=is_pool))
     draft = None if bs.draft is None else jax.tree.map(fill, bs.draft)
     anchor = jax.random.randint(next(keys), (batch,), 3, cfg.vocab_size - 1, jnp.int32)
-    return dataclasses.replace(bs, cache=cache, draft=draft, anchor=anchor)
+    return eng.place(dataclasses.replace(bs, cache=cache, draft=draft, anchor=anchor))
 
 
 def at_context(bs, context: int):

@@ -9,7 +9,12 @@ serving.json.
 
     python benchmarks/serving.py --prompts 48 --slots 8 16
 
-``--schedulers``: verify schedulers against concurrency. For each pool size S: the SPS table of
+``--schedulers``: verify schedulers against concurrency. For each pool size S: every program the
+pool will call compiled at once in ``--compile-threads`` threads (``compile_pool``: admit, the
+prefill chunk of each width the prompts need, first token, static round, the two draft programs
+and the verify program of every token bucket; compiled one after the other as the profile
+first called them, they made a 16-slot pool's SPS profile take 197 s on an H200; the JSON
+records what compiles after them: nothing should); the SPS table of
 the pool, profiled by ``serving.profile_sps`` (``round_seconds(tokens)`` times a real ragged
 round at each token bucket), printed and saved (sps_S<S>.json); per-round times of the round
 variants on one state (static per-request layout, ragged at the top bucket with every slot
@@ -21,6 +26,7 @@ and round, mean accept length, and whether greedy outputs equal the static sched
 schedulers.json.
 
     python benchmarks/serving.py --schedulers --prompts 32 --slots 4 16
+    python benchmarks/serving.py --schedulers --prompts 32 --slots 16 --context 512 --compile-threads 13
     python benchmarks/serving.py --schedulers --model /path/to/checkpoint --slots 16 64 --context 1024
 
 ``--flash``: the verify schedulers on a DeepSeek-V4-Flash slice (``--depth`` layers, random
@@ -61,7 +67,7 @@ import dspark_jax
 from benchmarks.common import environment, out_dir, write_json
 from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
 from dspark_jax import SamplingParams, config
-from dspark_jax.decoding.engine import Engine, verify_buckets
+from dspark_jax.decoding.engine import Engine, chunk_width, verify_buckets
 from dspark_jax.decoding.generate import _engine, default_model, resolve_model
 from dspark_jax.decoding.scheduler import SPSTable, plot_table, profile, table_key
 from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_sps, round_seconds
@@ -94,7 +100,8 @@ def main():
                          "STS-calibrated confidence logits spread 0.8-1.1 per position)")
     ap.add_argument("--rounds", type=int, default=40, help="--flash: timed rounds per scheduler and pool")
     ap.add_argument("--warmup-rounds", type=int, default=4, help="--flash: untimed rounds before them")
-    ap.add_argument("--compile-threads", type=int, default=8, help="--flash: programs compiled at the same time")
+    ap.add_argument("--compile-threads", type=int, default=8, help="--flash, --schedulers: programs compiled at "
+                    "the same time")
     ap.add_argument("--budget-s", type=float, default=330,
                     help="--flash: skip the remaining pool sizes once this would be passed (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="--flash on the tiny config at CPU sizes")
@@ -147,8 +154,8 @@ def round_times(eng, slots: int, context: int, table: SPSTable, repeats: int) ->
     slots, each call on a copy of it: static (per-request layout, one program), ragged_full
     (packed, every slot verifying γ + 1: the top bucket, which is also what padding the
     confidence scheduler's round to the top bucket would cost), confidence (draft program with
-    Algorithm 1, host sync, verify in the bucket of its lengths) and confidence_no_sync (the same
-    lengths given by the host: the two programs dispatched at once)."""
+    the confidence schedule, host sync, verify in the bucket of its lengths) and
+    confidence_no_sync (the same lengths given by the host: the two programs dispatched at once)."""
     pool = decoding_pool(eng, slots, context)
     flags = dict(sampled=False, top_k=False, top_p=False)
     lens = np.asarray(eng.round_confidence(jax.tree_util.tree_map(jnp.copy, pool), table, **flags)[1].verify_lens)
@@ -168,13 +175,28 @@ def round_times(eng, slots: int, context: int, table: SPSTable, repeats: int) ->
     return dict(out, confidence_verify_tokens=int(lens.sum()))
 
 
+def prefill_widths(eng: Engine, slots: int, prompt_lens: list[int]) -> tuple[int, ...]:
+    """Every prefill chunk width a pool of ``slots`` calls for prompts up to max(prompt_lens) tokens
+    (``serve`` reads the longest unread rest of the prompts being read, in chunks of at most
+    ``Engine.chunk_limit(slots)``), and that of ``decoding_pool``'s 32-token prompts."""
+    limit = eng.chunk_limit(slots)
+    return tuple(sorted({chunk_width(n, limit) for n in range(1, max(prompt_lens) + 1)} | {chunk_width(32, limit)}))
+
+
 def schedulers(args, model, eng, prompts, params):
     rows = []
     for s in args.slots:
+        widths = prefill_widths(eng, s, [len(p) for p in prompts])
+        compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma),
+                                 args.compile_threads, prefill_widths=widths)
+        compiled = eng.compiled_programs()
+        print(f"slots {s}: {compiled} programs compiled in {compile_s:.0f} s ({args.compile_threads} threads; "
+              f"prefill widths {widths})", flush=True)
         t0 = time.perf_counter()
         table = profile_sps(eng, s, args.context, repeats=args.repeats)
-        print(f"slots {s}: SPS table ({time.perf_counter() - t0:.0f} s) tokens {table.tokens} rounds/s "
-              f"{[round(x, 2) for x in table.steps_per_s]}", flush=True)
+        profile_s = time.perf_counter() - t0
+        print(f"slots {s}: SPS table ({profile_s:.0f} s, {eng.compiled_programs() - compiled} programs compiled) "
+              f"tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}", flush=True)
         table.save(os.path.join(out_dir(), f"sps_S{s}.json"))
         per_round = round_times(eng, s, args.context, table, args.round_repeats)
         print(f"slots {s}: seconds per round {per_round}", flush=True)
@@ -200,7 +222,8 @@ def schedulers(args, model, eng, prompts, params):
             print(row, flush=True)
             rows.append(row)
         rows.append({"slots": s, "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
-                     "seconds_per_round": per_round})
+                     "seconds_per_round": per_round, "compile_s": compile_s, "profile_s": profile_s,
+                     "compiled_after_compile_pool": eng.compiled_programs() - compiled})
     write_json("schedulers.json", {"env": environment(), "rows": rows})
 
 
@@ -218,18 +241,25 @@ def _even(tokens: int, slots: int) -> np.ndarray:
     return np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
 
 
-def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int) -> float:
+def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int, prefill_widths: tuple[int, ...] = ()
+                 ) -> float:
     """Compile every program the runs on ``pool`` call before anything is timed, in ``threads``
     threads (XLA compiles without the interpreter lock; tracing takes it in turn): the static
-    round, the two draft programs (with Algorithm 1, for any table over ``buckets``; without)
-    and the verify program of every bucket, called on drafts of the draft program's shapes, so
-    that no two threads compile the same program. Returns the seconds spent."""
+    round, the two draft programs (with the confidence schedule, for any table over ``buckets``;
+    without) and the verify program of every bucket, called on drafts of the draft program's
+    shapes, so that no two threads compile the same program; with ``prefill_widths`` also those
+    of a pool that takes requests (``serve``): admit, the prefill chunk of each width, and the
+    first token (after the first width's chunk). Only the shapes of ``pool`` matter (an empty
+    pool of ``Engine.init_slots`` will do; one device, committed as ``Engine.place`` leaves it).
+    Returns the seconds spent."""
     t0 = time.perf_counter()
     slots = pool.anchor.shape[0]
     no_table = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.float32))
     shapes, _ = jax.eval_shape(functools.partial(eng._draft_step, top_k=False, top_p=False, schedule=False),
                                eng.model.state, pool, *no_table)
-    drafted = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    # committed as the draft program's outputs are (jax compiles apart for uncommitted inputs)
+    drafted = jax.device_put(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), shapes),
+                             next(iter(pool.anchor.devices())))
     placeholder = SPSTable(tokens=buckets, steps_per_s=(1.0,) * len(buckets))
     jobs = [lambda: eng.round(_copy(pool), **GREEDY),
             lambda: eng._draft_program(_copy(pool), False, False, None),
@@ -237,6 +267,11 @@ def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int) -> f
     jobs += [lambda b=b: eng._verify_step(eng.model.state, _copy(pool), drafted,
                                           jnp.asarray(_even(b, slots), jnp.int32), jnp.int32(-1), tokens=b, **GREEDY)
              for b in buckets]
+    if prefill_widths:
+        jobs.append(lambda: eng.admit(_copy(pool), {}, np.zeros(slots, bool)))
+        jobs += [lambda c=c, first=i == 0: eng.prefill_step(_copy(pool), np.zeros((slots, c), np.int32),
+                                                           np.ones(slots, np.int32), np.full(slots, first))
+                 for i, c in enumerate(prefill_widths)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
         for out in ex.map(lambda f: jax.block_until_ready(f()), jobs):
             del out

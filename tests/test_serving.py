@@ -23,8 +23,8 @@ SLOTS, CONTEXT, CHUNK = 2, 256, 16
 def test_continuous_batching_equals_each_request_alone(monkeypatch):
     """Six requests through two slots: prompts up to 40 tokens (prefilled in 16-token chunks),
     greedy and sampled, stops on a token id and on a string, lengths 3 to 24. Each request's
-    tokens and finish reason equal the request run alone; a second call and the runs alone
-    compile nothing."""
+    tokens and finish reason equal the request run alone; each program compiles once per shape
+    called, and a second call and the runs alone compile nothing."""
     model = gen.default_model()
     eng = gen._engine(model, model.config.dspark.block_size, None)
     monkeypatch.setattr(eng, "prefill_chunk", CHUNK)
@@ -45,6 +45,10 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     assert [len(r.tokens) for r in warm] == [p.max_new_tokens for p in first_params]
     shapes, programs = eng.compiled_shapes(), eng.compiled_programs()
     assert {k[0] for k in shapes} == {"admit", "prefill", "first", "round"}
+    def one_per_shape():  # the programs each kind would have if each of its shapes compiled once
+        return {p: sum(k[0] == p for k in eng.compiled_shapes()) for p in eng.compiled_by_program()}
+
+    assert eng.compiled_by_program() == one_per_shape()  # the calls on the empty pool compiled no extra variant
     assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes) and {k[3] for k in shapes if k[0] == "prefill"} == {CHUNK}
 
     # the same requests with stops and other lengths
@@ -95,6 +99,7 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     verify = {k for k in eng.compiled_shapes() if k[0] == "verify"}
     assert {k[-1] for k in verify} == {8} and {k[0] for k in eng.compiled_shapes()} - {k[0] for k in shapes} == {
         "draft", "verify"}
+    assert eng.compiled_by_program() == one_per_shape()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "flash"])

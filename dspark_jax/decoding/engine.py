@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
-from dspark_jax.decoding.scheduler import SPSTable, algorithm1, allocate_topk, survival
+from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, bucket_early_stopping, survival
 from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
@@ -181,7 +181,8 @@ class Engine:
 
     scheduler: how many tokens each slot verifies per round by default (``serving.serve`` and
     ``generate`` take it per call too): "static" (γ + 1 each, the per-request layout),
-    "confidence" (Algorithm 1 on the round's own confidences: ``round_confidence``) or "lagged"
+    "confidence" (bucket-aware early stopping on the round's own confidences, the paper's
+    Algorithm 1 where each token count is its own bucket: ``round_confidence``) or "lagged"
     (capacity from confidences two rounds old, allocated by the current ones: ``round_lagged``),
     with the rounds-per-second table ``sps_table`` (``scheduler.SPSTable``; None or uninitialised:
     every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
@@ -277,7 +278,7 @@ class Engine:
     def _draft_impl(self, state, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
                     schedule: bool):
         """The first program of a ragged round: the draft phase, and with ``schedule`` the verify
-        lengths of Algorithm 1 (early stopping) on its confidences, by the SPS table given as
+        lengths of bucket-aware early stopping on its confidences, by the SPS table given as
         arrays (``sps_tokens``, ``sps_steps``: one program for every table of that length)."""
         model = nnx.merge(self.model.graphdef, state)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
@@ -285,7 +286,8 @@ class Engine:
             drafted = self._draft_tokens(model, bs, proc)
         if not schedule:
             return drafted, None
-        return drafted, algorithm1(survival(drafted[2], self.temperatures), bs.active, sps_tokens, sps_steps)
+        return drafted, bucket_early_stopping(survival(drafted[2], self.temperatures), bs.active, sps_tokens,
+                                              sps_steps)
 
     def _verify_impl(self, state, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
                      top_p: bool, tokens: int):
@@ -426,7 +428,18 @@ class Engine:
                         anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
                         n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sampling)
-        return bs if self.mesh is None else jax.device_put(bs, state_shardings(bs, self.mesh))
+        return self.place(bs)
+
+    def place(self, bs: BatchState) -> BatchState:
+        """``bs`` committed to the model's device (off a mesh) or laid out on its mesh
+        (``sharding.state_shardings``). Every state the engine builds is, and so must be a state
+        built by hand (benchmarks): a program's outputs are committed when any input is (loaded
+        weights are), and jax compiles a program apart for uncommitted inputs, so an uncommitted
+        first state would compile each program twice (its first call, then the calls on outputs)."""
+        if self.mesh is not None:
+            return jax.device_put(bs, state_shardings(bs, self.mesh))
+        leaf = jax.tree_util.tree_leaves(self.model.state)[0]
+        return jax.device_put(bs, next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0])
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:
@@ -536,14 +549,17 @@ class Engine:
 
     def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
                          top_p: bool) -> tuple[BatchState, RoundOutput]:
-        """A ragged round of the confidence scheduler: the draft program also runs Algorithm 1
-        on its confidences (``scheduler.confidence_lengths``); the host waits for the lengths,
-        the only host sync of any round, to pick the verify bucket of their sum."""
+        """A ragged round of the confidence scheduler: the draft program also runs bucket-aware
+        early stopping on its confidences (``scheduler.confidence_lengths``); the host waits for
+        the lengths, the only host sync of any round, to pick the verify bucket of their sum, and
+        hands them back as host lengths are (``round``): the verify program of a bucket is then one
+        program whoever chose the lengths (the device's output would be a committed input)."""
         if not table.initialised:
             raise ValueError("the confidence scheduler needs an initialised SPS table")
         table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
         drafted, lens = self._draft_program(bs, top_k, top_p, table)
-        return self._ragged_round(bs, drafted, lens, -1, int(np.asarray(lens).sum()), sampled=sampled,
+        lens = np.asarray(lens)
+        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), sampled=sampled,
                                   top_k=top_k, top_p=top_p)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: SPSTable | None):
@@ -583,14 +599,20 @@ class Engine:
     def compiled_programs(self) -> int:
         """Number of distinct compiled programs of every kind (prefill, first, admit, round, and the
         draft and verify programs of ragged rounds)."""
-        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round, self._draft_step,
-                                             self._verify_step))
+        return sum(self.compiled_by_program().values())
+
+    def compiled_by_program(self) -> dict[str, int]:
+        """Compiled programs per kind of ``compiled_shapes`` ("prefill", "first", "admit", "round",
+        "draft", "verify"): one per shape called when nothing compiles twice (``place``)."""
+        fns = dict(prefill=self._prefill, first=self._first, admit=self._admit, round=self._round,
+                   draft=self._draft_step, verify=self._verify_step)
+        return {k: f._cache_size() for k, f in fns.items()}
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
         chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
-        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with Algorithm 1)
-        and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
+        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
+        schedule) and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
         return frozenset(self._shapes)
 
 
