@@ -22,9 +22,10 @@ round at the top bucket is no faster (CPU: equal within noise; benchmarks/servin
 --schedulers prints both).
 
 The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
-back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
-rounds run over the whole pool, slots without a running request committing nothing; the host
-loop that streams requests through the pool is ``serving.serve``.
+back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens,
+computing those slots' rows only, and rounds run over the whole pool, slots without a running
+request committing nothing; the host loop that streams requests through the pool is
+``serving.serve``.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ class Engine:
         scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
         self._prefill = jax.jit(scoped(self._prefill_impl), donate_argnums=(1,))
         self._first = jax.jit(scoped(self._first_impl), donate_argnums=(1,))
+        self._prefill_rows = jax.jit(scoped(self._prefill_rows_impl), donate_argnums=(1,))
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
@@ -247,6 +249,17 @@ class Engine:
         return self._placed(dataclasses.replace(bs, anchor=jnp.where(starting, tok, bs.anchor),
                                                 n_generated=jnp.where(starting, n, bs.n_generated),
                                                 active=jnp.where(starting, active, bs.active))), tok
+
+    def _prefill_rows_impl(self, state, bs: BatchState, rows, ids, n_valid, is_last):
+        """One prefill chunk of the slots ``rows`` [p] (distinct) and the first token of those
+        whose prompt it completes (``is_last``): their rows of every state leaf (all lead with the
+        slot) are gathered into a batch of p, prefilled as a batch of p and put back; the pool's
+        other slots are neither read nor computed. A row with ``n_valid`` 0 comes back unchanged."""
+        sub = jax.tree_util.tree_map(lambda x: x[rows], bs)
+        last = jnp.zeros((rows.shape[0], self.model.config.vocab_size), jnp.float32)
+        sub, last = self._prefill_impl(state, sub, ids, n_valid, last, is_last)
+        sub, first = self._first_impl(state, sub, last, is_last)
+        return self._placed(jax.tree_util.tree_map(lambda x, y: x.at[rows].set(y), bs, sub)), first
 
     def _admit_impl(self, bs: BatchState, admit, release, max_new, stop_ids, sampling: SamplingArrays):
         """Slots taking a new request (``admit``) restart at length 0, inactive until their first
@@ -457,20 +470,20 @@ class Engine:
                            jnp.asarray(self._stop_array(params, bs.stop_ids.shape[1])),
                            self._sampling_arrays(params, seeds))
 
-    def prefill_step(self, bs: BatchState, ids: np.ndarray, n_valid: np.ndarray,
-                      is_last: np.ndarray) -> tuple[BatchState, Array | None]:
-        """One prefill chunk ``ids`` [slots, c] (``n_valid`` real tokens per slot, 0 for slots not
-        prefilling), then the first generated token of the slots whose prompt it completes
-        (``is_last``); returns the state and those tokens [slots] (None if no prompt completed)."""
-        b, c = ids.shape
-        self._shapes.add(("prefill", b, bs.cache.max_len, c))
-        last = jnp.zeros((b, self.model.config.vocab_size), jnp.float32)
-        bs, last = self._prefill(self.model.state, bs, jnp.asarray(ids, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-                                 last, jnp.asarray(is_last, bool))
-        if not np.any(is_last):
-            return bs, None
-        self._shapes.add(("first", b, bs.cache.max_len))
-        return self._first(self.model.state, bs, last, jnp.asarray(is_last, bool))
+    def prefill_step(self, bs: BatchState, rows: np.ndarray, ids: np.ndarray, n_valid: np.ndarray,
+                     is_last: np.ndarray) -> tuple[BatchState, Array]:
+        """One prefill chunk ``ids`` [p, c] for the slots ``rows`` [p] (distinct; ``n_valid`` real
+        tokens each, 0 for a row that only pads the call to a size of ``prefill_rows``), then the
+        first generated token of the rows whose prompt it completes (``is_last``). Only these p
+        slots are computed: the cost follows the prompts being read, not the pool. Returns the
+        state and the tokens [p] (meaningful where ``is_last``), one program per (p, c)."""
+        rows = np.asarray(rows)
+        p, c = ids.shape
+        if rows.shape != (p,) or len(set(rows.tolist())) != p or rows.min() < 0 or rows.max() >= bs.anchor.shape[0]:
+            raise ValueError(f"rows must be {p} distinct slots of the pool of {bs.anchor.shape[0]}, got {rows.tolist()}")
+        self._shapes.add(("prefill", p, bs.cache.max_len, c))
+        return self._prefill_rows(self.model.state, bs, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
+                                  jnp.asarray(n_valid, jnp.int32), jnp.asarray(is_last, bool))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
         """Chunked prefill of every prompt of a static batch, then the first generated token of each request."""
@@ -581,14 +594,14 @@ class Engine:
         return sum(f._cache_size() for f in (self._round, self._draft_step, self._verify_step))
 
     def compiled_programs(self) -> int:
-        """Number of distinct compiled programs of every kind (prefill, first, admit, round, and the
-        draft and verify programs of ragged rounds)."""
-        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round, self._draft_step,
-                                             self._verify_step))
+        """Number of distinct compiled programs of every kind (static prefill and first token,
+        prefill steps, admit, round, and the draft and verify programs of ragged rounds)."""
+        return sum(f._cache_size() for f in (self._prefill, self._first, self._prefill_rows, self._admit, self._round,
+                                             self._draft_step, self._verify_step))
 
     def compiled_shapes(self) -> frozenset[tuple]:
-        """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
-        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
+        """The shapes called so far, each (program, slots or rows, cache length, ...): ("prefill",
+        rows, L, chunk) (``prefill_step``), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
         and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with Algorithm 1)
         and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
         return frozenset(self._shapes)
@@ -598,6 +611,14 @@ def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
     """Prefill chunk width for ``tokens`` prompt tokens: the smallest power of 2 >= tokens (at
     least MIN_PREFILL_CHUNK), at most ``limit`` (longer prompts take several chunks)."""
     return min(limit, max(MIN_PREFILL_CHUNK, 1 << (tokens - 1).bit_length()))
+
+
+def prefill_rows(reading: int, slots: int) -> int:
+    """Rows of a prefill call for ``reading`` slots reading a prompt in a pool of ``slots``: the
+    smallest power of 2 >= reading, at most ``slots`` (a pool compiles log2(slots) + 1 sizes)."""
+    if not 1 <= reading <= slots:
+        raise ValueError(f"a pool of {slots} slots prefills 1 to {slots} of them, got {reading}")
+    return min(slots, 1 << (reading - 1).bit_length())
 
 
 def check_scheduler(scheduler: str, gamma: int) -> None:
