@@ -9,6 +9,13 @@ serving.json.
 
     python benchmarks/serving.py --prompts 48 --slots 8 16
 
+``--many``: many prompts (``--prompts``) streamed through ONE ``generate`` call of ``--slots``
+slots against static batches of each ``--static-sizes``: tokens/s of each and the streamed /
+best static ratio, the programs compiled during the timed calls against the distinct shapes
+called, and the resident memory sampled every second. Writes serving_many.json.
+
+    python benchmarks/serving.py --many --prompts 1000 --slots 64 --static-sizes 16 32 64 --new-tokens 8 40
+
 ``--schedulers``: verify schedulers against concurrency. For each pool size S: the SPS table of
 the pool, profiled by ``serving.profile_sps`` (``round_seconds(tokens)`` times a real ragged
 round at each token bucket), printed and saved (sps_S<S>.json); per-round times of the round
@@ -51,6 +58,7 @@ import concurrent.futures
 import functools
 import os
 import resource
+import threading
 import time
 
 import jax
@@ -69,6 +77,77 @@ from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RssSampler:
+    """The process's resident memory (MiB), sampled every ``period`` seconds in a thread while
+    the ``with`` block runs (Linux: /proc/self/statm)."""
+
+    def __init__(self, period: float = 1.0):
+        self.period, self.samples = period, []
+        self._stop = threading.Event()
+
+    @staticmethod
+    def now_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _run(self):
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter() - t0, self.now_mib()))
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def many(args, model, eng, prompts, params):
+    """``--many``: every prompt streamed through one ``generate`` call of S slots, against static
+    batches of each ``--static-sizes`` (one call per batch, each waiting for its longest
+    request). A first call on the first 2 S prompts compiles the pool's programs; the timed calls
+    then report what they compiled (a shape met for the first time compiles once: the programs
+    compiled equal the distinct shapes called) and the resident memory sampled every second."""
+    def timed(group: int | None, slots: int):
+        groups = [range(len(prompts))] if group is None else [range(i, min(i + group, len(prompts)))
+                                                              for i in range(0, len(prompts), group)]
+        before = eng.compiled_programs()
+        out, t0 = [], time.perf_counter()
+        with RssSampler() as rss:
+            for g in groups:
+                out += dspark_jax.generate([prompts[i] for i in g], model=model, sampling=[params[i] for i in g],
+                                           slots=slots, context=args.context)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(r.tokens) for r in out)
+        mib = [m for _, m in rss.samples] or [RssSampler.now_mib()]
+        row = {"mode": "stream" if group is None else "static", "slots": slots, "prompts": len(prompts),
+               "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+               "compiled_during_call": eng.compiled_programs() - before,
+               "programs_total": eng.compiled_programs(), "shapes_total": len(eng.compiled_shapes()),
+               "rss_mib_first_last_max": (mib[0], mib[-1], max(mib)),
+               "rss_mib_samples": rss.samples}
+        print({k: v for k, v in row.items() if k != "rss_mib_samples"}, flush=True)
+        return out, row
+
+    meta = {"env": environment(), "args": vars(args), "rows": []}
+    for s in sorted({args.slots[0], *args.static_sizes}):  # compile every pool size on a few prompts
+        dspark_jax.generate(prompts[:2 * s], model=model, sampling=params[:2 * s], slots=s, context=args.context)
+    stream, row = timed(None, args.slots[0])
+    meta["rows"].append(row)
+    for s in args.static_sizes:
+        static, row = timed(s, s)
+        row["identical_to_stream"] = all(a.tokens == b.tokens for a, b in zip(stream, static))
+        meta["rows"].append(row)
+        write_json("serving_many.json", meta)
+    best = max((r for r in meta["rows"] if r["mode"] == "static"), key=lambda r: r["tokens_per_s"])
+    meta["stream_over_best_static"] = meta["rows"][0]["tokens_per_s"] / best["tokens_per_s"]
+    print(f"streamed / best static batch ({best['slots']}): {meta['stream_over_best_static']:.3f}", flush=True)
+    write_json("serving_many.json", meta)
 
 
 def main():
@@ -98,6 +177,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330,
                     help="--flash: skip the remaining pool sizes once this would be passed (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="--flash on the tiny config at CPU sizes")
+    ap.add_argument("--many", action="store_true", help="all prompts streamed through one generate call of "
+                    "--slots[0] slots against static batches of each --static-sizes (see ``many``)")
+    ap.add_argument("--static-sizes", type=int, nargs="+", default=[16, 32, 64], help="--many: static batch sizes")
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=(8, 96), metavar=("LOW", "HIGH"),
+                    help="max_new_tokens of each prompt drawn from [LOW, HIGH)")
     args = ap.parse_args()
     if args.flash:
         return flash_schedulers(args)
@@ -107,8 +191,11 @@ def main():
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, min(2000, vocab), int(n)).tolist() for n in rng.integers(8, 64, args.prompts)]
-    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(8, 96, args.prompts)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(*args.new_tokens,
+                                                                                          args.prompts)]
     eng = _engine(model, model.config.dspark.block_size, None)
+    if args.many:
+        return many(args, model, eng, prompts, params)
     if args.schedulers:
         return schedulers(args, model, eng, prompts, params)
 
