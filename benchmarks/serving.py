@@ -315,13 +315,13 @@ def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int) -> f
     slots = pool.anchor.shape[0]
     no_table = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.float32))
     shapes, _ = jax.eval_shape(functools.partial(eng._draft_step, top_k=False, top_p=False, schedule=False),
-                               eng.model.state, pool, *no_table)
+                               eng.params, pool, *no_table)
     drafted = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     placeholder = SPSTable(tokens=buckets, steps_per_s=(1.0,) * len(buckets))
     jobs = [lambda: eng.round(_copy(pool), **GREEDY),
             lambda: eng._draft_program(_copy(pool), False, False, None),
             lambda: eng._draft_program(_copy(pool), False, False, placeholder)]
-    jobs += [lambda b=b: eng._verify_step(eng.model.state, _copy(pool), drafted,
+    jobs += [lambda b=b: eng._verify_step(eng.params, _copy(pool), drafted,
                                           jnp.asarray(_even(b, slots), jnp.int32), jnp.int32(-1), tokens=b, **GREEDY)
              for b in buckets]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
