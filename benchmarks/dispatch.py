@@ -86,9 +86,9 @@ def child(args) -> None:
             alloc = args.context + (gamma + 1) * (3 * n + 8) + 128
             bs = at_context(random_state(eng, 1, alloc, seed=0), args.context)
             t0 = time.perf_counter()
-            fn = eng._round.lower(model.state, bs, sampled=False, top_k=False, top_p=False).compile()
+            fn = eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False).compile()
             compile_s = time.perf_counter() - t0
-            params = model.state
+            params = eng.params
             for _ in range(3):
                 bs, res = fn(params, bs)
             jax.block_until_ready(res.n_new)

@@ -9,9 +9,16 @@ serving.json.
 
     python benchmarks/serving.py --prompts 48 --slots 8 16
 
+``--many``: many prompts (``--prompts``) streamed through ONE ``generate`` call of ``--slots``
+slots against static batches of each ``--static-sizes``: tokens/s of each and the streamed /
+best static ratio, the programs compiled during the timed calls against the distinct shapes
+called, and the resident memory sampled every second. Writes serving_many.json.
+
+    python benchmarks/serving.py --many --prompts 1000 --slots 64 --static-sizes 16 32 64 --new-tokens 8 40
+
 ``--schedulers``: verify schedulers against concurrency. For each pool size S: every program the
 pool will call compiled at once in ``--compile-threads`` threads (``compile_pool``: admit, the
-prefill chunk of each width the prompts need, first token, static round, the two draft programs
+prefill step of each (rows, width) the prompts need, static round, the two draft programs
 and the verify program of every token bucket; compiled one after the other as the profile
 first called them, they made a 16-slot pool's SPS profile take 197 s on an H200; the JSON
 records what compiles after them: nothing should); the SPS table of
@@ -57,6 +64,7 @@ import concurrent.futures
 import functools
 import os
 import resource
+import threading
 import time
 
 import jax
@@ -67,7 +75,7 @@ import dspark_jax
 from benchmarks.common import environment, out_dir, write_json
 from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
 from dspark_jax import SamplingParams, config
-from dspark_jax.decoding.engine import Engine, chunk_width, verify_buckets
+from dspark_jax.decoding.engine import Engine, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.generate import _engine, default_model, resolve_model
 from dspark_jax.decoding.scheduler import SPSTable, plot_table, profile, table_key
 from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_sps, round_seconds
@@ -75,6 +83,77 @@ from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RssSampler:
+    """The process's resident memory (MiB), sampled every ``period`` seconds in a thread while
+    the ``with`` block runs (Linux: /proc/self/statm)."""
+
+    def __init__(self, period: float = 1.0):
+        self.period, self.samples = period, []
+        self._stop = threading.Event()
+
+    @staticmethod
+    def now_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _run(self):
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter() - t0, self.now_mib()))
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def many(args, model, eng, prompts, params):
+    """``--many``: every prompt streamed through one ``generate`` call of S slots, against static
+    batches of each ``--static-sizes`` (one call per batch, each waiting for its longest
+    request). A first call on the first 2 S prompts compiles the pool's programs; the timed calls
+    then report what they compiled (a shape met for the first time compiles once: the programs
+    compiled equal the distinct shapes called) and the resident memory sampled every second."""
+    def timed(group: int | None, slots: int):
+        groups = [range(len(prompts))] if group is None else [range(i, min(i + group, len(prompts)))
+                                                              for i in range(0, len(prompts), group)]
+        before = eng.compiled_programs()
+        out, t0 = [], time.perf_counter()
+        with RssSampler() as rss:
+            for g in groups:
+                out += dspark_jax.generate([prompts[i] for i in g], model=model, sampling=[params[i] for i in g],
+                                           slots=slots, context=args.context)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(r.tokens) for r in out)
+        mib = [m for _, m in rss.samples] or [RssSampler.now_mib()]
+        row = {"mode": "stream" if group is None else "static", "slots": slots, "prompts": len(prompts),
+               "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+               "compiled_during_call": eng.compiled_programs() - before,
+               "programs_total": eng.compiled_programs(), "shapes_total": len(eng.compiled_shapes()),
+               "rss_mib_first_last_max": (mib[0], mib[-1], max(mib)),
+               "rss_mib_samples": rss.samples}
+        print({k: v for k, v in row.items() if k != "rss_mib_samples"}, flush=True)
+        return out, row
+
+    meta = {"env": environment(), "args": vars(args), "rows": []}
+    for s in sorted({args.slots[0], *args.static_sizes}):  # compile every pool size on a few prompts
+        dspark_jax.generate(prompts[:2 * s], model=model, sampling=params[:2 * s], slots=s, context=args.context)
+    stream, row = timed(None, args.slots[0])
+    meta["rows"].append(row)
+    for s in args.static_sizes:
+        static, row = timed(s, s)
+        row["identical_to_stream"] = all(a.tokens == b.tokens for a, b in zip(stream, static))
+        meta["rows"].append(row)
+        write_json("serving_many.json", meta)
+    best = max((r for r in meta["rows"] if r["mode"] == "static"), key=lambda r: r["tokens_per_s"])
+    meta["stream_over_best_static"] = meta["rows"][0]["tokens_per_s"] / best["tokens_per_s"]
+    print(f"streamed / best static batch ({best['slots']}): {meta['stream_over_best_static']:.3f}", flush=True)
+    write_json("serving_many.json", meta)
 
 
 def main():
@@ -105,6 +184,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330,
                     help="--flash: skip the remaining pool sizes once this would be passed (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="--flash on the tiny config at CPU sizes")
+    ap.add_argument("--many", action="store_true", help="all prompts streamed through one generate call of "
+                    "--slots[0] slots against static batches of each --static-sizes (see ``many``)")
+    ap.add_argument("--static-sizes", type=int, nargs="+", default=[16, 32, 64], help="--many: static batch sizes")
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=(8, 96), metavar=("LOW", "HIGH"),
+                    help="max_new_tokens of each prompt drawn from [LOW, HIGH)")
     args = ap.parse_args()
     if args.flash:
         return flash_schedulers(args)
@@ -114,8 +198,11 @@ def main():
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, min(2000, vocab), int(n)).tolist() for n in rng.integers(8, 64, args.prompts)]
-    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(8, 96, args.prompts)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(*args.new_tokens,
+                                                                                          args.prompts)]
     eng = _engine(model, model.config.dspark.block_size, None)
+    if args.many:
+        return many(args, model, eng, prompts, params)
     if args.schedulers:
         return schedulers(args, model, eng, prompts, params)
 
@@ -175,23 +262,27 @@ def round_times(eng, slots: int, context: int, table: SPSTable, repeats: int) ->
     return dict(out, confidence_verify_tokens=int(lens.sum()))
 
 
-def prefill_widths(eng: Engine, slots: int, prompt_lens: list[int]) -> tuple[int, ...]:
-    """Every prefill chunk width a pool of ``slots`` calls for prompts up to max(prompt_lens) tokens
-    (``serve`` reads the longest unread rest of the prompts being read, in chunks of at most
-    ``Engine.chunk_limit(slots)``), and that of ``decoding_pool``'s 32-token prompts."""
-    limit = eng.chunk_limit(slots)
-    return tuple(sorted({chunk_width(n, limit) for n in range(1, max(prompt_lens) + 1)} | {chunk_width(32, limit)}))
+def prefill_shapes(eng: Engine, slots: int, prompt_lens: list[int]) -> tuple[tuple[int, int], ...]:
+    """Every (rows, chunk width) of the prefill steps a pool of ``slots`` calls for prompts up to
+    max(prompt_lens) tokens (``serve`` prefills the p slots reading a prompt, p a power of 2, in
+    chunks of the longest unread rest of at most ``Engine.chunk_limit(p)``), and that of
+    ``decoding_pool``'s 32-token prompts on every slot."""
+    shapes = {(slots, chunk_width(32, eng.chunk_limit(slots)))}
+    for p in {prefill_rows(n, slots) for n in range(1, slots + 1)}:
+        limit = eng.chunk_limit(p)
+        shapes |= {(p, chunk_width(n, limit)) for n in range(1, max(prompt_lens) + 1)}
+    return tuple(sorted(shapes))
 
 
 def schedulers(args, model, eng, prompts, params):
     rows = []
     for s in args.slots:
-        widths = prefill_widths(eng, s, [len(p) for p in prompts])
+        prefills = prefill_shapes(eng, s, [len(p) for p in prompts])
         compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma),
-                                 args.compile_threads, prefill_widths=widths)
+                                 args.compile_threads, prefills=prefills)
         compiled = eng.compiled_programs()
         print(f"slots {s}: {compiled} programs compiled in {compile_s:.0f} s ({args.compile_threads} threads; "
-              f"prefill widths {widths})", flush=True)
+              f"prefill (rows, width) {list(prefills)})", flush=True)
         t0 = time.perf_counter()
         table = profile_sps(eng, s, args.context, repeats=args.repeats)
         profile_s = time.perf_counter() - t0
@@ -241,22 +332,21 @@ def _even(tokens: int, slots: int) -> np.ndarray:
     return np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
 
 
-def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int, prefill_widths: tuple[int, ...] = ()
-                 ) -> float:
+def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int,
+                 prefills: tuple[tuple[int, int], ...] = ()) -> float:
     """Compile every program the runs on ``pool`` call before anything is timed, in ``threads``
     threads (XLA compiles without the interpreter lock; tracing takes it in turn): the static
     round, the two draft programs (with the confidence schedule, for any table over ``buckets``;
     without) and the verify program of every bucket, called on drafts of the draft program's
-    shapes, so that no two threads compile the same program; with ``prefill_widths`` also those
-    of a pool that takes requests (``serve``): admit, the prefill chunk of each width, and the
-    first token (after the first width's chunk). Only the shapes of ``pool`` matter (an empty
+    shapes, so that no two threads compile the same program; with ``prefills`` also those of a
+    pool that takes requests (``serve``): admit and the prefill step of each (rows, width). Only the shapes of ``pool`` matter (an empty
     pool of ``Engine.init_slots`` will do; one device, committed as ``Engine.place`` leaves it).
     Returns the seconds spent."""
     t0 = time.perf_counter()
     slots = pool.anchor.shape[0]
     no_table = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.float32))
     shapes, _ = jax.eval_shape(functools.partial(eng._draft_step, top_k=False, top_p=False, schedule=False),
-                               eng.model.state, pool, *no_table)
+                               eng.params, pool, *no_table)
     # committed as the draft program's outputs are (jax compiles apart for uncommitted inputs)
     drafted = jax.device_put(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), shapes),
                              next(iter(pool.anchor.devices())))
@@ -264,14 +354,14 @@ def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int, pref
     jobs = [lambda: eng.round(_copy(pool), **GREEDY),
             lambda: eng._draft_program(_copy(pool), False, False, None),
             lambda: eng._draft_program(_copy(pool), False, False, placeholder)]
-    jobs += [lambda b=b: eng._verify_step(eng.model.state, _copy(pool), drafted,
+    jobs += [lambda b=b: eng._verify_step(eng.params, _copy(pool), drafted,
                                           jnp.asarray(_even(b, slots), jnp.int32), jnp.int32(-1), tokens=b, **GREEDY)
              for b in buckets]
-    if prefill_widths:
+    if prefills:
         jobs.append(lambda: eng.admit(_copy(pool), {}, np.zeros(slots, bool)))
-        jobs += [lambda c=c, first=i == 0: eng.prefill_step(_copy(pool), np.zeros((slots, c), np.int32),
-                                                           np.ones(slots, np.int32), np.full(slots, first))
-                 for i, c in enumerate(prefill_widths)]
+        jobs += [lambda p=p, c=c: eng.prefill_step(_copy(pool), np.arange(p), np.zeros((p, c), np.int32),
+                                                   np.ones(p, np.int32), np.ones(p, bool))
+                 for p, c in prefills]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
         for out in ex.map(lambda f: jax.block_until_ready(f()), jobs):
             del out

@@ -209,7 +209,8 @@ def _prefill_pool(eng: Engine, seqs: list[np.ndarray], sp: SamplingParams):
         for i, x in enumerate(seqs):
             part = x[start:start + 128]
             chunk[i, :len(part)] = part
-        bs, first = eng.prefill_step(bs, chunk, np.clip(lens - start, 0, 128), (lens > start) & (lens <= start + 128))
+        bs, first = eng.prefill_step(bs, np.arange(2), chunk, np.clip(lens - start, 0, 128),
+                                     (lens > start) & (lens <= start + 128))
     return bs, np.asarray(first)
 
 

@@ -29,7 +29,7 @@ def test_every_inference_matmul_gets_the_precision(precision):
     ids = [np.arange(3, 20, dtype=np.int32)]
     bs = eng.init_state(ids, [SamplingParams(max_new_tokens=8)], [0], 128)
     bs, _ = eng.prefill(bs, ids)
-    rnd = matmul_precisions(eng._round.trace(m.state, bs, sampled=True, top_k=False, top_p=False).jaxpr.jaxpr)
+    rnd = matmul_precisions(eng._round.trace(eng.params, bs, sampled=True, top_k=False, top_p=False).jaxpr.jaxpr)
     cache = init_cache(m.config, 1, 32, jnp.float32)
     ids2 = jnp.ones((1, 8), jnp.int32)
     fwd = matmul_precisions(forward_step.trace(m.graphdef, m.state, ids2, jnp.full((1,), 8, jnp.int32),

@@ -44,12 +44,13 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     warm = run(prompts, first_params)
     assert [len(r.tokens) for r in warm] == [p.max_new_tokens for p in first_params]
     shapes, programs = eng.compiled_shapes(), eng.compiled_programs()
-    assert {k[0] for k in shapes} == {"admit", "prefill", "first", "round"}
+    assert {k[0] for k in shapes} == {"admit", "prefill", "round"}
     def one_per_shape():  # the programs each kind would have if each of its shapes compiled once
         return {p: sum(k[0] == p for k in eng.compiled_shapes()) for p in eng.compiled_by_program()}
 
     assert eng.compiled_by_program() == one_per_shape()  # the calls on the empty pool compiled no extra variant
-    assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes) and {k[3] for k in shapes if k[0] == "prefill"} == {CHUNK}
+    assert all(k[2] == CONTEXT for k in shapes) and all(k[1] == SLOTS for k in shapes if k[0] != "prefill")
+    assert {k[1:4:2] for k in shapes if k[0] == "prefill"} == {(1, CHUNK), (2, CHUNK)}  # 1 or 2 slots reading
 
     # the same requests with stops and other lengths
     stop_tok = warm[1].tokens[6]
@@ -64,8 +65,12 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
               dataclasses.replace(first_params[5], max_new_tokens=5)]
     log = []
     prefill_step, round_ = eng.prefill_step, eng.round
-    monkeypatch.setattr(eng, "prefill_step", lambda bs, ids, n, last: log.append(("prefill", n.tolist()))
-                        or prefill_step(bs, ids, n, last))
+    def logged_prefill(bs, rows, ids, n, last):  # tokens read per slot (the call computes only its rows)
+        per_slot = np.zeros(SLOTS, int)
+        per_slot[rows] = n
+        log.append(("prefill", per_slot.tolist(), len(rows)))
+        return prefill_step(bs, rows, ids, n, last)
+    monkeypatch.setattr(eng, "prefill_step", logged_prefill)
     monkeypatch.setattr(eng, "round", lambda bs, **kw: log.append(("round",)) or round_(bs, **kw))
     batch = run(prompts, params)
     monkeypatch.setattr(eng, "prefill_step", prefill_step)
@@ -84,6 +89,7 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     # the 40-token prompt (slot 1) was read in three chunks with decoding rounds in between
     long_steps = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1][1] > 0][:3]
     assert [log[i][1][1] for i in long_steps] == [16, 16, 8]
+    assert any(e[0] == "prefill" and e[2] == 1 for e in log)  # one slot reading: a one-row call
     assert all(("round",) in log[a:b] for a, b in zip(long_steps, long_steps[1:]))
 
     # the lagged scheduler (ragged verify; capacity from survivals two rounds old, history kept
