@@ -49,8 +49,8 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
         return {p: sum(k[0] == p for k in eng.compiled_shapes()) for p in eng.compiled_by_program()}
 
     assert eng.compiled_by_program() == one_per_shape()  # the calls on the empty pool compiled no extra variant
-    assert all(k[2] == CONTEXT for k in shapes) and all(k[1] == SLOTS for k in shapes if k[0] != "prefill")
-    assert {k[1:4:2] for k in shapes if k[0] == "prefill"} == {(1, CHUNK), (2, CHUNK)}  # 1 or 2 slots reading
+    assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes)
+    assert {k[3:5] for k in shapes if k[0] == "prefill"} == {(1, CHUNK), (2, CHUNK)}  # 1 or 2 slots reading
 
     # the same requests with stops and other lengths
     stop_tok = warm[1].tokens[6]

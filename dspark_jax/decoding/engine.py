@@ -501,7 +501,7 @@ class Engine:
         p, c = ids.shape
         if rows.shape != (p,) or len(set(rows.tolist())) != p or rows.min() < 0 or rows.max() >= bs.anchor.shape[0]:
             raise ValueError(f"rows must be {p} distinct slots of the pool of {bs.anchor.shape[0]}, got {rows.tolist()}")
-        self._shapes.add(("prefill", p, bs.cache.max_len, c))
+        self._shapes.add(("prefill", bs.anchor.shape[0], bs.cache.max_len, p, c))
         return self._prefill_rows(self.params, bs, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
                                   jnp.asarray(n_valid, jnp.int32), jnp.asarray(is_last, bool))
 
@@ -631,8 +631,8 @@ class Engine:
         return {k: f._cache_size() for k, f in fns.items()}
 
     def compiled_shapes(self) -> frozenset[tuple]:
-        """The shapes called so far, each (program, slots or rows, cache length, ...): ("prefill",
-        rows, L, chunk) (``prefill_step``), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
+        """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
+        rows, chunk) (``prefill_step``), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
         the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
         schedule) and ("verify", S, L, sampled, top_k, top_p, token bucket), and a static batch's
         ("static_prefill", b, L, chunk) and ("static_first", b, L) (``prefill``)."""
