@@ -16,10 +16,10 @@ slots front-packed on one axis of a power-of-2 bucket (``verify_bucket``; ``mode
 token-wise layers (projections, MoE, mHC, norms, lm_head) run on the packed tokens, attention
 through ``cu_q_lens``, the caches' writes per request (``Chunk.unpack``); acceptance is capped at
 l_r - 1. Such a round is two programs, the draft (compiled once per pool) and the verify /
-accept / commit of one bucket. The static round (every slot verifies γ + 1) stays one program in
-the per-request layout: it needs no gathers and its results stay as they were, and the packed
-round at the top bucket is no faster (CPU: equal within noise; benchmarks/serving.py
---schedulers prints both).
+accept / commit of one bucket; the top bucket (slots x (γ + 1) rows) verifies in the
+per-request layout, where packing would only add gathers. The static round (every slot verifies
+γ + 1) stays one program in the per-request layout: one program, no gathers (CPU, 16 slots: 20-25 %
+faster than the packed top bucket; benchmarks/serving.py --schedulers prints both).
 
 The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
 back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens,
@@ -311,8 +311,9 @@ class Engine:
 
     def _verify_impl(self, params, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
                      top_p: bool, tokens: int):
-        """The second program of a ragged round: verify packed on ``tokens`` rows, acceptance and
-        commit. Slot r verifies its first l_r tokens (anchor and drafts; 0 = none: the slot
+        """The second program of a ragged round: verify packed on ``tokens`` rows (in the top
+        bucket, every slot's γ + 1 tokens in the per-request layout: as many rows, no packing),
+        acceptance and commit. Slot r verifies its first l_r tokens (anchor and drafts; 0 = none: the slot
         commits nothing this round; slots without a running request verify nothing): l_r =
         ``verify_lens[r]``, or for ``capacity`` >= 0 (lagged) 1 + the slot's drafts among the
         capacity's best by this round's survivals (``scheduler.allocate_topk``)."""
@@ -323,8 +324,9 @@ class Engine:
             top = allocate_topk(survival(conf, self.temperatures), bs.active, jnp.maximum(capacity, 0))
             verify_lens = jnp.where(capacity >= 0, top, verify_lens)
         lens = jnp.where(bs.active, verify_lens, 0).astype(jnp.int32)
+        top = tokens == lens.shape[0] * (self.gamma + 1)  # the top bucket: the static round's layout
         with jax.named_scope("verify"):
-            logits, hid, cache, packing = self._verify(model, bs, drafts, lens, tokens)
+            logits, hid, cache, packing = self._verify(model, bs, drafts, None if top else lens, tokens)
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled,
                                        lens, packing)

@@ -80,7 +80,9 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
 class RoundDispatcher:
     """The host half of the verify schedulers over a pool of ``slots`` slots: ``dispatch`` runs
     one round under ``scheduler`` ("static", "confidence" or "lagged", by ``table``; without an
-    initialised table every scheduler verifies everything, as "static", with a warning) and
+    initialised table every scheduler verifies everything, as "static", with a warning; the
+    lagged scheduler runs the static round's one program when its capacity covers every draft
+    of a pool whose slots all decode) and
     ``read`` takes a round's outputs once the host has them, for the lagged scheduler's history
     (``scheduler.SurvivalHistory``: when it schedules round t the host has read round t - 2)."""
 
@@ -106,7 +108,10 @@ class RoundDispatcher:
         else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
             busy = np.asarray(running) >= 0
             capacity = lagged_capacity(self.history.lagged(self.rounds, running), busy, self.table)
-            bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
+            if busy.all() and capacity >= busy.size * eng.gamma:  # every draft of every slot: the static round
+                bs, res = eng.round(bs, **flags)
+            else:
+                bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
         self.rounds += 1
         return bs, res, self.rounds - 1
 
