@@ -46,6 +46,7 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     shapes, programs = eng.compiled_shapes(), eng.compiled_programs()
     assert {k[0] for k in shapes} == {"admit", "prefill", "first", "round"}
     assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes) and {k[3] for k in shapes if k[0] == "prefill"} == {CHUNK}
+    assert programs == len(shapes)  # one program per shape: a fresh pool is placed as the programs return it
 
     # the same requests with stops and other lengths
     stop_tok = warm[1].tokens[6]

@@ -426,7 +426,12 @@ class Engine:
                         anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
                         n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sampling)
-        return bs if self.mesh is None else jax.device_put(bs, state_shardings(bs, self.mesh))
+        if self.mesh is not None:
+            return jax.device_put(bs, state_shardings(bs, self.mesh))
+        # Committed to the parameters' device, as every program returns it: otherwise the first
+        # call of a program (fresh state) and the later ones (its outputs) compile one program each
+        # whenever some parameter is committed (a loaded checkpoint's experts are).
+        return jax.device_put(bs, next(iter(jax.tree_util.tree_leaves(self.model.state)[0].devices())))
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:
