@@ -121,6 +121,9 @@ class Model:
                              f"(max_position_embeddings={self.config.max_position_embeddings})")
         step = t if chunk_size is None else check_int("chunk_size", chunk_size, lo=1)
         cache = init_cache(self.config, b, t, self.numerics.dtype, kv_layout=kv_cache)
+        devices = jax.tree_util.tree_leaves(self.state)[0].devices()
+        if len(devices) == 1:  # committed like forward_step's outputs: one program for every chunk
+            cache = jax.device_put(cache, next(iter(devices)))
         out = []
         for s in range(0, t, step):
             part = jnp.asarray(ids[:, s:s + step])

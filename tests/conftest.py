@@ -44,10 +44,20 @@ def small_checkpoint(tmp_path_factory):
     return str(path)
 
 
-# The longest test files run first: the workers take whole files in collection order
-# (`--dist loadfile`), so a long file collected last would keep one worker busy alone at the end.
-_LONG_FIRST = ("test_engine.py", "test_train_e2e.py", "test_default_model.py", "test_sampling.py", "test_model.py",
-               "test_kernels_integration.py", "test_sharding.py", "test_precision.py")
+# The longest test files first, longest first (CPU seconds on 2 workers: ~90 down to ~15): with
+# `--dist loadfile` each worker takes the next whole file in this order when it runs short of tests,
+# so both end within about one short file of each other. pytest-xdist would otherwise order the
+# files by their number of tests (its "loadscope reorder", turned off below), which leaves long
+# files with few tests for the end.
+_LONG_FIRST = ("test_sharding.py", "test_sampling.py", "test_engine.py", "test_kernels_integration.py",
+               "test_train_e2e.py", "test_default_model.py", "test_model.py", "test_mechanisms.py",
+               "test_serving.py", "test_kernels_attention.py", "test_kernels_grouped_matmul.py",
+               "test_precision.py", "test_cli.py", "test_accept_profile.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6: keep the collection order
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):

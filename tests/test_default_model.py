@@ -12,6 +12,11 @@ from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, default_model, promp
 from dspark_jax.train.corpus import CorpusConfig, build_corpus
 
 
+# Every generate call of this module runs in one pool of 4 slots x 512 tokens (the fp8 test's 128
+# new tokens need 512), so the DSpark engine compiles its programs once for all of them.
+POOL = dict(slots=4, context=512)
+
+
 @pytest.fixture(scope="module")
 def heldout_prompts():
     """Code from files of the held-out split (never trained on), cut at line boundaries."""
@@ -29,14 +34,14 @@ def test_shipped_checkpoint_is_the_default(heldout_prompts):
     assert m.path == DEFAULT_MODEL_DIR and m.config.dspark is not None and m.tokenizer is not None
     assert m.sts_temperatures is not None and len(m.sts_temperatures) == m.config.dspark.block_size
     sp = SamplingParams(max_new_tokens=8)
-    assert dspark_jax.generate(heldout_prompts[0], sampling=sp)[0].tokens == \
-        dspark_jax.generate(heldout_prompts[0], model=m, sampling=sp)[0].tokens
+    assert dspark_jax.generate(heldout_prompts[0], sampling=sp, **POOL)[0].tokens == \
+        dspark_jax.generate(heldout_prompts[0], model=m, sampling=sp, **POOL)[0].tokens
 
 
 def test_greedy_speculative_equals_target_only_on_heldout(heldout_prompts, capsys):
     sp = SamplingParams(max_new_tokens=64)
-    spec = dspark_jax.generate(heldout_prompts, sampling=sp, progress=True)
-    base = dspark_jax.generate(heldout_prompts, sampling=sp, speculative=False)
+    spec = dspark_jax.generate(heldout_prompts, sampling=sp, progress=True, **POOL)
+    base = dspark_jax.generate(heldout_prompts, sampling=sp, speculative=False, **POOL)
     for s, b in zip(spec, base):
         assert s.tokens == b.tokens and s.text == b.text
         assert s.stats["greedy_exact"] and b.stats["greedy_exact"]  # float32 on the CPU: the flag says so
@@ -57,14 +62,14 @@ def test_fp8_kv_pools_track_bf16_pools(heldout_prompts):
     divergence; it is printed too)."""
     m = default_model()
     sp = SamplingParams(max_new_tokens=128, ignore_eos=True)
-    a = dspark_jax.generate(heldout_prompts, sampling=sp, kv_cache="bf16")
-    b = dspark_jax.generate(heldout_prompts, sampling=sp, kv_cache="fp8")
+    a = dspark_jax.generate(heldout_prompts, sampling=sp, kv_cache="bf16", **POOL)
+    b = dspark_jax.generate(heldout_prompts, sampling=sp, kv_cache="fp8", **POOL)
     first = [next((i for i, (u, v) in enumerate(zip(x.tokens, y.tokens)) if u != v), len(x.tokens))
              for x, y in zip(a, b)]
     chunk = m.config.dspark.block_size + 1
     prompts = [prompt_ids(m, p).tolist() for p in heldout_prompts]
     seqs = [p + r.tokens for p, r in zip(prompts, a)]
-    width = max(map(len, seqs))
+    width = -(-max(map(len, seqs)) // chunk) * chunk  # whole chunks: one program per layout
     batch = np.asarray([s + [m.config.eos_token_id] * (width - len(s)) for s in seqs], np.int32)  # causal: tail padding is inert
     bf16 = np.argmax(np.asarray(m.logits(batch, chunk_size=chunk, kv_cache="bf16")), -1)
     fp8 = np.argmax(np.asarray(m.logits(batch, chunk_size=chunk, kv_cache="fp8")), -1)

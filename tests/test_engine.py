@@ -63,32 +63,34 @@ def test_oracle_drafter_exercises_every_accept_length(tiny_f32, greedy_truth, or
     assert len(prompts[1]) + 320 > 2 * 128 + 16  # crossed two C128 windows
 
 
-def test_draft_rings_after_rounds_equal_fresh_prefill(tiny_f32, greedy_truth):
-    """Context keys written round by round (only committed columns) equal a fresh prefill's."""
+def test_draft_rings_after_rounds_equal_fresh_prefill(tiny_f32, greedy_truth, oracle):
+    """Context keys written round by round (only committed columns) equal a fresh prefill's (static
+    rounds; the programs of ``generate``'s pool for these prompts, compiled by the tests above)."""
     prompts, truth = greedy_truth
-    full = np.asarray(prompts[0] + truth[0])
-    wrong = np.random.default_rng(12).random((1, len(full))) < 0.3
-    oracle = OracleDrafter(full[None], wrong, GAMMA, tiny_f32.config.vocab_size)
-    eng = Engine(tiny_f32, gamma=GAMMA, drafter=oracle)
-    sp = [SamplingParams(max_new_tokens=100, ignore_eos=True)]
-    bs = eng.init_state([np.asarray(prompts[0])], sp, [0], 256)
-    bs, _ = eng.prefill(bs, [np.asarray(prompts[0])])
+    eng = _engine(tiny_f32, GAMMA, oracle)
+    sp = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    bs, _ = _prefill_pool(eng, [np.asarray(p) for p in prompts], sp)
     for _ in range(12):
         bs, _ = eng.round(bs, sampled=False, top_k=False, top_p=False)
-    length = int(bs.cache.lengths[0])
-    assert length > len(prompts[0]) + 12
-    fresh = eng.init_state([full[:length]], sp, [0], 256)
-    fresh, _ = eng.prefill(fresh, [full[:length]])
+    lengths = np.asarray(bs.cache.lengths)
+    assert np.all(lengths > np.array([len(p) for p in prompts]) + 12)
+    fresh, _ = _prefill_pool(eng, [np.asarray(p + t)[:n] for p, t, n in zip(prompts, truth, lengths)], sp)
     for ring, ref in zip(bs.draft.rings, fresh.draft.rings):
         np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=0, atol=1e-5)
 
 
 def test_batch_mixing_equals_alone(tiny_f32):
-    """Prompt lengths, greedy and sampled requests, early stops: each request as if alone."""
+    """Prompt lengths, greedy and sampled requests, early stops: each request as if alone. Four
+    requests stream through the 2 x 256 pool of ``test_greedy_speculative_equals_target_only``
+    (greedy and sampled ones share rounds, a slot is reused after an early stop), and every run
+    alone uses the same pool, so all calls share the pool's compiled programs."""
     rng = np.random.default_rng(13)
     prompts = [rng.integers(2, 500, n).tolist() for n in (5, 16, 9, 13)]  # one prefill chunk size
-    alone_greedy = dspark_jax.generate(prompts[0], model=tiny_f32,
-                                       sampling=SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+
+    def run(prompts, sampling):
+        return dspark_jax.generate(prompts, model=tiny_f32, sampling=sampling, slots=2, context=256)
+
+    alone_greedy = run(prompts[0], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]  # the greedy round
     stop_tok = alone_greedy.tokens[7]
     params = [
         SamplingParams(max_new_tokens=30, stop=[stop_tok], ignore_eos=True),  # stops early on a token
@@ -96,33 +98,30 @@ def test_batch_mixing_equals_alone(tiny_f32):
         SamplingParams(max_new_tokens=9, ignore_eos=True),  # stops early on length
         SamplingParams(max_new_tokens=28, temperature=0.8, top_k=50, top_p=0.9, seed=3, ignore_eos=True),
     ]
-    batch = dspark_jax.generate(prompts, model=tiny_f32, sampling=params)
+    batch = run(prompts, params)  # the round with sampling, top-k and top-p, which the runs alone reuse
     for p, sp, r in zip(prompts, params, batch):
-        alone = dspark_jax.generate(p, model=tiny_f32, sampling=sp)[0]
+        alone = run(p, sp)[0]
         assert r.tokens == alone.tokens and r.finish_reason == alone.finish_reason
+    # greedy rows of the sampling round give the greedy round's tokens
     assert batch[0].finish_reason == "stop" and stop_tok not in batch[0].tokens
     assert batch[0].tokens == alone_greedy.tokens[:alone_greedy.tokens.index(stop_tok)]
     assert batch[2].finish_reason == "length" and len(batch[2].tokens) == 9
     # seeded sampling is reproducible and depends on the seed
-    again = dspark_jax.generate(prompts[1], model=tiny_f32, sampling=params[1])[0]
-    other = dspark_jax.generate(prompts[1], model=tiny_f32, sampling=dataclasses.replace(params[1], seed=8))[0]
+    again = run(prompts[1], params[1])[0]
+    other = run(prompts[1], dataclasses.replace(params[1], seed=8))[0]
     assert again.tokens == batch[1].tokens and other.tokens != batch[1].tokens
 
 
-def test_no_recompilation_across_rounds(tiny_f32, greedy_truth):
+def test_no_recompilation_across_rounds(tiny_f32, greedy_truth, oracle):
+    """Other prompts with other acceptance through the same pool compile nothing (the first call
+    compiles whatever an earlier test has not)."""
     prompts, truth = greedy_truth
-    full = [np.asarray(p + t) for p, t in zip(prompts, truth)]
-    n = max(len(f) for f in full)
-    table = np.zeros((2, n), np.int32)
-    for i, f in enumerate(full):
-        table[i, :len(f)] = f
-    rng = np.random.default_rng(14)
-    oracle = OracleDrafter(table, rng.random((2, n)) < 0.3, GAMMA, tiny_f32.config.vocab_size)
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    dspark_jax.generate(prompts, model=tiny_f32, sampling=sp, drafter=oracle)  # warm-up
+    dspark_jax.generate(prompts, model=tiny_f32, sampling=sp, drafter=oracle, context=POOL[1])  # warm-up
     eng = _engine(tiny_f32, GAMMA, oracle)
     before = (eng.compilations(), eng._prefill._cache_size())
-    res = dspark_jax.generate([p[::-1] for p in prompts], model=tiny_f32, sampling=sp, drafter=oracle)
+    res = dspark_jax.generate([p[::-1] for p in prompts], model=tiny_f32, sampling=sp, drafter=oracle,
+                              context=POOL[1])
     assert len(set(a for r in res for a in r.stats["accept_length_histogram"])) > 1  # varied acceptance
     assert (eng.compilations(), eng._prefill._cache_size()) == before
 
@@ -180,7 +179,7 @@ def test_stops_default_to_eos(tiny_f32):
 def test_request_filling_the_whole_context():
     """prompt + max_new_tokens = the model context: the last verify blocks write rows past the
     context (the cache's verify slack) while whole drafts are accepted; output = target-only."""
-    cfg = dspark_jax.config.tiny().replace(max_position_embeddings=256)
+    cfg = dspark_jax.config.tiny(dspark=False).replace(max_position_embeddings=256)  # the oracle drafts
     m = dspark_jax.init(cfg, 1, dtype=jnp.float32)
     new = 23
     prompt = (np.arange(cfg.max_position_embeddings - new) * 7 % 300 + 3).tolist()

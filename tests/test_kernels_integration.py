@@ -13,6 +13,10 @@ from dspark_jax.cache import Fp8Keys, commit, init_cache, read_kv
 from dspark_jax.model.quant import kv_sim
 from tests.helpers import perturb
 
+# The tiny target's mechanisms in 3 layers instead of 6 (window-only, C4 + indexer, C128; hash
+# then learned routing): each forward compiles in about half the time.
+SMALL = dspark_jax.config.tiny(dspark=False).replace(num_hidden_layers=3, compress_ratios=(0, 4, 128))
+
 
 def _model(dtype, quant_sim, kernels="xla", seed=5, cfg=None):
     m = dspark_jax.init(cfg or dspark_jax.config.tiny(), seed, dtype=dtype, quant_sim=quant_sim)
@@ -41,7 +45,7 @@ def test_fp8_pools_reproduce_the_reference_kv_fake_quantisation():
     """With quant_sim, cached KV values and indexer keys are already on the fp8 / fp4 grids: fp8
     pools give the same logits, every stored row dequantises to exactly kv_sim of itself and
     every stored indexer key to the key the bf16 pools hold."""
-    m = _model(jnp.bfloat16, True)
+    m = _model(jnp.bfloat16, True, cfg=SMALL)
     ids = np.random.default_rng(0).integers(2, 500, (2, 60)).astype(np.int32)
     a, cache_bf16 = _decode(m, ids, "bf16")
     b, cache_fp8 = _decode(m, ids, "fp8")
@@ -67,9 +71,10 @@ def test_pallas_kernels_inside_the_model_match_the_xla_path():
     ids = np.random.default_rng(1).integers(2, 500, (2, 60)).astype(np.int32)
     # fp8 pools dequantise to bf16 keys, so probabilities are rounded to bf16 before P.V: per key
     # tile in the kernel's online softmax, once in the reference.
+    xla, pallas = _model(jnp.float32, False, "xla", cfg=SMALL), _model(jnp.float32, False, "pallas", cfg=SMALL)
     for layout, tol in (("bf16", 1e-5), ("fp8", 1e-2)):
-        ref, _ = _decode(_model(jnp.float32, False, "xla"), ids, layout, steps=(6,))
-        ker, _ = _decode(_model(jnp.float32, False, "pallas"), ids, layout, steps=(6,))
+        ref, _ = _decode(xla, ids, layout, steps=(6,))
+        ker, _ = _decode(pallas, ids, layout, steps=(6,))
         np.testing.assert_allclose(ker, ref, rtol=0, atol=tol * np.abs(ref).max())
 
 

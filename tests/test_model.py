@@ -11,21 +11,32 @@ import dspark_jax
 from dspark_jax.api import forward_step
 from dspark_jax.cache import commit, init_cache
 from dspark_jax.config import MAX_VERIFY_TOKENS
-from tests.helpers import perturbed_tiny, run_chunks
+from tests.helpers import perturb, run_chunks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_parity")
 SEQ = 300  # > window (8), 75 C4 windows, 2 C128 windows
+# The tests of the tiny model share compiled programs: batches of 2 with caches of SEQ + 16 rows,
+# chunks of 128, 37, 14, 6 or 1 tokens, and one-shot logits of SEQ tokens (2 rows, or 1: ``alone``).
+CACHE = SEQ + 16
 
 
 def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def alone(m, ids) -> np.ndarray:
+    """One-shot logits of the one sequence ``ids`` by itself, computed with SEQ - len(ids) tokens of
+    tail padding (causal: padding after a position does not change its logits)."""
+    padded = np.zeros(SEQ, np.int32)
+    padded[:len(ids)] = ids
+    return np.asarray(m.logits(padded))[0, :len(ids)]
+
+
 def test_chunked_prefill_and_decode_match_one_shot(tiny_f32):
     m = tiny_f32
     ids = np.random.default_rng(0).integers(0, m.config.vocab_size, (2, SEQ)).astype(np.int32)
     full = np.asarray(m.logits(ids))[:, :SEQ - 1]
-    cache = init_cache(m.config, 2, SEQ + 16, jnp.float32, fill=1e4)  # poisoned: unwritten rows must never leak
+    cache = init_cache(m.config, 2, CACHE, jnp.float32, fill=1e4)  # poisoned: unwritten rows must never leak
     sizes = [37, 1, 1, 6, 128, 1, 6, 6, 37, 6, 1, 6, 37, 6, 6, 14]  # few distinct shapes: fewer compiles
     assert sum(sizes) == SEQ - 1
     chunked, _ = run_chunks(m, ids, sizes, cache)
@@ -37,11 +48,11 @@ def test_rewind_after_partial_commit(tiny_f32):
     must equal a fresh prefill of the committed tokens (crossing C4 and C128 window boundaries)."""
     m = tiny_f32
     rng = np.random.default_rng(1)
-    total = 280
+    total = SEQ
     real = rng.integers(0, m.config.vocab_size, (2, total)).astype(np.int32)
-    cache = init_cache(m.config, 2, total + 16, jnp.float32, fill=1e4)
-    _, cache = run_chunks(m, real, [120], cache)
-    pos, outs = 120, []
+    cache = init_cache(m.config, 2, CACHE, jnp.float32, fill=1e4)
+    _, cache = run_chunks(m, real, [128], cache)
+    pos, outs = 128, []
     while pos + 6 <= total:
         accept = rng.integers(0, 6, 2)  # a in 0..5 -> commit a + 1 of 6
         block = real[:, pos:pos + 6].copy()
@@ -55,13 +66,13 @@ def test_rewind_after_partial_commit(tiny_f32):
         a = int(accept.min())
         cache = commit(cache, jnp.full((2,), a + 1, jnp.int32))
         pos += a + 1
-    full = np.asarray(m.logits(real[:, :pos]))
+    full = np.asarray(m.logits(real))  # positions below pos see committed tokens only (causal)
     worst = 0.0
     for round_out in outs:
         for b, (lg, p) in enumerate(round_out):
             keep = p < pos
             worst = max(worst, np.max(np.abs(lg[keep] - full[b, p[keep]])))
-    assert worst / np.max(np.abs(full)) < 1e-5
+    assert worst / np.max(np.abs(full[:, :pos])) < 1e-5
     assert pos > 256  # crossed the second C128 window
 
 
@@ -70,14 +81,14 @@ def test_rewind_with_unequal_commits(tiny_f32):
     m = tiny_f32
     rng = np.random.default_rng(2)
     ids = rng.integers(0, m.config.vocab_size, (2, 40)).astype(np.int32)
-    cache = init_cache(m.config, 2, 64, jnp.float32, fill=1e4)
-    _, cache = run_chunks(m, ids[:, :20], [20], cache)
+    cache = init_cache(m.config, 2, CACHE, jnp.float32, fill=1e4)
+    _, cache = run_chunks(m, ids[:, :20], [14, 6], cache)
     lg, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(ids[:, 20:26]), jnp.full((2,), 6, jnp.int32), cache)
     cache = commit(cache, jnp.array([1, 4], jnp.int32))  # request 0 keeps 21 tokens, request 1 keeps 24
     nxt = np.stack([ids[0, 21:27], ids[1, 24:30]])
     lg2, _, _ = forward_step(m.graphdef, m.state, jnp.asarray(nxt), jnp.full((2,), 6, jnp.int32), cache)
-    full0 = np.asarray(m.logits(ids[0, :27]))[0]
-    full1 = np.asarray(m.logits(ids[1, :30]))[0]
+    full0 = alone(m, ids[0, :27])
+    full1 = alone(m, ids[1, :30])
     np.testing.assert_allclose(np.asarray(lg2)[0], full0[21:27], rtol=0, atol=1e-5 * np.abs(full0).max())
     np.testing.assert_allclose(np.asarray(lg2)[1], full1[24:30], rtol=0, atol=1e-5 * np.abs(full1).max())
 
@@ -86,16 +97,21 @@ def test_padded_rows_are_not_written(tiny_f32):
     """A batch prefill with different prompt lengths (padding rows) equals per-request prefill."""
     m = tiny_f32
     rng = np.random.default_rng(3)
-    ids = rng.integers(0, m.config.vocab_size, (2, 30)).astype(np.int32)
-    cache = init_cache(m.config, 2, 48, jnp.float32, fill=1e4)
-    n = jnp.array([30, 17], jnp.int32)
+    ids = rng.integers(0, m.config.vocab_size, (2, 37)).astype(np.int32)
+    cache = init_cache(m.config, 2, CACHE, jnp.float32, fill=1e4)
+    n = jnp.array([37, 17], jnp.int32)
     _, _, cache = forward_step(m.graphdef, m.state, jnp.asarray(ids), n, cache)
     cache = commit(cache, n)
-    nxt = rng.integers(0, m.config.vocab_size, (2, 4)).astype(np.int32)
-    lg, _, _ = forward_step(m.graphdef, m.state, jnp.asarray(nxt), jnp.full((2,), 4, jnp.int32), cache)
-    for b, length in enumerate([30, 17]):
-        alone = np.asarray(m.logits(np.concatenate([ids[b, :length], nxt[b]])))[0, length:]
-        np.testing.assert_allclose(np.asarray(lg)[b], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+    nxt = rng.integers(0, m.config.vocab_size, (2, 6)).astype(np.int32)
+    lg, _, _ = forward_step(m.graphdef, m.state, jnp.asarray(nxt), jnp.full((2,), 6, jnp.int32), cache)
+    for b, length in enumerate([37, 17]):
+        ref = alone(m, np.concatenate([ids[b, :length], nxt[b]]))[length:]
+        np.testing.assert_allclose(np.asarray(lg)[b], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+# The target's three kinds of layers once each (window-only, C4 + indexer, C128): fake-quantised
+# programs are the slowest to compile.
+QUANT_CFG = dspark_jax.config.tiny(dspark=False).replace(num_hidden_layers=3, compress_ratios=(0, 4, 128))
 
 
 def test_quant_sim_chunked_matches_one_shot():
@@ -105,14 +121,14 @@ def test_quant_sim_chunked_matches_one_shot():
     turns a few of those into one-ulp flips that propagate, so equality is statistical here
     (bugs in positions or caches give errors on every later row instead).
     """
-    m = perturbed_tiny(jnp.float32, quant_sim=True, seed=4)
+    m = perturb(dspark_jax.init(QUANT_CFG, 4, dtype=jnp.float32, quant_sim=True), 4)
     ids = np.random.default_rng(4).integers(0, m.config.vocab_size, (1, 64)).astype(np.int32)
     full = np.asarray(m.logits(ids))
     chunked, _ = run_chunks(m, ids, [37, 1, 1, 6, 6, 6, 6, 1], init_cache(m.config, 1, 80, jnp.float32))
     row_err = np.abs(chunked - full).max(-1)[0] / np.abs(full).max()
     assert np.mean(row_err < 1e-5) > 0.5, row_err
     assert (chunked.argmax(-1) == full.argmax(-1)).mean() > 0.9
-    plain = perturbed_tiny(jnp.float32, quant_sim=False, seed=4)
+    plain = perturb(dspark_jax.init(QUANT_CFG, 4, dtype=jnp.float32, quant_sim=False), 4)
     diff = rel_err(np.asarray(plain.logits(ids)), full)
     assert diff > 1e-4, diff  # quantisation does change the numbers
 

@@ -157,10 +157,14 @@ def test_processing_applies_top_k_and_top_p():
 
 @pytest.fixture(scope="module")
 def vocab8_model():
-    """The tiny config with a vocabulary of 8, every parameter perturbed (one model for both
-    parametrisations below, which then share its compiled prefill programs)."""
-    cfg = dspark_jax.config.tiny().replace(vocab_size=8, dspark=dspark_jax.config.DSparkConfig(
-        block_size=GAMMA, noise_token_id=7, target_layer_ids=(3, 4, 5), markov_rank=4))
+    """The tiny config with a vocabulary of 8 and its three kinds of layers once each (window-only,
+    C4 + indexer, C128: the samples' cost is the model's work per token), the three-stage drafter
+    reading all three, every parameter perturbed (one model for both parametrisations below, which
+    then share its compiled prefill programs)."""
+    cfg = dspark_jax.config.tiny().replace(vocab_size=8, num_hidden_layers=3, compress_ratios=(0, 4, 128),
+                                           dspark=dspark_jax.config.DSparkConfig(
+                                               block_size=GAMMA, noise_token_id=7, target_layer_ids=(0, 1, 2),
+                                               markov_rank=4))
     return perturb(dspark_jax.init(cfg, 3, dtype=jnp.float32), 3, scale=3.0)
 
 
