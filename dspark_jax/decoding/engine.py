@@ -262,11 +262,17 @@ class Engine:
         """One prefill chunk of the slots ``rows`` [p] (distinct) and the first token of those
         whose prompt it completes (``is_last``): their rows of every state leaf (all lead with the
         slot) are gathered into a batch of p, prefilled as a batch of p and put back; the pool's
-        other slots are neither read nor computed. A row with ``n_valid`` 0 comes back unchanged."""
-        sub = jax.tree_util.tree_map(lambda x: x[rows], bs)
+        other slots are neither read nor computed. The gathered rows are a temporary copy of
+        those slots' caches, so ``serving.serve`` gathers at most an eighth of the pool and
+        prefills more readers on the whole pool (rows = every slot in order: in place, no copy).
+        A row with ``n_valid`` 0 comes back unchanged."""
+        whole = rows.shape[0] == bs.anchor.shape[0]  # every slot, in slot order: in place, nothing gathered
+        sub = bs if whole else jax.tree_util.tree_map(lambda x: x[rows], bs)
         last = jnp.zeros((rows.shape[0], self.model.config.vocab_size), jnp.float32)
         sub, last = self._prefill_impl(params, sub, ids, n_valid, last, is_last)
         sub, first = self._first_impl(params, sub, last, is_last)
+        if whole:
+            return sub, first
         return self._placed(jax.tree_util.tree_map(lambda x, y: x.at[rows].set(y), bs, sub)), first
 
     def _admit_impl(self, bs: BatchState, admit, release, max_new, stop_ids, sampling: SamplingArrays):
@@ -503,6 +509,8 @@ class Engine:
         p, c = ids.shape
         if rows.shape != (p,) or len(set(rows.tolist())) != p or rows.min() < 0 or rows.max() >= bs.anchor.shape[0]:
             raise ValueError(f"rows must be {p} distinct slots of the pool of {bs.anchor.shape[0]}, got {rows.tolist()}")
+        if p == bs.anchor.shape[0] and rows.tolist() != list(range(p)):
+            raise ValueError(f"a prefill step of every slot takes them in slot order, got rows {rows.tolist()}")
         self._shapes.add(("prefill", bs.anchor.shape[0], bs.cache.max_len, p, c))
         return self._prefill_rows(self.params, bs, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
                                   jnp.asarray(n_valid, jnp.int32), jnp.asarray(is_last, bool))
@@ -649,10 +657,13 @@ def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
 
 def prefill_rows(reading: int, slots: int) -> int:
     """Rows of a prefill call for ``reading`` slots reading a prompt in a pool of ``slots``: the
-    smallest power of 2 >= reading, at most ``slots`` (a pool compiles log2(slots) + 1 sizes)."""
+    smallest power of 2 >= reading while that is at most an eighth of the pool (at least 1 row):
+    those rows are gathered, a temporary copy of their caches; more readers take the whole pool
+    (``slots`` rows, prefilled in place). A pool compiles about log2(slots) - 1 sizes."""
     if not 1 <= reading <= slots:
         raise ValueError(f"a pool of {slots} slots prefills 1 to {slots} of them, got {reading}")
-    return min(slots, 1 << (reading - 1).bit_length())
+    p = 1 << (reading - 1).bit_length()
+    return p if p <= max(1, slots // 8) else slots
 
 
 def check_scheduler(scheduler: str, gamma: int) -> None:

@@ -7,9 +7,10 @@ compressor rings, draft rings). A request takes a free slot; its slot's length g
   1 admits waiting requests into free slots (and stops on the device the slots of requests the
     host finished, e.g. on a stop string),
   2 prefills one chunk of every prompt still being read, on those slots' rows only (p rows, a
-    power of 2; at most ``Engine.chunk_limit(p)`` tokens per row, so a long prompt never holds
-    up running requests for more than one chunk) and draws the first token of every prompt that
-    chunk completes,
+    power of 2 up to an eighth of the pool, else the whole pool: ``engine.prefill_rows``; at
+    most ``Engine.chunk_limit(p)`` tokens per row, so a long prompt never holds up running
+    requests for more than one chunk) and draws the first token of every prompt that chunk
+    completes,
   3 runs one decoding round over the pool (slots without a running request compute but commit
     nothing),
   4 reads the previous step's tokens (so the host never waits for the device in between) and
@@ -173,14 +174,17 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         # 2 one prefill chunk for the prompts still being read
         step: list[tuple] = []
         reading = [s for s in range(slots) if owner[s] >= 0 and not decoding[s]]
-        if reading:  # on the reading slots' rows, padded with other slots to a power of 2
+        if reading:  # on the reading slots' rows (padded with other slots to a power of 2), or the whole pool
             p = prefill_rows(len(reading), slots)
-            rows = reading + [s for s in range(slots) if s not in reading][:p - len(reading)]
+            rows = (reading + [s for s in range(slots) if s not in reading][:p - len(reading)] if p < slots
+                    else list(range(slots)))  # the whole pool, in slot order (in place)
             c = chunk_width(max(len(ids[owner[s]]) - fed[s] for s in reading), engine.chunk_limit(p))
             chunk = np.zeros((p, c), np.int32)
             n_valid = np.zeros(p, np.int32)
             is_last = np.zeros(p, bool)
-            for j, s in enumerate(reading):
+            for j, s in enumerate(rows):
+                if s not in reading:
+                    continue
                 part = ids[owner[s]][fed[s]:fed[s] + c]
                 chunk[j, :len(part)], n_valid[j] = part, len(part)
                 fed[s] += len(part)
