@@ -16,8 +16,8 @@ compressor rings, draft rings). A request takes a free slot; its slot's length g
   4 reads the previous step's tokens (so the host never waits for the device in between) and
     frees the slots of requests that finished.
 
-Every call has one of a fixed set of shapes: p rows (a power of 2 up to S) x a power-of-2
-prefill chunk, or S slots x the round's γ + 1 tokens (for ragged rounds one draft program and a
+Every call has one of a fixed set of shapes: p rows (a power of 2 up to S / 8, or all S) x a
+power-of-2 prefill chunk, or S slots x the round's γ + 1 tokens (for ragged rounds one draft program and a
 verify program per token bucket: 8, 16, ... S x (γ + 1)), with the cache length fixed for the
 pool; nothing recompiles as requests come and go. The lagged scheduler keeps the survivals of past rounds per slot
 (``scheduler.SurvivalHistory``): when it schedules round t the host has read round t - 2.
