@@ -75,9 +75,9 @@ def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("targ
         ids = jnp.zeros((batch, c), jnp.int32)
         n = jnp.full((batch,), c, jnp.int32)
         last = jnp.zeros((batch, model.config.vocab_size), jnp.float32)
-        steps = {"prefill": (eng._prefill, (model.state, bs, ids, n, last, jnp.ones((batch,), bool)), {}),
-                 "first": (eng._first, (model.state, bs, last, jnp.ones((batch,), bool)), {}),
-                 "round": (eng._round, (model.state, bs), dict(sampled=False, top_k=False, top_p=False))}
+        steps = {"prefill": (eng._prefill, (eng.params, bs, ids, n, last, jnp.ones((batch,), bool)), {}),
+                 "first": (eng._first, (eng.params, bs, last, jnp.ones((batch,), bool)), {}),
+                 "round": (eng._round, (eng.params, bs), dict(sampled=False, top_k=False, top_p=False))}
         for step, (fn, args, static) in steps.items():
             t1 = time.time()
             lowered = fn.lower(*args, **static)

@@ -250,7 +250,7 @@ def random_state(eng: Engine, batch: int, alloc: int, seed: int):
     cache = dataclasses.replace(bs.cache, layers=jax.tree.map(fill, bs.cache.layers, is_leaf=is_pool))
     draft = None if bs.draft is None else jax.tree.map(fill, bs.draft)
     anchor = jax.random.randint(next(keys), (batch,), 3, cfg.vocab_size - 1, jnp.int32)
-    return dataclasses.replace(bs, cache=cache, draft=draft, anchor=anchor)
+    return eng.place(dataclasses.replace(bs, cache=cache, draft=draft, anchor=anchor))
 
 
 def at_context(bs, context: int):
@@ -284,7 +284,7 @@ def compile_group(jobs: dict, threads: int) -> dict:
     lowered = {}
     for key, (eng, bs) in jobs.items():
         t0 = time.perf_counter()
-        lowered[key] = (eng._round.lower(eng.model.state, bs, sampled=False, top_k=False, top_p=False),
+        lowered[key] = (eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False),
                         time.perf_counter() - t0)
 
     def one(key):
@@ -440,7 +440,7 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
         for depth in depths:
             for mode in ("target", "dspark"):
                 eng, bs = jobs[(depth, mode)]
-                sec, tau, bs = time_rounds(compiled[(depth, mode)][0], eng.model.state, at_context(bs, c),
+                sec, tau, bs = time_rounds(compiled[(depth, mode)][0], eng.params, at_context(bs, c),
                                            args.rounds, args.repeats)
                 jobs[(depth, mode)] = (eng, bs)
                 r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,

@@ -38,7 +38,7 @@ def bench_chunk(model, prompt: np.ndarray, chunk: int, gamma: int, rounds: int) 
     ids = jnp.zeros((1, chunk), jnp.int32)
     last = jnp.zeros((1, model.config.vocab_size), jnp.float32)
     t0 = time.time()
-    compiled = eng._prefill.lower(model.state, bs, ids, jnp.full((1,), chunk, jnp.int32), last,
+    compiled = eng._prefill.lower(eng.params, bs, ids, jnp.full((1,), chunk, jnp.int32), last,
                                   jnp.ones((1,), bool)).compile()
     out = {"chunk": chunk, "gamma": gamma, "prefill_compile_s": time.time() - t0}
     mem = compiled.memory_analysis()

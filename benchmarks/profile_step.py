@@ -499,7 +499,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     eng = Engine(model, gamma=gamma, kv_layout=args.kv_layout)
     bs = prepare(model, eng, args)
     t0 = time.time()
-    compiled = eng._round.lower(model.state, bs, sampled=False, top_k=False, top_p=False).compile()
+    compiled = eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False).compile()
     out = {"mode": name, "gamma": gamma, "compile_s": time.time() - t0}
     text = compiled.as_text()
     module = text.split(",")[0].split()[-1] if text.startswith("HloModule") else "jit__round_impl"
@@ -516,7 +516,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
           "roofline", round(out["roofline_ms"], 4), "ms", flush=True)
     save(out)
 
-    state = model.state
+    state = eng.params
 
     def timed_rounds(bs):
         """``args.rounds`` rounds, each waited for; returns the state and the seconds of each."""

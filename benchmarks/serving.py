@@ -9,7 +9,20 @@ serving.json.
 
     python benchmarks/serving.py --prompts 48 --slots 8 16
 
-``--schedulers``: verify schedulers against concurrency. For each pool size S: the SPS table of
+``--many``: many prompts (``--prompts``) streamed through ONE ``generate`` call of ``--slots``
+slots against static batches of each ``--static-sizes``: tokens/s of each and the streamed /
+best static ratio (with and without the seconds spent compiling a shape met for the first time),
+the programs compiled during the timed calls against the distinct shapes called, and the
+resident memory sampled every second. Writes serving_many.json.
+
+    python benchmarks/serving.py --many --prompts 1000 --slots 64 --static-sizes 16 32 64 --new-tokens 8 40
+
+``--schedulers``: verify schedulers against concurrency. For each pool size S: every program the
+pool will call compiled at once in ``--compile-threads`` threads (``compile_pool``: admit, the
+prefill step of each (rows, width) the prompts need, static round, the two draft programs
+and the verify program of every token bucket; compiled one after the other as the profile
+first called them, they made a 16-slot pool's SPS profile take 197 s on an H200; the JSON
+records what compiles after them: nothing should); the SPS table of
 the pool, profiled by ``serving.profile_sps`` (``round_seconds(tokens)`` times a real ragged
 round at each token bucket), printed and saved (sps_S<S>.json); per-round times of the round
 variants on one state (static per-request layout, ragged at the top bucket with every slot
@@ -21,6 +34,7 @@ and round, mean accept length, and whether greedy outputs equal the static sched
 schedulers.json.
 
     python benchmarks/serving.py --schedulers --prompts 32 --slots 4 16
+    python benchmarks/serving.py --schedulers --prompts 32 --slots 16 --context 512 --compile-threads 13
     python benchmarks/serving.py --schedulers --model /path/to/checkpoint --slots 16 64 --context 1024
 
 ``--flash``: the verify schedulers on a DeepSeek-V4-Flash slice (``--depth`` layers, random
@@ -51,6 +65,7 @@ import concurrent.futures
 import functools
 import os
 import resource
+import threading
 import time
 
 import jax
@@ -61,14 +76,90 @@ import dspark_jax
 from benchmarks.common import environment, out_dir, write_json
 from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
 from dspark_jax import SamplingParams, config
-from dspark_jax.decoding.engine import Engine, verify_buckets
+from dspark_jax.decoding.engine import Engine, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.generate import _engine, default_model, resolve_model
+from dspark_jax.decoding.progress import CompileWatch
 from dspark_jax.decoding.scheduler import SPSTable, plot_table, profile, table_key
 from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_sps, round_seconds
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RssSampler:
+    """The process's resident memory (MiB), sampled every ``period`` seconds in a thread while
+    the ``with`` block runs (Linux: /proc/self/statm)."""
+
+    def __init__(self, period: float = 1.0):
+        self.period, self.samples = period, []
+        self._stop = threading.Event()
+
+    @staticmethod
+    def now_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _run(self):
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter() - t0, self.now_mib()))
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def many(args, model, eng, prompts, params):
+    """``--many``: every prompt streamed through one ``generate`` call of S slots, against static
+    batches of each ``--static-sizes`` (one call per batch, each waiting for its longest
+    request). A first call on the first 2 S prompts compiles the pool's programs; the timed calls
+    then report what they compiled (a shape met for the first time compiles once: the programs
+    compiled equal the distinct shapes called) and the resident memory sampled every second."""
+    def timed(group: int | None, slots: int):
+        groups = [range(len(prompts))] if group is None else [range(i, min(i + group, len(prompts)))
+                                                              for i in range(0, len(prompts), group)]
+        before = eng.compiled_programs()
+        out, t0 = [], time.perf_counter()
+        with RssSampler() as rss, CompileWatch() as watch:
+            for g in groups:
+                out += dspark_jax.generate([prompts[i] for i in g], model=model, sampling=[params[i] for i in g],
+                                           slots=slots, context=args.context)
+        wall = time.perf_counter() - t0
+        compile_s = watch.seconds(t0)
+        tokens = sum(len(r.tokens) for r in out)
+        mib = [m for _, m in rss.samples] or [RssSampler.now_mib()]
+        row = {"mode": "stream" if group is None else "static", "slots": slots, "prompts": len(prompts),
+               "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "compile_s": compile_s,
+               "tokens_per_s_without_compiles": tokens / (wall - compile_s),
+               "compiled_during_call": eng.compiled_programs() - before,
+               "programs_total": eng.compiled_programs(), "shapes_total": len(eng.compiled_shapes()),
+               "rss_mib_first_last_max": (mib[0], mib[-1], max(mib)),
+               "rss_mib_samples": rss.samples}
+        print({k: v for k, v in row.items() if k != "rss_mib_samples"}, flush=True)
+        return out, row
+
+    meta = {"env": environment(), "args": vars(args), "rows": []}
+    for s in sorted({args.slots[0], *args.static_sizes}):  # compile every pool size on a few prompts
+        dspark_jax.generate(prompts[:2 * s], model=model, sampling=params[:2 * s], slots=s, context=args.context)
+    stream, row = timed(None, args.slots[0])
+    meta["rows"].append(row)
+    for s in args.static_sizes:
+        static, row = timed(s, s)
+        row["identical_to_stream"] = all(a.tokens == b.tokens for a, b in zip(stream, static))
+        meta["rows"].append(row)
+        write_json("serving_many.json", meta)
+    for key in ("tokens_per_s", "tokens_per_s_without_compiles"):
+        best = max((r for r in meta["rows"] if r["mode"] == "static"), key=lambda r: r[key])
+        meta[f"stream_over_best_static ({key})"] = meta["rows"][0][key] / best[key]
+        print(f"{key}: streamed / best static batch ({best['slots']}): {meta['rows'][0][key] / best[key]:.3f}",
+              flush=True)
+    write_json("serving_many.json", meta)
 
 
 def main():
@@ -94,10 +185,16 @@ def main():
                          "STS-calibrated confidence logits spread 0.8-1.1 per position)")
     ap.add_argument("--rounds", type=int, default=40, help="--flash: timed rounds per scheduler and pool")
     ap.add_argument("--warmup-rounds", type=int, default=4, help="--flash: untimed rounds before them")
-    ap.add_argument("--compile-threads", type=int, default=8, help="--flash: programs compiled at the same time")
+    ap.add_argument("--compile-threads", type=int, default=8, help="--flash, --schedulers: programs compiled at "
+                    "the same time")
     ap.add_argument("--budget-s", type=float, default=330,
                     help="--flash: skip the remaining pool sizes once this would be passed (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="--flash on the tiny config at CPU sizes")
+    ap.add_argument("--many", action="store_true", help="all prompts streamed through one generate call of "
+                    "--slots[0] slots against static batches of each --static-sizes (see ``many``)")
+    ap.add_argument("--static-sizes", type=int, nargs="+", default=[16, 32, 64], help="--many: static batch sizes")
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=(8, 96), metavar=("LOW", "HIGH"),
+                    help="max_new_tokens of each prompt drawn from [LOW, HIGH)")
     args = ap.parse_args()
     if args.flash:
         return flash_schedulers(args)
@@ -107,8 +204,11 @@ def main():
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [rng.integers(3, min(2000, vocab), int(n)).tolist() for n in rng.integers(8, 64, args.prompts)]
-    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(8, 96, args.prompts)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(*args.new_tokens,
+                                                                                          args.prompts)]
     eng = _engine(model, model.config.dspark.block_size, None)
+    if args.many:
+        return many(args, model, eng, prompts, params)
     if args.schedulers:
         return schedulers(args, model, eng, prompts, params)
 
@@ -147,8 +247,8 @@ def round_times(eng, slots: int, context: int, table: SPSTable, repeats: int) ->
     slots, each call on a copy of it: static (per-request layout, one program), ragged_full
     (packed, every slot verifying γ + 1: the top bucket, which is also what padding the
     confidence scheduler's round to the top bucket would cost), confidence (draft program with
-    Algorithm 1, host sync, verify in the bucket of its lengths) and confidence_no_sync (the same
-    lengths given by the host: the two programs dispatched at once)."""
+    the confidence schedule, host sync, verify in the bucket of its lengths) and
+    confidence_no_sync (the same lengths given by the host: the two programs dispatched at once)."""
     pool = decoding_pool(eng, slots, context)
     flags = dict(sampled=False, top_k=False, top_p=False)
     lens = np.asarray(eng.round_confidence(jax.tree_util.tree_map(jnp.copy, pool), table, **flags)[1].verify_lens)
@@ -168,13 +268,32 @@ def round_times(eng, slots: int, context: int, table: SPSTable, repeats: int) ->
     return dict(out, confidence_verify_tokens=int(lens.sum()))
 
 
+def prefill_shapes(eng: Engine, slots: int, prompt_lens: list[int]) -> tuple[tuple[int, int], ...]:
+    """Every (rows, chunk width) of the prefill steps a pool of ``slots`` calls for prompts up to
+    max(prompt_lens) tokens (``serve`` prefills the p slots reading a prompt, p a power of 2, in
+    chunks of the longest unread rest of at most ``Engine.chunk_limit(p)``), and that of
+    ``decoding_pool``'s 32-token prompts on every slot."""
+    shapes = {(slots, chunk_width(32, eng.chunk_limit(slots)))}
+    for p in {prefill_rows(n, slots) for n in range(1, slots + 1)}:
+        limit = eng.chunk_limit(p)
+        shapes |= {(p, chunk_width(n, limit)) for n in range(1, max(prompt_lens) + 1)}
+    return tuple(sorted(shapes))
+
+
 def schedulers(args, model, eng, prompts, params):
     rows = []
     for s in args.slots:
+        prefills = prefill_shapes(eng, s, [len(p) for p in prompts])
+        compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma),
+                                 args.compile_threads, prefills=prefills)
+        compiled = eng.compiled_programs()
+        print(f"slots {s}: {compiled} programs compiled in {compile_s:.0f} s ({args.compile_threads} threads; "
+              f"prefill (rows, width) {list(prefills)})", flush=True)
         t0 = time.perf_counter()
         table = profile_sps(eng, s, args.context, repeats=args.repeats)
-        print(f"slots {s}: SPS table ({time.perf_counter() - t0:.0f} s) tokens {table.tokens} rounds/s "
-              f"{[round(x, 2) for x in table.steps_per_s]}", flush=True)
+        profile_s = time.perf_counter() - t0
+        print(f"slots {s}: SPS table ({profile_s:.0f} s, {eng.compiled_programs() - compiled} programs compiled) "
+              f"tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}", flush=True)
         table.save(os.path.join(out_dir(), f"sps_S{s}.json"))
         per_round = round_times(eng, s, args.context, table, args.round_repeats)
         print(f"slots {s}: seconds per round {per_round}", flush=True)
@@ -200,7 +319,8 @@ def schedulers(args, model, eng, prompts, params):
             print(row, flush=True)
             rows.append(row)
         rows.append({"slots": s, "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
-                     "seconds_per_round": per_round})
+                     "seconds_per_round": per_round, "compile_s": compile_s, "profile_s": profile_s,
+                     "compiled_after_compile_pool": eng.compiled_programs() - compiled})
     write_json("schedulers.json", {"env": environment(), "rows": rows})
 
 
@@ -218,25 +338,36 @@ def _even(tokens: int, slots: int) -> np.ndarray:
     return np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
 
 
-def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int) -> float:
+def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int,
+                 prefills: tuple[tuple[int, int], ...] = ()) -> float:
     """Compile every program the runs on ``pool`` call before anything is timed, in ``threads``
     threads (XLA compiles without the interpreter lock; tracing takes it in turn): the static
-    round, the two draft programs (with Algorithm 1, for any table over ``buckets``; without)
-    and the verify program of every bucket, called on drafts of the draft program's shapes, so
-    that no two threads compile the same program. Returns the seconds spent."""
+    round, the two draft programs (with the confidence schedule, for any table over ``buckets``;
+    without) and the verify program of every bucket, called on drafts of the draft program's
+    shapes, so that no two threads compile the same program; with ``prefills`` also those of a
+    pool that takes requests (``serve``): admit and the prefill step of each (rows, width). Only the shapes of ``pool`` matter (an empty
+    pool of ``Engine.init_slots`` will do; one device, committed as ``Engine.place`` leaves it).
+    Returns the seconds spent."""
     t0 = time.perf_counter()
     slots = pool.anchor.shape[0]
     no_table = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.float32))
     shapes, _ = jax.eval_shape(functools.partial(eng._draft_step, top_k=False, top_p=False, schedule=False),
-                               eng.model.state, pool, *no_table)
-    drafted = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+                               eng.params, pool, *no_table)
+    # committed as the draft program's outputs are (jax compiles apart for uncommitted inputs)
+    drafted = jax.device_put(jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), shapes),
+                             next(iter(pool.anchor.devices())))
     placeholder = SPSTable(tokens=buckets, steps_per_s=(1.0,) * len(buckets))
     jobs = [lambda: eng.round(_copy(pool), **GREEDY),
             lambda: eng._draft_program(_copy(pool), False, False, None),
             lambda: eng._draft_program(_copy(pool), False, False, placeholder)]
-    jobs += [lambda b=b: eng._verify_step(eng.model.state, _copy(pool), drafted,
+    jobs += [lambda b=b: eng._verify_step(eng.params, _copy(pool), drafted,
                                           jnp.asarray(_even(b, slots), jnp.int32), jnp.int32(-1), tokens=b, **GREEDY)
              for b in buckets]
+    if prefills:
+        jobs.append(lambda: eng.admit(_copy(pool), {}, np.zeros(slots, bool)))
+        jobs += [lambda p=p, c=c: eng.prefill_step(_copy(pool), np.arange(p), np.zeros((p, c), np.int32),
+                                                   np.ones(p, np.int32), np.ones(p, bool))
+                 for p, c in prefills]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
         for out in ex.map(lambda f: jax.block_until_ready(f()), jobs):
             del out

@@ -141,8 +141,8 @@ def run_check(model: dspark_jax.Model, ids: np.ndarray, n_prompt: np.ndarray, ma
         round_ = None
         step = lambda bs, k: engine.round(bs, **flags, verify_lens=np.roll(RAGGED_LENS, k))  # noqa: E731
     else:
-        round_ = engine._round.lower(model.state, bs, **flags).compile()
-        step = lambda bs, k: round_(model.state, bs)  # noqa: E731
+        round_ = engine._round.lower(engine.params, bs, **flags).compile()
+        step = lambda bs, k: round_(engine.params, bs)  # noqa: E731
     k = 0
     while np.any(np.asarray(bs.active)):
         bs, out = step(bs, k)
@@ -336,7 +336,7 @@ def flash_round_hlo(data: int, model: int, n_requests: int = 64, context: int = 
     bs = jax.eval_shape(lambda: engine.init_slots(n_requests, context))
     bs = jax.tree_util.tree_map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), bs,
                                 sharding.state_shardings(bs, mesh))
-    hlo = engine._round.lower(model_.state, bs, sampled=False, top_k=False, top_p=False).compile().as_text()
+    hlo = engine._round.lower(engine.params, bs, sampled=False, top_k=False, top_p=False).compile().as_text()
     return model_, hlo, bs
 
 

@@ -54,7 +54,7 @@ def test_mean_accept_length_follows_the_profile(tiny_f32):
             u = np.asarray(host_uniforms(np.asarray(seeds, np.uint32), lengths[:, None] + np.arange(1, gamma + 1)))
             np.testing.assert_array_equal(a, np.cumprod(u < cond, axis=1).sum(axis=1))
         accepted.append(a)
-    eng._round.lower(tiny_f32.state, bs, sampled=True, top_k=True, top_p=True)  # the sampled path traces too
+    eng._round.lower(eng.params, bs, sampled=True, top_k=True, top_p=True)  # the sampled path traces too
     a = np.concatenate(accepted).astype(np.float64)
     n = a.size
     p = np.asarray(PROFILE)

@@ -210,7 +210,8 @@ def _prefill_pool(eng: Engine, seqs: list[np.ndarray], sp: SamplingParams):
         for i, x in enumerate(seqs):
             part = x[start:start + 128]
             chunk[i, :len(part)] = part
-        bs, first = eng.prefill_step(bs, chunk, np.clip(lens - start, 0, 128), (lens > start) & (lens <= start + 128))
+        bs, first = eng.prefill_step(bs, np.arange(2), chunk, np.clip(lens - start, 0, 128),
+                                     (lens > start) & (lens <= start + 128))
     return bs, np.asarray(first)
 
 
@@ -218,7 +219,8 @@ def test_ragged_verify_equals_target_only(tiny_f32, greedy_truth, oracle):
     """Ragged verify with random lengths per slot and round (0: the slot sits the round out; 1:
     the anchor alone; up to γ + 1): the output is the target-only greedy output over 150+ tokens
     per request (window rings wrap, C4 and C128 windows close during rounds), the draft rings
-    equal a fresh prefill's, and every round runs in the 8-token bucket (one verify program)."""
+    equal a fresh prefill's; 100 rounds in the 8-token bucket, then 12 in the top bucket (the
+    per-request layout, some slots verifying fewer than γ + 1)."""
     prompts, truth = greedy_truth
     eng = _engine(tiny_f32, GAMMA, oracle)
     sp = SamplingParams(max_new_tokens=320, ignore_eos=True)
@@ -236,10 +238,18 @@ def test_ragged_verify_equals_target_only(tiny_f32, greedy_truth, oracle):
         for i in range(2):
             out[i] += tokens[i, :n_new[i]].tolist()
         n_new_seen += n_new.tolist()
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {8}
+    for k in range(12):  # more than 8 tokens: the top bucket (12), in the per-request layout, capped per slot
+        lens = np.array([GAMMA + 1, 3 + k % 4])[::1 if k % 2 else -1]
+        bs, res = eng.round(bs, sampled=False, top_k=False, top_p=False, verify_lens=lens)
+        n_new, tokens = np.asarray(res.n_new), np.asarray(res.tokens)
+        assert np.asarray(res.verify_lens).tolist() == lens.tolist() and np.all(n_new <= lens)
+        for i in range(2):
+            out[i] += tokens[i, :n_new[i]].tolist()
     for o, p, t in zip(out, prompts, truth):
         assert len(p) + len(o) > 128 + 8 and o == t[:len(o)]
     assert set(n_new_seen) == set(range(GAMMA + 2))  # 0 (sat out) .. γ + 1 (every draft accepted)
-    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {8}
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {8, 12}
 
     lengths = np.asarray(bs.cache.lengths)
     fresh, _ = _prefill_pool(eng, [np.asarray(p + t)[:n] for p, t, n in zip(prompts, truth, lengths)], sp)
@@ -253,6 +263,7 @@ def test_schedulers_equal_target_only(tiny_f32, greedy_truth, oracle):
     the target-only greedy output; a second call compiles nothing."""
     prompts, truth = greedy_truth
     eng = _engine(tiny_f32, GAMMA, oracle)
+    earlier, eng._shapes = eng._shapes, set()  # the shapes of this test's calls alone (the engine is shared)
     for scheduler in ("lagged", "confidence"):
         res = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=320, ignore_eos=True),
                                   drafter=oracle, scheduler=scheduler, sps_table=SPS)
@@ -261,6 +272,7 @@ def test_schedulers_equal_target_only(tiny_f32, greedy_truth, oracle):
             assert 2.0 < r.stats["mean_verify_tokens"] < GAMMA + 1 and r.stats["mean_accept_length"] > 2.0
     programs = eng.compiled_programs()
     assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {8}
+    eng._shapes |= earlier
     for scheduler in ("lagged", "confidence"):
         res = dspark_jax.generate([p[::-1] for p in prompts], model=tiny_f32, drafter=oracle, context=POOL[1],
                                   sampling=SamplingParams(max_new_tokens=30, ignore_eos=True), scheduler=scheduler,

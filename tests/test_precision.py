@@ -30,8 +30,8 @@ def test_every_inference_matmul_gets_the_precision(precision):
     bs = eng.init_state(ids, [SamplingParams(max_new_tokens=8)], [0], 128)
     chunk = (jnp.asarray(np.stack(ids)), jnp.full((1,), 17, jnp.int32), jnp.zeros((1, m.config.vocab_size)),
              jnp.ones((1,), bool))
-    pre = matmul_precisions(eng._prefill.trace(m.state, bs, *chunk).jaxpr.jaxpr)  # traced: nothing compiles
-    rnd = matmul_precisions(eng._round.trace(m.state, bs, sampled=True, top_k=False, top_p=False).jaxpr.jaxpr)
+    pre = matmul_precisions(eng._prefill.trace(eng.params, bs, *chunk).jaxpr.jaxpr)  # traced: nothing compiles
+    rnd = matmul_precisions(eng._round.trace(eng.params, bs, sampled=True, top_k=False, top_p=False).jaxpr.jaxpr)
     cache = init_cache(m.config, 1, 32, jnp.float32)
     ids2 = jnp.ones((1, 8), jnp.int32)
     fwd = matmul_precisions(forward_step.trace(m.graphdef, m.state, ids2, jnp.full((1,), 8, jnp.int32),

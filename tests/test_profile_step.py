@@ -27,7 +27,7 @@ def test_round_program_names_every_component(tiny_f32):
     lowered program, and none is left without a scope."""
     eng = Engine(tiny_f32, gamma=tiny_f32.config.dspark.block_size)
     bs = eng.init_state([np.arange(3, 20)], [SamplingParams()], [0], 64)
-    text = eng._round.lower(tiny_f32.state, bs, sampled=False, top_k=False, top_p=False).as_text(
+    text = eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False).as_text(
         dialect="hlo", debug_info=True)
     counts = Attribution(text).static_kernels()
     named = {(s.phase, s.component) for s in counts}

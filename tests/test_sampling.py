@@ -81,8 +81,9 @@ def test_chain_rejection_sampling_is_lossless():
 
 
 R = 4  # requests scheduled together in ``simulate_scheduled``
-STEEP = SPSTable(tokens=tuple(range(1, R * (GAMMA + 1) + 1)),
-                 steps_per_s=tuple(1.0 / (1.0 + 0.3 * b) for b in range(1, R * (GAMMA + 1) + 1)))
+# buckets of 4 tokens, as a padded engine runs them (the confidence scheduler's bucket-aware rule
+# then differs from the paper's Algorithm 1, which is the same rule with a bucket per token count)
+STEEP = SPSTable(tokens=(4, 8, 12, 16), steps_per_s=tuple(1.0 / (1.0 + 0.3 * b) for b in (4, 8, 12, 16)))
 
 
 SCHEDULERS = ("random", "confidence", "lagged")
@@ -91,8 +92,8 @@ SCHEDULERS = ("random", "confidence", "lagged")
 @functools.partial(jax.jit, static_argnames=("n",))
 def simulate_scheduled(logp, logq, conf, key, n, scheduler, capped=True):
     """``simulate`` in groups of R requests whose rounds verify l_r tokens, as a ragged round does,
-    chosen by SCHEDULERS[scheduler]: "random" (l_r uniform in 1..γ+1), "confidence" (Algorithm 1
-    on the round's survivals) or "lagged" (a capacity drawn before the round, ``allocate_topk`` on
+    chosen by SCHEDULERS[scheduler]: "random" (l_r uniform in 1..γ+1), "confidence" (bucket-aware
+    early stopping on the round's survivals) or "lagged" (a capacity drawn before the round, ``allocate_topk`` on
     the round's survivals). The confidence logit of draft k is ``conf[d_{k-1}]``, so survivals
     depend on the drafts. Target rows past l_r - 1 are zero logits (rows a packed verify does not
     compute); acceptance is capped at l_r - 1 (``capped`` False: not capped, the bug to catch)."""
@@ -130,7 +131,7 @@ def simulate_scheduled(logp, logq, conf, key, n, scheduler, capped=True):
 
 
 def test_ragged_verify_sampling_is_lossless():
-    """Verify lengths per request fixed before the drafts (random), by Algorithm 1 with early
+    """Verify lengths per request fixed before the drafts (random), by bucket-aware early
     stopping, or by a lagged capacity allocated on the current survivals: the emitted tokens
     follow the target distribution; without the cap at l_r - 1 they do not."""
     logp, logq = chains(0)
@@ -202,11 +203,12 @@ def chi2_target_pvalue(m, prompt, params: dict, res) -> float:
     return chi2(counts, expected)
 
 
-# A table whose rounds past 16 verify tokens are 100x slower: every round of an 8-slot pool
-# verifies at most 16 tokens (8 anchors + 8 drafts), so two verify programs (buckets 8 and 16)
-# serve both schedulers, and the lagged capacity is 8 drafts even without history.
-CLIFF = SPSTable(tokens=tuple(range(1, 33)),
-                 steps_per_s=tuple(1.0 / (1.0 + 0.3 * b) if b <= 16 else 1e-3 / b for b in range(1, 33)))
+# The buckets of an 8-slot pool, the last 1000x slower: every round verifies at most 16 tokens
+# (8 anchors + 8 drafts), so two verify programs (buckets 8 and 16) serve both schedulers, and the
+# lagged capacity is 8 drafts even without history. The 16-token bucket is slower than the first
+# by more than a draft adds to τ ((8 + a) 0.8 < 8), so Algorithm 1 would verify the anchors alone;
+# the bucket-aware rule fills it by the drafts' survivals.
+CLIFF = SPSTable(tokens=(8, 16, 32), steps_per_s=(1.0, 0.8, 1e-3))
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +232,10 @@ def test_scheduled_engine_sampling_matches_target_distribution(scheduled_model, 
     exact joint distribution, and the verify lengths vary between requests. x1 comes from the
     prompt, x2 and x3 from one or two rounds. Power: the engine with the cap at l_r - 1 removed
     emits tokens outside the target's top 3 (unverified rows are zeros) and fails here under
-    either scheduler; an unconstrained search in place of Algorithm 1's early stopping changes
-    nothing with this model and table (the exact enumeration of test_scheduler covers it)."""
+    either scheduler; the paper's Algorithm 1 in place of the bucket-aware rule verifies the
+    anchors alone on this table and fails the spread of verify lengths. An anticipating rule in
+    place of early stopping changes nothing measurable here (the exact enumeration and the
+    brute-force non-anticipation check of test_scheduler cover it)."""
     params = dict(temperature=1.0, top_k=3)
     prompt = [0, 3, 5, 2, 6, 4]
     n = 1024

@@ -1,5 +1,6 @@
-"""Verify-length schedulers: admission math against brute force, the paper's Appendix A
-counterexample by exact enumeration, the SPS table and the lagged survival history."""
+"""Verify-length schedulers: admission math against brute force, non-anticipation by brute
+force, the paper's Appendix A counterexample by exact enumeration (on its table and on a bucketed
+one), the SPS table and the lagged survival history."""
 
 import dataclasses
 import json
@@ -20,19 +21,23 @@ SHAPES = [(1, 1), (1, 3), (2, 2), (3, 4), (5, 2), (4, 5)]  # (requests, γ)
 
 
 # ---------------------------------------------------------------------------- random instances
-def _instance(rng, r: int, g: int):
+def _instance(rng, r: int, g: int, bucketed: bool = False):
     """Survivals on a 1/16 grid (non-increasing rows, many ties, some zeros), an active mask, and a
-    table over 1 .. r(γ+1) on a 1/64 grid with many flat steps (what sparse buckets look like
-    under the ceiling rule; one table length per shape keeps the eager ops compiled once). Every
-    τ · SPS product is then exact in float32 and float64, so exact ties are exercised."""
+    table on a 1/64 grid with many flat steps: over every count 1 .. r(γ+1) (one bucket per token
+    count), or ``bucketed`` over a random third of them and r(γ+1) (the buckets of a padded
+    engine; one table length per shape keeps the programs compiled once). Every τ · SPS product
+    is then exact in float32 and float64, so exact ties are exercised."""
     surv = np.sort(rng.integers(0, 17, size=(r, g)), axis=1)[:, ::-1] / 16.0
     active = rng.random(r) < 0.75
     top = r * (g + 1)
-    sps = np.sort(rng.integers(1, 65, size=top))[::-1] / 64.0
-    flat = rng.random(top) < 0.5  # SPS(b) = SPS(b - 1): a wider bucket
-    for b in range(1, top):
+    tokens = np.arange(1, top + 1)
+    if bucketed:
+        tokens = np.append(np.sort(rng.choice(top - 1, size=(top - 1) // 3, replace=False) + 1), top)
+    sps = np.sort(rng.integers(1, 65, size=tokens.size))[::-1] / 64.0
+    flat = rng.random(tokens.size) < 0.5  # SPS(b) = SPS(b - 1)
+    for b in range(1, tokens.size):
         sps[b] = sps[b - 1] if flat[b] else sps[b]
-    return surv, active, sch.SPSTable(tokens=tuple(range(1, top + 1)), steps_per_s=tuple(np.minimum.accumulate(sps)))
+    return surv, active, sch.SPSTable(tokens=tuple(tokens), steps_per_s=tuple(np.minimum.accumulate(sps)))
 
 
 def _sps(table, b: int) -> float:  # the ceiling rule, spelled out
@@ -62,6 +67,31 @@ def _reference_algorithm1(surv, active, table):
     return lengths
 
 
+def _reference_early_stopping(surv, active, table, cut_at_best: bool = False):
+    """Bucket-aware early stopping by its definition: admit the next candidate (value v, taking
+    the round to B + 1 tokens) while filling the rest of the bucket of B + 1 with copies of v
+    would give a Θ above that of stopping now; the round verifies what was admitted.
+    ``cut_at_best``: the variant that admits while that bound beats the best Θ seen so far and
+    cuts at the best admitted prefix (NOT lossless: its cut reads values ranked below it)."""
+    n = int(active.sum())
+    top = n * (surv.shape[1] + 1)  # n + M
+    b, tau = n, float(n)
+    admitted, best, best_m = [], tau * _sps(table, b), 0
+    for v, k, i in _sorted_candidates(surv, active):
+        bucket = next(t for t in table.tokens if t >= b + 1)
+        bound = (tau + v + (min(bucket, top) - (b + 1)) * v) * _sps(table, b + 1)
+        if not bound > (best if cut_at_best else tau * _sps(table, b)):
+            break
+        b, tau = b + 1, tau + v
+        admitted.append(i)
+        if tau * _sps(table, b) > best:
+            best, best_m = tau * _sps(table, b), len(admitted)
+    lengths = np.where(active, 1, 0)
+    for i in admitted[:best_m] if cut_at_best else admitted:
+        lengths[i] += 1
+    return lengths
+
+
 def _reference_capacity(surv, active, table):
     """argmax over every m of Θ(m), the smallest m on ties, by enumeration."""
     n = int(active.sum())
@@ -79,27 +109,82 @@ def _reference_topk(surv, active, k):
 
 @pytest.mark.parametrize("r,g", SHAPES)
 def test_admission_matches_brute_force(r, g):
+    """Early stopping, the lagged capacity and top-K against their definitions run in Python, on
+    tables with one bucket per token count (where early stopping is the paper's Algorithm 1) and
+    on bucketed ones."""
     rng = np.random.default_rng(100 * r + g)
-    for _ in range(30):
-        surv, active, table = _instance(rng, r, g)
+    for i in range(40):
+        surv, active, table = _instance(rng, r, g, bucketed=i % 2 == 1)
         s, a = jnp.asarray(surv, jnp.float32), jnp.asarray(active)
-        np.testing.assert_array_equal(sch.confidence_lengths(s, a, table), _reference_algorithm1(surv, active, table))
+        want = _reference_early_stopping(surv, active, table)
+        np.testing.assert_array_equal(sch.confidence_lengths(s, a, table), want)
+        if i % 2 == 0:
+            np.testing.assert_array_equal(want, _reference_algorithm1(surv, active, table))
         k = sch.lagged_capacity(surv, active, table)
         assert k == _reference_capacity(surv, active, table)
         for cap in {0, k, int(rng.integers(0, r * g + 2)), r * g + 3}:
             np.testing.assert_array_equal(sch.allocate_topk(s, a, cap), _reference_topk(surv, active, cap))
 
 
+def _later_drafts_changed(rng, surv, r: int, k: int) -> list[np.ndarray]:
+    """``surv`` with request r's survivals past position k (those that read draft k + 1, the
+    draft whose verification is at stake) replaced by other non-increasing values <= a_{r,k}:
+    all equal to it, all 0, and random ones on the 1/16 grid."""
+    out = []
+    for fill in ("equal", "zero", "random", "random"):
+        x = surv.copy()
+        tail = x.shape[1] - k - 1
+        if fill == "equal":
+            x[r, k + 1:] = x[r, k]
+        elif fill == "zero":
+            x[r, k + 1:] = 0.0
+        else:
+            x[r, k + 1:] = np.sort(rng.integers(0, int(x[r, k] * 16) + 1, tail))[::-1] / 16.0
+        out.append(x)
+    return out
+
+
+def test_confidence_schedule_never_reads_the_draft_it_verifies():
+    """Non-anticipation by brute force: whether request r verifies draft k + 1 (l_r >= k + 2)
+    must not change when the survivals that read that draft (a_{r,k+1} .., through the Markov
+    feature) change. Bucket-aware early stopping and top-K at a fixed capacity pass on every
+    instance; the power check: the unconstrained argmax and early stopping cut at the best
+    admitted prefix fail on some."""
+    rng = np.random.default_rng(11)
+    r, g = 4, 3
+    batch = jax.jit(jax.vmap(sch.bucket_early_stopping, in_axes=(0, None, None, None)))
+    violations = {"argmax": 0, "cut_at_best": 0}
+    for _ in range(40):
+        surv, active, table = _instance(rng, r, g, bucketed=True)
+        tokens, steps = jnp.asarray(table.tokens), jnp.asarray(table.steps_per_s)
+        cases = [(i, k, x) for i in np.flatnonzero(active) for k in range(g - 1)
+                 for x in _later_drafts_changed(rng, surv, i, k)]
+        if not cases:
+            continue
+        got = np.asarray(batch(jnp.asarray(np.stack([surv] + [x for _, _, x in cases]), jnp.float32),
+                               jnp.asarray(active), tokens, steps))
+        cap = int(rng.integers(0, r * g + 1))
+        topk = _reference_topk(surv, active, cap)
+        for j, (i, k, x) in enumerate(cases):
+            assert (got[0, i] >= k + 2) == (got[1 + j, i] >= k + 2), (surv, x, table)
+            assert (topk[i] >= k + 2) == (_reference_topk(x, active, cap)[i] >= k + 2)
+            argmax = [_reference_topk(y, active, _reference_capacity(y, active, table))[i] for y in (surv, x)]
+            best = [_reference_early_stopping(y, active, table, cut_at_best=True)[i] for y in (surv, x)]
+            violations["argmax"] += (argmax[0] >= k + 2) != (argmax[1] >= k + 2)
+            violations["cut_at_best"] += (best[0] >= k + 2) != (best[1] >= k + 2)
+    assert min(violations.values()) > 0, violations
+
+
 def test_schedulers_jit_without_host_sync():
     rng = np.random.default_rng(7)
     r, g = 4, 5
-    surv, active, table = _instance(rng, r, g)
+    surv, active, table = _instance(rng, r, g, bucketed=True)
     conf = jax.jit(lambda s, a: sch.confidence_lengths(s, a, table))  # the table is a constant
     topk = jax.jit(lambda s, a, k: sch.allocate_topk(s, a, k))  # the capacity is traced
     for _ in range(10):
         surv, active, _ = _instance(rng, r, g)
         s, a = jnp.asarray(surv, jnp.float32), jnp.asarray(active)
-        np.testing.assert_array_equal(conf(s, a), _reference_algorithm1(surv, active, table))
+        np.testing.assert_array_equal(conf(s, a), _reference_early_stopping(surv, active, table))
         cap = sch.lagged_capacity(surv, active, table)
         np.testing.assert_array_equal(topk(s, a, jnp.int32(cap)), _reference_topk(surv, active, cap))
     assert topk._cache_size() == 1 and conf._cache_size() == 1
@@ -142,15 +227,36 @@ def test_ties_break_by_position_then_request():
     assert sch.allocate_topk(surv, jnp.asarray([False, True]), 2).tolist() == [0, 3]
 
 
-def test_algorithm1_stops_at_the_first_drop():
-    """A table whose SPS falls at B = 2 and recovers relative to τ later: Θ = 1, 0.9, 1.134 for
-    m = 0, 1, 2 (the Appendix A numbers). Algorithm 1 stops at m = 0; the global argmax takes 2."""
-    table = sch.SPSTable(tokens=(1, 2, 3), steps_per_s=(1.0, 0.5, 0.45))
+def test_early_stopping_on_dense_and_bucketed_tables():
+    """Θ = 1, 0.9, 1.134 for m = 0, 1, 2 with one bucket per count (the Appendix A numbers): early
+    stopping (there Algorithm 1) stops at m = 0; the global argmax takes 2. The same rates with
+    counts 2 and 3 in one bucket: Algorithm 1 still stops at 0 (Θ(1) = 0.81), the bucket-aware
+    rule fills the bucket (1.134)."""
+    dense = sch.SPSTable(tokens=(1, 2, 3), steps_per_s=(1.0, 0.5, 0.45))
     surv, active = np.array([[0.8, 0.72]]), np.array([True])
-    assert sch.confidence_lengths(jnp.asarray(surv), jnp.asarray(active), table).tolist() == [1]
-    assert sch.lagged_capacity(surv, active, table) == 2
+    assert sch.confidence_lengths(jnp.asarray(surv), jnp.asarray(active), dense).tolist() == [1]
+    assert sch.lagged_capacity(surv, active, dense) == 2
+    bucketed = sch.SPSTable(tokens=(1, 3), steps_per_s=(1.0, 0.45))
+    assert _reference_algorithm1(surv, active, bucketed).tolist() == [1]
+    assert sch.confidence_lengths(jnp.asarray(surv), jnp.asarray(active), bucketed).tolist() == [3]
     flat = sch.SPSTable(tokens=(3,), steps_per_s=(1.0,))  # one bucket: every positive survival pays
     assert sch.confidence_lengths(jnp.asarray(surv), jnp.asarray(active), flat).tolist() == [3]
+
+
+def test_early_stopping_crosses_a_bucket_edge_that_pays():
+    """The H200 case (docs/benchmarks.md, 2026-12-02; its SPS table of 128 slots): 128 slots
+    verify their anchors in the first bucket, and the first draft past it costs 4.7 % of the
+    rounds for 0.7 % more τ, so Algorithm 1 verifies the anchors alone. The bucket-aware rule
+    takes what the global argmax takes here: every draft when the drafter is sure, the best 128
+    (the 256-token bucket) when it is not."""
+    table = sch.SPSTable(tokens=(128, 256, 512, 768), steps_per_s=(29.94, 28.52, 25.08, 23.68))
+    active = np.ones(128, bool)
+    for hi, lo, tokens in ((0.9, 0.6, 768), (0.3, 0.05, 256)):  # c_k of request r: hi .. lo over r
+        surv = np.cumprod(np.full((128, 5), hi) - (hi - lo) * np.arange(128)[:, None] / 127, axis=1)
+        assert _reference_algorithm1(surv, active, table).sum() == 128
+        got = np.asarray(sch.confidence_lengths(jnp.asarray(surv, jnp.float32), jnp.asarray(active), table))
+        assert got.sum() == tokens == 128 + sch.lagged_capacity(surv, active, table)
+        np.testing.assert_array_equal(got, _reference_topk(surv, active, tokens - 128))
 
 
 # ---------------------------------------------------------------------------- Appendix A
@@ -187,24 +293,43 @@ def _first_token_distribution(verify_len) -> np.ndarray:
     return out
 
 
+BUCKETED_TABLE = sch.SPSTable(tokens=(1, 3), steps_per_s=(1.0, 0.45))  # the same rates, 2 and 3 tokens in one bucket
+
+
 def test_appendix_a_unconstrained_search_is_not_lossless():
+    """A global argmax over the CURRENT survivals verifies d_1 only when d_1 = A makes d_2 look
+    good: the output becomes (0.85, 0.15), on either table. So does bucket-aware early stopping
+    cut at its best admitted prefix instead of its last: on the bucketed table it admits d_1 in
+    both cases (filling the bucket could pay), then keeps it only if d_2 made that bucket pay."""
     one = np.array([True])
 
-    def unconstrained(x1):  # global argmax over the CURRENT survivals, no early stop
-        s = _current_survival(x1)
-        return sch.allocate_topk(jnp.asarray(s), jnp.asarray(one), sch.lagged_capacity(s, one, APPENDIX_TABLE))[0]
+    for table in (APPENDIX_TABLE, BUCKETED_TABLE):
+        def unconstrained(x1, table=table):  # global argmax over the CURRENT survivals, no early stop
+            s = _current_survival(x1)
+            return sch.allocate_topk(jnp.asarray(s), jnp.asarray(one), sch.lagged_capacity(s, one, table))[0]
 
-    assert [int(unconstrained(x)) for x in (A, B)] == [3, 1]
-    np.testing.assert_allclose(_first_token_distribution(unconstrained), [0.85, 0.15], atol=1e-6)
+        assert [int(unconstrained(x)) for x in (A, B)] == [3, 1]
+        np.testing.assert_allclose(_first_token_distribution(unconstrained), [0.85, 0.15], atol=1e-6)
+
+    def cut_at_best(x1):
+        return _reference_early_stopping(_current_survival(x1), one, BUCKETED_TABLE, cut_at_best=True)[0]
+
+    assert [int(cut_at_best(x)) for x in (A, B)] == [3, 1]
+    np.testing.assert_allclose(_first_token_distribution(cut_at_best), [0.85, 0.15], atol=1e-6)
 
 
 def test_appendix_a_early_stopping_and_lagged_are_lossless():
+    """Early stopping verifies d_1 or not whatever d_1 is: never on the Appendix A table (there
+    Algorithm 1), always on the bucketed one (d_2 too when d_1 = A); the lagged scheduler with
+    any capacity fixed before the round. The output is the target's (0.7, 0.3)."""
     one = np.array([True])
 
-    def algorithm1(x1):
-        return sch.confidence_lengths(jnp.asarray(_current_survival(x1)), jnp.asarray(one), APPENDIX_TABLE)[0]
+    for table, lengths in ((APPENDIX_TABLE, [1, 1]), (BUCKETED_TABLE, [3, 2])):
+        def early_stopping(x1, table=table):
+            return sch.confidence_lengths(jnp.asarray(_current_survival(x1)), jnp.asarray(one), table)[0]
 
-    np.testing.assert_allclose(_first_token_distribution(algorithm1), P_TARGET, atol=1e-6)
+        assert [int(early_stopping(x)) for x in (A, B)] == lengths
+        np.testing.assert_allclose(_first_token_distribution(early_stopping), P_TARGET, atol=1e-6)
     # lagged: K from survivals of an older round (whichever d_1 that round drew), allocation on the current ones
     for older in (_current_survival(A), _current_survival(B)):
         k = sch.lagged_capacity(older, one, APPENDIX_TABLE)

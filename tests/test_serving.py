@@ -23,8 +23,8 @@ SLOTS, CONTEXT, CHUNK = 2, 256, 16
 def test_continuous_batching_equals_each_request_alone(monkeypatch):
     """Six requests through two slots: prompts up to 40 tokens (prefilled in 16-token chunks),
     greedy and sampled, stops on a token id and on a string, lengths 3 to 24. Each request's
-    tokens and finish reason equal the request run alone; a second call and the runs alone
-    compile nothing."""
+    tokens and finish reason equal the request run alone; each program compiles once per shape
+    called, and a second call and the runs alone compile nothing."""
     shipped = gen.default_model()  # a Model of its own: engines of its own, whichever tests ran before
     model = dspark_jax.Model(shipped.module, tokenizer=shipped.tokenizer, sts_temperatures=shipped.sts_temperatures)
     eng = gen._engine(model, model.config.dspark.block_size, None)
@@ -45,8 +45,13 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     warm = run(prompts, first_params)
     assert [len(r.tokens) for r in warm] == [p.max_new_tokens for p in first_params]
     shapes, programs = eng.compiled_shapes(), eng.compiled_programs()
-    assert {k[0] for k in shapes} == {"admit", "prefill", "first", "round"}
-    assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes) and {k[3] for k in shapes if k[0] == "prefill"} == {CHUNK}
+    assert {k[0] for k in shapes} == {"admit", "prefill", "round"}
+    def one_per_shape():  # the programs each kind would have if each of its shapes compiled once
+        return {p: sum(k[0] == p for k in eng.compiled_shapes()) for p in eng.compiled_by_program()}
+
+    assert eng.compiled_by_program() == one_per_shape()  # the calls on the empty pool compiled no extra variant
+    assert all(k[1:3] == (SLOTS, CONTEXT) for k in shapes)
+    assert {k[3:5] for k in shapes if k[0] == "prefill"} == {(1, CHUNK), (2, CHUNK)}  # 1 or 2 slots reading
 
     # the same requests with stops and other lengths
     stop_tok = warm[1].tokens[6]
@@ -61,8 +66,12 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
               dataclasses.replace(first_params[5], max_new_tokens=5)]
     log = []
     prefill_step, round_ = eng.prefill_step, eng.round
-    monkeypatch.setattr(eng, "prefill_step", lambda bs, ids, n, last: log.append(("prefill", n.tolist()))
-                        or prefill_step(bs, ids, n, last))
+    def logged_prefill(bs, rows, ids, n, last):  # tokens read per slot (the call computes only its rows)
+        per_slot = np.zeros(SLOTS, int)
+        per_slot[rows] = n
+        log.append(("prefill", per_slot.tolist(), len(rows)))
+        return prefill_step(bs, rows, ids, n, last)
+    monkeypatch.setattr(eng, "prefill_step", logged_prefill)
     monkeypatch.setattr(eng, "round", lambda bs, **kw: log.append(("round",)) or round_(bs, **kw))
     batch = run(prompts, params)
     monkeypatch.setattr(eng, "prefill_step", prefill_step)
@@ -82,6 +91,7 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     # the 40-token prompt (slot 1) was read in three chunks with decoding rounds in between
     long_steps = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1][1] > 0][:3]
     assert [log[i][1][1] for i in long_steps] == [16, 16, 8]
+    assert any(e[0] == "prefill" and e[2] == 1 for e in log)  # one slot reading: a one-row call
     assert all(("round",) in log[a:b] for a, b in zip(long_steps, long_steps[1:]))
 
     # the lagged scheduler (ragged verify; capacity from survivals two rounds old, history kept
@@ -97,6 +107,7 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     verify = {k for k in eng.compiled_shapes() if k[0] == "verify"}
     assert {k[-1] for k in verify} == {8} and {k[0] for k in eng.compiled_shapes()} - {k[0] for k in shapes} == {
         "draft", "verify"}
+    assert eng.compiled_by_program() == one_per_shape()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "flash"])

@@ -2,6 +2,8 @@
 jitted functions; a whole toy run with and without it is compared in ``test_train_e2e.py``."""
 
 import functools
+import os
+import threading
 import time
 
 import jax
@@ -9,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.train.ahead import Programs, abstract
+from dspark_jax.train.ahead import BACKGROUND_NICE, UNTUNED, Programs, abstract
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -80,3 +82,38 @@ def test_a_program_compiles_after_the_ones_it_waits_for():
             programs.submit("other", slow, after=("missing",))
         with pytest.raises(KeyError, match="no program 'missing'"):
             programs.get("missing")
+
+
+def test_background_programs_compile_with_their_options_at_low_priority():
+    """A background program compiles with its compiler options ahead and in place alike (the same
+    program); options the compiler rejects are dropped and logged; its thread has a raised nice value."""
+    nice = {}
+
+    def traced(name):
+        @jax.jit
+        def f(x):  # records the nice value of the thread that traces (lowers) it
+            nice[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return jnp.tanh(x) * 2
+        return f
+
+    x = jnp.linspace(-1.0, 1.0, 8)
+    spec = jax.ShapeDtypeStruct((8,), jnp.float32)
+    results = {}
+    for ahead in (True, False):
+        with Programs(ahead=ahead, say=lambda s: None) as programs:
+            programs.submit("first", traced(f"first{ahead}"), spec)
+            programs.submit("bg", traced(f"bg{ahead}"), spec, after=("first",), background=True, options=UNTUNED)
+            programs.submit("bad", traced(f"bad{ahead}"), spec, background=True,
+                            options={"xla_no_such_option_anywhere": 1, "xla_gpu_autotune_level": 0})
+            results[ahead] = [np.asarray(programs.get(n)(x)) for n in ("first", "bg", "bad")]
+            log = programs.to_json()
+        assert log["bg"]["background"] and log["bg"]["options"] == UNTUNED and log["bg"]["options_error"] is None
+        assert not log["first"]["background"] and log["first"]["options"] is None
+        assert "xla_no_such_option_anywhere" in log["bad"]["options_error"] and log["bad"]["error"] is None
+        assert log["bad"]["options"] == {"xla_gpu_autotune_level": 0}  # the option it knows stays
+        assert log["bad"]["ahead"] == ahead and log["bad"]["compile_s"] > 0
+    for a, b in zip(*results.values()):
+        np.testing.assert_array_equal(a, b)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert nice["bgTrue"] == nice["badTrue"] == min(base + BACKGROUND_NICE, 19)
+    assert nice["firstTrue"] == nice["bgFalse"] == base  # the others: as the caller

@@ -87,6 +87,10 @@ def test_block_inputs_and_anchors():
     assert all(len(set(r)) == 20 and (np.diff(r) > 0).all() for r in a)
     with pytest.raises(ValueError, match="num_anchors"):
         sample_anchors(jax.random.key(0), 1, 10, 10)
+    a = np.asarray(sample_anchors(jax.random.key(1), 4, 64, 30, first=32))  # the continuation of a 32-token prompt
+    assert a.min() >= 32 and a.max() <= 62 and all(len(set(r)) == 30 for r in a)
+    with pytest.raises(ValueError, match="num_anchors"):
+        sample_anchors(jax.random.key(0), 1, 64, 32, first=32)
 
 
 def reference_losses(draft, conf, target, labels, valid, cfg):

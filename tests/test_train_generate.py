@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 from dspark_jax.train import corpus as corpus_lib
-from dspark_jax.train.generate import (GenerateConfig, decoding_metrics, drafter_windows, make_generate,
-                                       round_chains)
+from dspark_jax.train.generate import (GenerateConfig, decoding_metrics, drafter_windows, generate_data,
+                                       line_start_tokens, make_generate, prompt_ends, round_chains, row_temperatures,
+                                       sample_prompts)
 from dspark_jax.train.sts import calibrate_rounds, prefix_labels, sigmoid
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train.config import toy_model
@@ -31,12 +32,29 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     graphdef, state = nnx.split(model)
     prefixes = np.random.default_rng(0).integers(4, model.cfg.vocab_size, (4, 6)).astype(np.int32)
     temps = jnp.asarray([0.0, 1.0, 0.0, 1.0])
-    seqs = np.asarray(make_generate(graphdef, cfg)(state, jnp.asarray(prefixes), temps, jax.random.key(0)))
+    generate = make_generate(graphdef, cfg)
+    seqs = np.asarray(generate(state, jnp.asarray(prefixes), temps, jax.random.key(0)))
     assert seqs.shape == (4, 16) and (seqs[:, :6] == prefixes).all()
     logits = jax.jit(lambda st, ids: causal_logits(nnx.merge(graphdef, st), ids))(state, jnp.asarray(seqs))
     argmax = np.asarray(jnp.argmax(logits, -1))[:, 5:-1]  # the target's choice for tokens 6 .. 15
     np.testing.assert_array_equal(seqs[0::2, 6:], argmax[0::2])
     assert (seqs[1::2, 6:] != argmax[1::2]).mean() > 0.3  # random weights: a near-flat distribution
+
+    # the phase around it (same shapes, nothing compiles again): BOS-led prompts ending at a line end
+    rng = np.random.default_rng(1)
+    train, held = rng.integers(3, 40, 500), rng.integers(3, 40, 100)
+    line_starts = np.zeros(model.cfg.vocab_size, bool)
+    line_starts[3:8] = True
+    data = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, greedy_fraction=0.75), train, held,
+                         line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"))
+    assert data["train"].shape == (8, 16) and data["heldout"].shape == (4, 16)
+    for rows, stream in ((data["train"], train), (data["heldout"], held)):
+        assert (rows[:, 0] == 0).all()
+        # the 5 corpus tokens of each prompt are a slice of the stream whose next token starts a line
+        windows = np.lib.stride_tricks.sliding_window_view(stream, 6)
+        windows = windows[line_starts[windows[:, 5]]]
+        assert all((windows[:, :5] == r[1:6]).all(axis=1).any() for r in rows)
+    assert data["temperature"].tolist() == [1.0, 0.0, 0.0, 0.0] * 2 and data["stats"]["greedy_fraction"] == 0.75
 
 
 def test_round_chains_follow_free_decoding():
@@ -51,17 +69,51 @@ def test_round_chains_follow_free_decoding():
     assert m["per_position_acceptance"] == pytest.approx([2 / 3, 1.0, 0.5])
 
 
-def test_drafter_windows_mix_generated_and_corpus():
-    gen = np.arange(10 * 6).reshape(10, 6)  # 60 generated tokens -> 7 windows of 8
-    corpus = 1000 + np.arange(20 * 8).reshape(20, 8)
-    w, mix = drafter_windows(gen, corpus, 8, corpus_fraction=0.3, seed=0)
-    assert mix == dict(generated_windows=7, corpus_windows=3)
-    np.testing.assert_array_equal(w[:7].reshape(-1), np.arange(56))
-    assert (w[7:] >= 1000).all() and len({tuple(r) for r in w[7:]}) == 3
-    only, mix = drafter_windows(gen, corpus, 8, corpus_fraction=0.0, seed=0)
+def test_drafter_windows_are_the_sequences_and_bos_led_corpus_slices():
+    gen = np.arange(7 * 6).reshape(7, 6)  # 7 sequences of 6 tokens: 7 windows
+    stream = 1000 + np.arange(50)
+    w, mix = drafter_windows(gen, stream, corpus_fraction=0.3, bos=0, seed=0)
+    assert mix == dict(generated_windows=7, corpus_windows=3, window_tokens=6) and w.shape == (10, 6)
+    np.testing.assert_array_equal(w[:7], gen)
+    corpus = w[7:]
+    assert (corpus[:, 0] == 0).all() and (np.diff(corpus[:, 1:], axis=1) == 1).all()  # BOS + a contiguous slice
+    assert (corpus[:, 1:] >= 1000).all() and (corpus[:, -1] <= 1049).all()
+    only, mix = drafter_windows(gen, stream, corpus_fraction=0.0, bos=0, seed=0)
     assert mix["corpus_windows"] == 0 and len(only) == 7
-    with pytest.raises(ValueError, match="one window"):
-        drafter_windows(gen[:1], corpus, 8, 0.3, 0)
+    with pytest.raises(ValueError, match="shorter than a window"):
+        drafter_windows(gen, stream[:5], 0.3, 0, 0)
+
+
+def test_prompts_start_with_bos_and_end_where_a_line_ends():
+    # tokens 10..19 begin with a newline; 0 / 1 are BOS / EOS
+    line_starts = np.zeros(32, bool)
+    line_starts[10:20] = True
+    stream = np.array([0, 21, 22, 10, 23, 24, 11, 25, 1, 0, 26, 27, 12, 28, 29, 13, 30])
+    ends = prompt_ends(stream, 3, line_starts, (0, 1))
+    # 3-token slices followed by a line start: [0 21 22] (e = 3, holds BOS), [10 23 24] (e = 6),
+    # [0 26 27] (e = 12, BOS), [12 28 29] (e = 15)
+    assert ends.tolist() == [6, 15]
+    p = sample_prompts(stream, ends, 6, 3, bos=0, rng=np.random.default_rng(0))
+    assert p.shape == (6, 4) and (p[:, 0] == 0).all()
+    assert {tuple(r) for r in p[:, 1:]} == {(10, 23, 24), (12, 28, 29)}
+    with pytest.raises(ValueError, match="ends at a line end"):
+        prompt_ends(stream, 3, np.zeros(32, bool), (0, 1))
+    # the shipped tokenizer: tokens that begin with a newline, incl. the ones merged with indentation
+    from dspark_jax.checkpoint.tokenizer import load_tokenizer
+    from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    starts = line_start_tokens(tok, tok.get_vocab_size())
+    ids = tok.encode("def f():\n    return 1\n").ids  # def, f, ():, newline + 3 spaces, return, 1, newline
+    assert [bool(starts[i]) for i in ids] == [False, False, False, True, False, False, True]
+    assert not starts[[0, 1, 2]].any()  # BOS, EOS, noise
+
+
+def test_row_temperatures_spread_the_greedy_rows():
+    t = row_temperatures(8, 0.75)
+    assert t.tolist().count(0.0) == 6 and set(t.tolist()) == {0.0, 1.0}
+    assert row_temperatures(4, 0.5).tolist().count(0.0) == 2
+    assert (row_temperatures(5, 1.0) == 0).all() and (row_temperatures(5, 0.0) == 1).all()
 
 
 def test_sts_on_rounds_calibrates_the_survival_of_replayed_rounds():

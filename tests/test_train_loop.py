@@ -18,7 +18,7 @@ from dspark_jax.checkpoint.hf import official_tensors
 from dspark_jax.train.checkpointing import PhaseCheckpointer
 from dspark_jax.train.corpus import WindowSampler
 from dspark_jax.train.export import ExportError, export_model
-from dspark_jax.train.loop import PhaseLog, run_phase
+from dspark_jax.train.loop import PhaseLog, run_phase, step_seconds
 from dspark_jax.train.optim import OptimConfig, TrainState, apply_gradients, cast_like, decay_mask, init_state, \
     make_optimizer
 
@@ -210,3 +210,15 @@ def test_the_shipped_model_is_two_weight_files_within_the_size_limits(tmp_path):
     assert sorted(sizes) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                              "model.safetensors.index.json", "sts.json"]
     assert sum(sizes.values()) < 31.5 * 2**20  # + tokenizer.json (0.4 MiB) <= 32 MiB
+
+
+def test_step_seconds_split_by_background_compilations():
+    # step j ran from time_s[j] to time_s[j + 1]; step 0 (compiling) is left out
+    hist = [dict(step=i, time_s=t) for i, t in enumerate([0.0, 10.0, 10.3, 10.6, 11.0, 11.3])]
+    phase = dict(history=hist, started_at=100.0, first_step=0)
+    st = step_seconds(phase, [(110.2, 110.5)])  # overlaps steps 1 (110.0-110.3) and 2 (110.3-110.6)
+    assert st["steps_during_compiles"] == 2 and st["steps_other"] == 2
+    assert st["median_during_compiles"] == pytest.approx(0.3) and st["median_other"] == pytest.approx(0.35)
+    resumed = step_seconds(dict(phase, first_step=3), [])  # steps of this invocation only: 4
+    assert resumed["steps_other"] == 1 and resumed["median_other"] == pytest.approx(0.3)
+    assert step_seconds(dict(phase, started_at=None), [])["steps_other"] == 0

@@ -16,22 +16,22 @@ slots front-packed on one axis of a power-of-2 bucket (``verify_bucket``; ``mode
 token-wise layers (projections, MoE, mHC, norms, lm_head) run on the packed tokens, attention
 through ``cu_q_lens``, the caches' writes per request (``Chunk.unpack``); acceptance is capped at
 l_r - 1. Such a round is two programs, the draft (compiled once per pool) and the verify /
-accept / commit of one bucket. The static round (every slot verifies γ + 1) stays one program in
-the per-request layout: it needs no gathers and its results stay as they were, and the packed
-round at the top bucket is no faster (CPU: equal within noise; benchmarks/serving.py
---schedulers prints both).
+accept / commit of one bucket; the top bucket (slots x (γ + 1) rows) verifies in the
+per-request layout, where packing would only add gathers. The static round (every slot verifies
+γ + 1) stays one program in the per-request layout: one program, no gathers (CPU, 16 slots: 20-25 %
+faster than the packed top bucket; benchmarks/serving.py --schedulers prints both).
 
 The batch is a pool of slots (``init_slots``): ``admit`` gives free slots to new requests (length
-back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens, and
-rounds run over the whole pool, slots without a running request committing nothing; the host
-loop that streams requests through the pool is ``serving.serve``.
+back to 0), ``prefill_step`` feeds one chunk of their prompts and draws their first tokens,
+computing those slots' rows only, and rounds run over the whole pool, slots without a running
+request committing nothing; the host loop that streams requests through the pool is
+``serving.serve``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Callable
 
 import jax
@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
-from dspark_jax.decoding.scheduler import SPSTable, algorithm1, allocate_topk, survival
+from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, bucket_early_stopping, survival
 from dspark_jax.model.common import Packing
 from dspark_jax.model.dspark import DraftCache, DraftOutput, draft_block, init_draft_cache, write_context
 from dspark_jax.sharding import model_mesh, state_shardings
@@ -181,7 +181,8 @@ class Engine:
 
     scheduler: how many tokens each slot verifies per round by default (``serving.serve`` and
     ``generate`` take it per call too): "static" (γ + 1 each, the per-request layout),
-    "confidence" (Algorithm 1 on the round's own confidences: ``round_confidence``) or "lagged"
+    "confidence" (bucket-aware early stopping on the round's own confidences, the paper's
+    Algorithm 1 where each token count is its own bucket: ``round_confidence``) or "lagged"
     (capacity from confidences two rounds old, allocated by the current ones: ``round_lagged``),
     with the rounds-per-second table ``sps_table`` (``scheduler.SPSTable``; None or uninitialised:
     every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
@@ -214,9 +215,14 @@ class Engine:
         self.uses_rings = cfg.dspark is not None and gamma > 0
         self.capture = tuple(cfg.dspark.target_layer_ids) if self.uses_rings else ()
         self.mesh = model_mesh(model)
+        # The parameters as a flat list of arrays, the first argument of every program: a list
+        # flattens in C++ at each call, an nnx.State in Python (the shipped model's 293 arrays:
+        # 0.33 ms per call against 0.06 ms on the CPU; Flash has 1,937).
+        self.params, self._params_def = jax.tree_util.tree_flatten(model.state)
         scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
         self._prefill = jax.jit(scoped(self._prefill_impl), donate_argnums=(1,))
         self._first = jax.jit(scoped(self._first_impl), donate_argnums=(1,))
+        self._prefill_rows = jax.jit(scoped(self._prefill_rows_impl), donate_argnums=(1,))
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
@@ -226,8 +232,12 @@ class Engine:
                                     static_argnames=("sampled", "top_k", "top_p", "tokens"))
 
     # ------------------------------------------------------------------ device functions
-    def _prefill_impl(self, state, bs: BatchState, ids, n_valid, last_logits, is_last):
-        model = nnx.merge(self.model.graphdef, state)
+    def _module(self, params: list[Array]):
+        """The model's module with the parameters ``params`` (``self.params`` or their tracers)."""
+        return nnx.merge(self.model.graphdef, jax.tree_util.tree_unflatten(self._params_def, params))
+
+    def _prefill_impl(self, params, bs: BatchState, ids, n_valid, last_logits, is_last):
+        model = self._module(params)
         start = bs.cache.lengths
         lg, hid, cache = model.forward(ids, n_valid, bs.cache, capture=self.capture, logits="last")
         draft = bs.draft
@@ -236,7 +246,7 @@ class Engine:
         bs = dataclasses.replace(bs, cache=commit(cache, n_valid), draft=draft)
         return self._placed(bs), jnp.where(is_last[:, None], lg, last_logits)
 
-    def _first_impl(self, state, bs: BatchState, last_logits, starting):
+    def _first_impl(self, params, bs: BatchState, last_logits, starting):
         """The first generated token, drawn from the prompt's last logits, for the slots whose
         prompt is complete (``starting``); the other slots keep their state."""
         sp = bs.sampling
@@ -247,6 +257,17 @@ class Engine:
         return self._placed(dataclasses.replace(bs, anchor=jnp.where(starting, tok, bs.anchor),
                                                 n_generated=jnp.where(starting, n, bs.n_generated),
                                                 active=jnp.where(starting, active, bs.active))), tok
+
+    def _prefill_rows_impl(self, params, bs: BatchState, rows, ids, n_valid, is_last):
+        """One prefill chunk of the slots ``rows`` [p] (distinct) and the first token of those
+        whose prompt it completes (``is_last``): their rows of every state leaf (all lead with the
+        slot) are gathered into a batch of p, prefilled as a batch of p and put back; the pool's
+        other slots are neither read nor computed. A row with ``n_valid`` 0 comes back unchanged."""
+        sub = jax.tree_util.tree_map(lambda x: x[rows], bs)
+        last = jnp.zeros((rows.shape[0], self.model.config.vocab_size), jnp.float32)
+        sub, last = self._prefill_impl(params, sub, ids, n_valid, last, is_last)
+        sub, first = self._first_impl(params, sub, last, is_last)
+        return self._placed(jax.tree_util.tree_map(lambda x, y: x.at[rows].set(y), bs, sub)), first
 
     def _admit_impl(self, bs: BatchState, admit, release, max_new, stop_ids, sampling: SamplingArrays):
         """Slots taking a new request (``admit``) restart at length 0, inactive until their first
@@ -261,11 +282,11 @@ class Engine:
             n_generated=jnp.where(admit, 0, bs.n_generated), max_new=pick(max_new, bs.max_new),
             stop_ids=pick(stop_ids, bs.stop_ids), sampling=jax.tree_util.tree_map(pick, sampling, bs.sampling)))
 
-    def _round_impl(self, state, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
+    def _round_impl(self, params, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool):
         """One round in which every slot verifies γ + 1 tokens (per-request layout [slots, γ + 1]);
         its phases are named scopes ("draft", "verify", "accept_commit") so that a device profile
         can attribute every kernel (benchmarks/profile_step.py)."""
-        model = nnx.merge(self.model.graphdef, state)
+        model = self._module(params)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
         with jax.named_scope("draft"):
             drafts, q_logits, conf = self._draft_tokens(model, bs, proc, sampled)
@@ -274,35 +295,38 @@ class Engine:
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
 
-    def _draft_impl(self, state, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
+    def _draft_impl(self, params, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
                     schedule: bool):
         """The first program of a ragged round: the draft phase, and with ``schedule`` the verify
-        lengths of Algorithm 1 (early stopping) on its confidences, by the SPS table given as
+        lengths of bucket-aware early stopping on its confidences, by the SPS table given as
         arrays (``sps_tokens``, ``sps_steps``: one program for every table of that length)."""
-        model = nnx.merge(self.model.graphdef, state)
+        model = self._module(params)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
         with jax.named_scope("draft"):
             drafted = self._draft_tokens(model, bs, proc)
         if not schedule:
             return drafted, None
-        return drafted, algorithm1(survival(drafted[2], self.temperatures), bs.active, sps_tokens, sps_steps)
+        return drafted, bucket_early_stopping(survival(drafted[2], self.temperatures), bs.active, sps_tokens,
+                                              sps_steps)
 
-    def _verify_impl(self, state, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
+    def _verify_impl(self, params, bs: BatchState, drafted, verify_lens, capacity, *, sampled: bool, top_k: bool,
                      top_p: bool, tokens: int):
-        """The second program of a ragged round: verify packed on ``tokens`` rows, acceptance and
-        commit. Slot r verifies its first l_r tokens (anchor and drafts; 0 = none: the slot
+        """The second program of a ragged round: verify packed on ``tokens`` rows (in the top
+        bucket, every slot's γ + 1 tokens in the per-request layout: as many rows, no packing),
+        acceptance and commit. Slot r verifies its first l_r tokens (anchor and drafts; 0 = none: the slot
         commits nothing this round; slots without a running request verify nothing): l_r =
         ``verify_lens[r]``, or for ``capacity`` >= 0 (lagged) 1 + the slot's drafts among the
         capacity's best by this round's survivals (``scheduler.allocate_topk``)."""
-        model = nnx.merge(self.model.graphdef, state)
+        model = self._module(params)
         proc = functools.partial(process_logits, sp=bs.sampling, use_top_k=top_k, use_top_p=top_p)
         drafts, q_logits, conf = drafted
         if self.gamma > 0:
             top = allocate_topk(survival(conf, self.temperatures), bs.active, jnp.maximum(capacity, 0))
             verify_lens = jnp.where(capacity >= 0, top, verify_lens)
         lens = jnp.where(bs.active, verify_lens, 0).astype(jnp.int32)
+        top = tokens == lens.shape[0] * (self.gamma + 1)  # the top bucket: the static round's layout
         with jax.named_scope("verify"):
-            logits, hid, cache, packing = self._verify(model, bs, drafts, lens, tokens)
+            logits, hid, cache, packing = self._verify(model, bs, drafts, None if top else lens, tokens)
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled,
                                        lens, packing)
@@ -426,12 +450,18 @@ class Engine:
                         anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
                         n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
                         stop_ids=jnp.asarray(stop), sampling=sampling)
+        return self.place(bs)
+
+    def place(self, bs: BatchState) -> BatchState:
+        """``bs`` committed to the model's device (off a mesh) or laid out on its mesh
+        (``sharding.state_shardings``). Every state the engine builds is, and so must be a state
+        built by hand (benchmarks): a program's outputs are committed when any input is (loaded
+        weights are), and jax compiles a program apart for uncommitted inputs, so an uncommitted
+        first state would compile each program twice (its first call, then the calls on outputs)."""
         if self.mesh is not None:
             return jax.device_put(bs, state_shardings(bs, self.mesh))
-        # Committed to the parameters' device, as every program returns it: otherwise the first
-        # call of a program (fresh state) and the later ones (its outputs) compile one program each
-        # whenever some parameter is committed (a loaded checkpoint's experts are).
-        return jax.device_put(bs, next(iter(jax.tree_util.tree_leaves(self.model.state)[0].devices())))
+        leaf = jax.tree_util.tree_leaves(self.model.state)[0]
+        return jax.device_put(bs, next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0])
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:
@@ -462,20 +492,20 @@ class Engine:
                            jnp.asarray(self._stop_array(params, bs.stop_ids.shape[1])),
                            self._sampling_arrays(params, seeds))
 
-    def prefill_step(self, bs: BatchState, ids: np.ndarray, n_valid: np.ndarray,
-                      is_last: np.ndarray) -> tuple[BatchState, Array | None]:
-        """One prefill chunk ``ids`` [slots, c] (``n_valid`` real tokens per slot, 0 for slots not
-        prefilling), then the first generated token of the slots whose prompt it completes
-        (``is_last``); returns the state and those tokens [slots] (None if no prompt completed)."""
-        b, c = ids.shape
-        self._shapes.add(("prefill", b, bs.cache.max_len, c))
-        last = jnp.zeros((b, self.model.config.vocab_size), jnp.float32)
-        bs, last = self._prefill(self.model.state, bs, jnp.asarray(ids, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-                                 last, jnp.asarray(is_last, bool))
-        if not np.any(is_last):
-            return bs, None
-        self._shapes.add(("first", b, bs.cache.max_len))
-        return self._first(self.model.state, bs, last, jnp.asarray(is_last, bool))
+    def prefill_step(self, bs: BatchState, rows: np.ndarray, ids: np.ndarray, n_valid: np.ndarray,
+                     is_last: np.ndarray) -> tuple[BatchState, Array]:
+        """One prefill chunk ``ids`` [p, c] for the slots ``rows`` [p] (distinct; ``n_valid`` real
+        tokens each, 0 for a row that only pads the call to a size of ``prefill_rows``), then the
+        first generated token of the rows whose prompt it completes (``is_last``). Only these p
+        slots are computed: the cost follows the prompts being read, not the pool. Returns the
+        state and the tokens [p] (meaningful where ``is_last``), one program per (p, c)."""
+        rows = np.asarray(rows)
+        p, c = ids.shape
+        if rows.shape != (p,) or len(set(rows.tolist())) != p or rows.min() < 0 or rows.max() >= bs.anchor.shape[0]:
+            raise ValueError(f"rows must be {p} distinct slots of the pool of {bs.anchor.shape[0]}, got {rows.tolist()}")
+        self._shapes.add(("prefill", bs.anchor.shape[0], bs.cache.max_len, p, c))
+        return self._prefill_rows(self.params, bs, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
+                                  jnp.asarray(n_valid, jnp.int32), jnp.asarray(is_last, bool))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
         """Chunked prefill of every prompt of a static batch, then the first generated token of each request."""
@@ -487,12 +517,13 @@ class Engine:
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = p
         last = jnp.zeros((b, self.model.config.vocab_size), jnp.float32)
+        self._shapes.update({("static_prefill", b, bs.cache.max_len, c), ("static_first", b, bs.cache.max_len)})
         for s in range(0, padded.shape[1], c):
             n_valid = np.clip(lens - s, 0, c).astype(np.int32)
             is_last = (lens > s) & (lens <= s + c)
-            bs, last = self._prefill(self.model.state, bs, jnp.asarray(padded[:, s:s + c]), jnp.asarray(n_valid),
+            bs, last = self._prefill(self.params, bs, jnp.asarray(padded[:, s:s + c]), jnp.asarray(n_valid),
                                      last, jnp.asarray(is_last))
-        bs, first = self._first(self.model.state, bs, last, jnp.ones((b,), bool))
+        bs, first = self._first(self.params, bs, last, jnp.ones((b,), bool))
         return bs, np.asarray(first)
 
     def chunk_limit(self, rows: int) -> int:
@@ -515,7 +546,7 @@ class Engine:
         flags = dict(sampled=sampled, top_k=top_k, top_p=top_p)
         if verify_lens is None:
             self._shapes.add(("round", b, max_len, sampled, top_k, top_p))
-            return self._round(self.model.state, bs, **flags)
+            return self._round(self.params, bs, **flags)
         lens = np.asarray(verify_lens)
         if lens.shape != (b,) or not np.issubdtype(lens.dtype, np.integer):
             raise ValueError(f"verify_lens must be integers of shape ({b},) (one per slot), got {lens.dtype} "
@@ -541,20 +572,23 @@ class Engine:
 
     def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
                          top_p: bool) -> tuple[BatchState, RoundOutput]:
-        """A ragged round of the confidence scheduler: the draft program also runs Algorithm 1
-        on its confidences (``scheduler.confidence_lengths``); the host waits for the lengths,
-        the only host sync of any round, to pick the verify bucket of their sum."""
+        """A ragged round of the confidence scheduler: the draft program also runs bucket-aware
+        early stopping on its confidences (``scheduler.confidence_lengths``); the host waits for
+        the lengths, the only host sync of any round, to pick the verify bucket of their sum, and
+        hands them back as host lengths are (``round``): the verify program of a bucket is then one
+        program whoever chose the lengths (the device's output would be a committed input)."""
         if not table.initialised:
             raise ValueError("the confidence scheduler needs an initialised SPS table")
         table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
         drafted, lens = self._draft_program(bs, top_k, top_p, table)
-        return self._ragged_round(bs, drafted, lens, -1, int(np.asarray(lens).sum()), sampled=sampled,
+        lens = np.asarray(lens)
+        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), sampled=sampled,
                                   top_k=top_k, top_p=top_p)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: SPSTable | None):
         self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
         tokens, steps = ((1,), (1.0,)) if table is None else (table.tokens, table.steps_per_s)
-        return self._draft_step(self.model.state, bs, jnp.asarray(tokens, jnp.int32),
+        return self._draft_step(self.params, bs, jnp.asarray(tokens, jnp.int32),
                                 jnp.asarray(steps, jnp.float32), top_k=top_k, top_p=top_p, schedule=table is not None)
 
     def _ragged_round(self, bs: BatchState, drafted, verify_lens, capacity: int, tokens: int, *, sampled: bool,
@@ -566,7 +600,7 @@ class Engine:
         b = bs.anchor.shape[0]
         bucket = verify_bucket(tokens, b, self.gamma)
         self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
-        return self._verify_step(self.model.state, bs, drafted, verify_lens, jnp.int32(capacity), sampled=sampled,
+        return self._verify_step(self.params, bs, drafted, verify_lens, jnp.int32(capacity), sampled=sampled,
                                  top_k=top_k, top_p=top_p, tokens=bucket)
 
     def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
@@ -586,16 +620,24 @@ class Engine:
         return sum(f._cache_size() for f in (self._round, self._draft_step, self._verify_step))
 
     def compiled_programs(self) -> int:
-        """Number of distinct compiled programs of every kind (prefill, first, admit, round, and the
-        draft and verify programs of ragged rounds)."""
-        return sum(f._cache_size() for f in (self._prefill, self._first, self._admit, self._round, self._draft_step,
-                                             self._verify_step))
+        """Number of distinct compiled programs of every kind (prefill steps, admit, round, the
+        draft and verify programs of ragged rounds, and a static batch's prefill and first token)."""
+        return sum(self.compiled_by_program().values())
+
+    def compiled_by_program(self) -> dict[str, int]:
+        """Compiled programs per kind of ``compiled_shapes`` ("prefill", "admit", "round", "draft",
+        "verify", "static_prefill", "static_first"): one per shape called when nothing compiles
+        twice (``place``)."""
+        fns = dict(prefill=self._prefill_rows, admit=self._admit, round=self._round, draft=self._draft_step,
+                   verify=self._verify_step, static_prefill=self._prefill, static_first=self._first)
+        return {k: f._cache_size() for k, f in fns.items()}
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
-        chunk), ("first", S, L), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
-        and the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with Algorithm 1)
-        and ("verify", S, L, sampled, top_k, top_p, token bucket)."""
+        rows, chunk) (``prefill_step``), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
+        the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
+        schedule) and ("verify", S, L, sampled, top_k, top_p, token bucket), and a static batch's
+        ("static_prefill", b, L, chunk) and ("static_first", b, L) (``prefill``)."""
         return frozenset(self._shapes)
 
 
@@ -603,6 +645,14 @@ def chunk_width(tokens: int, limit: int = PREFILL_CHUNK) -> int:
     """Prefill chunk width for ``tokens`` prompt tokens: the smallest power of 2 >= tokens (at
     least MIN_PREFILL_CHUNK), at most ``limit`` (longer prompts take several chunks)."""
     return min(limit, max(MIN_PREFILL_CHUNK, 1 << (tokens - 1).bit_length()))
+
+
+def prefill_rows(reading: int, slots: int) -> int:
+    """Rows of a prefill call for ``reading`` slots reading a prompt in a pool of ``slots``: the
+    smallest power of 2 >= reading, at most ``slots`` (a pool compiles log2(slots) + 1 sizes)."""
+    if not 1 <= reading <= slots:
+        raise ValueError(f"a pool of {slots} slots prefills 1 to {slots} of them, got {reading}")
+    return min(slots, 1 << (reading - 1).bit_length())
 
 
 def check_scheduler(scheduler: str, gamma: int) -> None:

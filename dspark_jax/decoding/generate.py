@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any, Sequence
 
 import jax
@@ -269,7 +268,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     Calls with the same slots and context reuse every compiled program.
 
     scheduler: how many drafts each round verifies: "static" (all γ), "confidence" (the DSpark
-    paper's Algorithm 1 on the round's confidences, early stopping) or "lagged" (a capacity from
+    paper's early stopping on the round's confidences, seeing whole token buckets:
+    ``scheduler.bucket_early_stopping``) or "lagged" (a capacity from
     confidences two rounds old, given to the drafts of highest current confidence); both trade
     verify work for accepted tokens by the rounds-per-second table ``sps_table``
     (``dspark_jax.decoding.scheduler.SPSTable``, e.g. from ``scheduler.profile``; without one they

@@ -16,11 +16,17 @@ A request r of a round verifies l_r tokens, [anchor, d_1 .. d_{l_r - 1}], with 1
 
 3 Schedulers, all maximising the throughput Θ = τ · SPS(B), τ = Σ_r (1 + Σ_{k < l_r} a_{r,k}):
   - ``static_lengths``: γ + 1 for every active request.
-  - ``confidence_lengths``: the paper's Algorithm 1 on the current round's survivals: candidates
-    (r, k) in the order below are admitted one by one while Θ strictly grows; the first candidate
-    that does not grow it stops the search (early stopping is what keeps it lossless: whether
-    d_k is verified never depends on d_k itself, only on d_1 .. d_{k-1} through a_{r,k}).
-    Its token total depends on the round's drafts, so the engine needs the largest bucket.
+  - ``confidence_lengths``: early stopping on the current round's survivals, bucket-aware
+    (``bucket_early_stopping``): candidates (r, k) in the order below are admitted one by one
+    while the most Θ could reach in the SPS bucket the next admission falls into (that bucket
+    filled with copies of the candidate's survival) beats the Θ of stopping now; the first
+    candidate that fails stops the search. With one bucket per token count this is the paper's
+    Algorithm 1 (admit while Θ strictly grows); with the engine's padded buckets Algorithm 1
+    stops at the first bucket edge (SPS steps down there, so the first draft past it lowers Θ
+    although filling that bucket would raise it) and verifies the anchors alone. Lossless (the
+    argument is in ``bucket_early_stopping``): whether d_k is verified depends on d_1 .. d_{k-1}
+    (through a_{r,k}) and never on d_k itself. Its token total depends on the round's drafts,
+    so the host reads the lengths to pick the verify bucket.
   - lagged (production): the capacity K (drafts to verify in total) is decided on the host before
     the round from survivals ``lag`` rounds old (``SurvivalHistory``, ``lagged_capacity``) by an
     unconstrained argmax of Θ, so it fixes the round's static token bucket n_active + K; on the
@@ -351,29 +357,71 @@ def _topk(surv, active, capacity) -> Int[Array, " r"]:
 
 
 def confidence_lengths(surv: Float[Array, "r g"], active: Bool[Array, " r"], table: SPSTable) -> Int[Array, " r"]:
-    """Algorithm 1 with early stopping on the current survivals (lossless): admit candidates in
-    order while Θ(m) = τ(m) · SPS(n_active + m) strictly grows; stop at the first m whose
-    successor does not grow it. jnp, jittable, fixed shapes (the table is a constant)."""
+    """Bucket-aware early stopping on the current survivals (lossless; ``bucket_early_stopping``
+    with the table's token counts as the buckets). jnp, jittable, fixed shapes (the table is a
+    constant)."""
     r, g = _check_shapes(surv, active)
     if not table.initialised:
         return _uninitialised(active, g)
     table.check_covers(r * (g + 1))
-    return algorithm1(surv, active, jnp.asarray(table.tokens), jnp.asarray(table.steps_per_s))
+    return bucket_early_stopping(surv, active, jnp.asarray(table.tokens), jnp.asarray(table.steps_per_s))
 
 
 @jax.jit
-def algorithm1(surv: Float[Array, "r g"], active: Bool[Array, " r"], tokens: Int[Array, " t"],
-               steps_per_s: Float[Array, " t"]) -> Int[Array, " r"]:
-    """``confidence_lengths`` with the table as arrays (its ``tokens`` and ``steps_per_s``, which
-    may be traced: one program for every table of a length) and no checks: the caller checks
-    the table (initialised, covering r (γ + 1) tokens)."""
+def bucket_early_stopping(surv: Float[Array, "r g"], active: Bool[Array, " r"], tokens: Int[Array, " t"],
+                          steps_per_s: Float[Array, " t"]) -> Int[Array, " r"]:
+    """The confidence scheduler's verify lengths: early stopping that sees whole SPS buckets.
+
+    Candidates c_1, c_2, .. in scheduling order (survival desc, position asc, request asc) have
+    values v_1 >= v_2 >= .. (their survivals); n = active requests, M = n·γ candidates, τ(m) =
+    n + v_1 + .. + v_m, Θ(m) = τ(m) · SPS(n + m). Buckets are the table's token counts: a round
+    of B tokens runs in β(B), the smallest count >= B, at SPS(β(B)) (the ceiling rule). For
+    m = 1, 2, .. the rule admits c_m iff
+
+        U(m) = (τ(m) + (min(β(n + m), n + M) - (n + m)) · v_m) · SPS(n + m)  >  Θ(m - 1),
+
+    and stops at the first m that fails; the round verifies c_1 .. c_{m-1} (the last admitted).
+    U(m) is the Θ of filling the bucket of n + m with copies of v_m: every later candidate is
+    worth at most v_m and every prefix ending in that bucket has its SPS, so no prefix ending in
+    that bucket beats U(m). Inside a bucket the test is v_m > 0 (SPS is flat there); at a bucket
+    edge it enters the next bucket only if filling it could beat stopping before it. With one
+    bucket per token count (β(B) = B) U(m) = Θ(m) and the rule is the paper's Algorithm 1,
+    admit while Θ strictly grows.
+
+    Lossless. The order never puts (r, k+1) before (r, k) (its survival is <= a_{r,k}, and ties
+    go by position). Whether c_m is admitted is a function of v_1 .. v_m (and of n, M and the
+    table, which no draft value changes); so d_k of request r, candidate (r, k) at rank j, is
+    verified iff the tests of ranks 1 .. j all pass: a function of the candidates ranked at or
+    above (r, k) and their values. Which candidates those are and their values depend on a_{r,1}
+    .. a_{r,k} (functions of d_1 .. d_{k-1}) and on the other requests (independent of request
+    r's drafts), never on a_{r,k+1} .., the only values that read d_k. So whether d_k is
+    verified does not depend on d_k, and chain rejection sampling capped at l_r - 1 stays exact.
+
+    Why the cut is the last admitted candidate and the test compares with Θ(m - 1): cutting at
+    the best Θ among the admitted prefixes instead would decide whether (r, k) is kept by
+    the Θ of longer prefixes, which hold a_{r,k+1}, a value that reads d_k: the paper's
+    Appendix A bias (tests/test_scheduler.py shows it on a bucketed table). Since the round
+    ends at the last admitted prefix, what stopping gives is Θ(m - 1), not the best Θ seen
+    earlier; comparing with the best would stop halfway through a bucket whose remaining
+    candidates still raise Θ. The price of optimism: a bucket entered on the hope of U(m) can
+    end below Θ(m - 1), by at most the factor SPS(new bucket) / SPS(previous one) (τ only grows).
+
+    jnp, jittable, fixed shapes; the table as arrays (``tokens`` strictly increasing and covering
+    n + M, ``steps_per_s`` non-increasing; may be traced: one program for every table of a
+    length); the caller checks it (``confidence_lengths``)."""
     g = surv.shape[1]
     order, values = _candidates(surv, active)
-    n_active = jnp.sum(active).astype(jnp.int32)
-    theta = _throughput(jnp.where(jnp.isfinite(values), values, 0.0), n_active * g, n_active, tokens, steps_per_s,
-                        jnp)
-    grows = theta[1:] > theta[:-1]  # admitting candidate m + 1 grows Θ (false past the active ones)
-    return _lengths(order, jnp.sum(jnp.cumprod(grows.astype(jnp.int32))), active, g)
+    v = jnp.where(jnp.isfinite(values), values, 0.0)  # inactive slots' candidates: never admitted (m > M)
+    n = jnp.sum(active).astype(jnp.int32)
+    total = n * (g + 1)  # n + M
+    m = jnp.arange(1, v.shape[0] + 1)
+    tau = n + jnp.concatenate([jnp.zeros(1, v.dtype), jnp.cumsum(v)])  # τ(0 .. M')
+    theta_prev = tau[:-1] * _ceiling_lookup(tokens, steps_per_s, n + m - 1, jnp)  # Θ(m - 1)
+    bucket = tokens[jnp.minimum(jnp.searchsorted(tokens, n + m, side="left"), tokens.shape[0] - 1)]
+    fill = jnp.maximum(jnp.minimum(bucket, total) - (n + m), 0)
+    bound = (tau[1:] + fill * v) * _ceiling_lookup(tokens, steps_per_s, n + m, jnp)  # U(m)
+    admit = (m <= n * g) & (bound > theta_prev)
+    return _lengths(order, jnp.sum(jnp.cumprod(admit.astype(jnp.int32))), active, g)
 
 
 def lagged_capacity(surv: np.ndarray, active: np.ndarray, table: SPSTable) -> int:

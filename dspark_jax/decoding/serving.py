@@ -6,18 +6,19 @@ compressor rings, draft rings). A request takes a free slot; its slot's length g
 
   1 admits waiting requests into free slots (and stops on the device the slots of requests the
     host finished, e.g. on a stop string),
-  2 prefills one chunk of every prompt still being read (at most ``Engine.chunk_limit(slots)`` tokens per
-    slot, so a long prompt never holds up running requests for more than one chunk) and draws
-    the first token of every prompt that chunk completes,
+  2 prefills one chunk of every prompt still being read, on those slots' rows only (p rows, a
+    power of 2; at most ``Engine.chunk_limit(p)`` tokens per row, so a long prompt never holds
+    up running requests for more than one chunk) and draws the first token of every prompt that
+    chunk completes,
   3 runs one decoding round over the pool (slots without a running request compute but commit
     nothing),
   4 reads the previous step's tokens (so the host never waits for the device in between) and
     frees the slots of requests that finished.
 
-Every call has one of a fixed set of shapes: S slots x (a power-of-2 prefill chunk, or the
-round's γ + 1 tokens, or for ragged rounds one draft program and a verify program per token
-bucket: 8, 16, ... S x (γ + 1)), with the cache length fixed for the pool; nothing recompiles as
-requests come and go. The lagged scheduler keeps the survivals of past rounds per slot
+Every call has one of a fixed set of shapes: p rows (a power of 2 up to S) x a power-of-2
+prefill chunk, or S slots x the round's γ + 1 tokens (for ragged rounds one draft program and a
+verify program per token bucket: 8, 16, ... S x (γ + 1)), with the cache length fixed for the
+pool; nothing recompiles as requests come and go. The lagged scheduler keeps the survivals of past rounds per slot
 (``scheduler.SurvivalHistory``): when it schedules round t the host has read round t - 2.
 Randomness is keyed by (request seed, position), so a request's tokens do not depend on its
 slot, its neighbours or when it entered (for sampled requests under the confidence and lagged
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import MAX_VERIFY_TOKENS
-from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, verify_buckets
+from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity, profile,
                                            table_key)
@@ -79,7 +80,9 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
 class RoundDispatcher:
     """The host half of the verify schedulers over a pool of ``slots`` slots: ``dispatch`` runs
     one round under ``scheduler`` ("static", "confidence" or "lagged", by ``table``; without an
-    initialised table every scheduler verifies everything, as "static", with a warning) and
+    initialised table every scheduler verifies everything, as "static", with a warning; the
+    lagged scheduler runs the static round's one program when its capacity covers every draft
+    of a pool whose slots all decode) and
     ``read`` takes a round's outputs once the host has them, for the lagged scheduler's history
     (``scheduler.SurvivalHistory``: when it schedules round t the host has read round t - 2)."""
 
@@ -105,7 +108,10 @@ class RoundDispatcher:
         else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
             busy = np.asarray(running) >= 0
             capacity = lagged_capacity(self.history.lagged(self.rounds, running), busy, self.table)
-            bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
+            if busy.all() and capacity >= busy.size * eng.gamma:  # every draft of every slot: the static round
+                bs, res = eng.round(bs, **flags)
+            else:
+                bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
         self.rounds += 1
         return bs, res, self.rounds - 1
 
@@ -167,19 +173,21 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         # 2 one prefill chunk for the prompts still being read
         step: list[tuple] = []
         reading = [s for s in range(slots) if owner[s] >= 0 and not decoding[s]]
-        if reading:
-            c = chunk_width(max(len(ids[owner[s]]) - fed[s] for s in reading), engine.chunk_limit(slots))
-            chunk = np.zeros((slots, c), np.int32)
-            n_valid = np.zeros(slots, np.int32)
-            is_last = np.zeros(slots, bool)
-            for s in reading:
+        if reading:  # on the reading slots' rows, padded with other slots to a power of 2
+            p = prefill_rows(len(reading), slots)
+            rows = reading + [s for s in range(slots) if s not in reading][:p - len(reading)]
+            c = chunk_width(max(len(ids[owner[s]]) - fed[s] for s in reading), engine.chunk_limit(p))
+            chunk = np.zeros((p, c), np.int32)
+            n_valid = np.zeros(p, np.int32)
+            is_last = np.zeros(p, bool)
+            for j, s in enumerate(reading):
                 part = ids[owner[s]][fed[s]:fed[s] + c]
-                chunk[s, :len(part)], n_valid[s] = part, len(part)
+                chunk[j, :len(part)], n_valid[j] = part, len(part)
                 fed[s] += len(part)
-                is_last[s] = decoding[s] = fed[s] == len(ids[owner[s]])
-            bs, first = engine.prefill_step(bs, chunk, n_valid, is_last)
-            if first is not None:
-                step.append(("first", first, list(owner), is_last))
+                is_last[j] = decoding[s] = fed[s] == len(ids[owner[s]])
+            bs, first = engine.prefill_step(bs, np.asarray(rows), chunk, n_valid, is_last)
+            if is_last.any():
+                step.append(("first", first, [owner[s] for s in rows], is_last))
 
         # 3 one decoding round over the pool
         running = [owner[s] if decoding[s] else -1 for s in range(slots)]
@@ -190,12 +198,12 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
 
         # 4 the previous step's tokens (the device works on this step meanwhile)
         for kind, arrays, owners, *rest in pending:
-            if kind == "first":
+            if kind == "first":  # owners and is_last per prefill row
                 first = np.asarray(arrays)
-                for s in np.flatnonzero(rest[0]):
-                    i = owners[s]
+                for j in np.flatnonzero(rest[0]):
+                    i = owners[j]
                     out.first[i] = time.perf_counter()
-                    take(i, [int(first[s])])
+                    take(i, [int(first[j])])
                 continue
             toks, n_new, acc, conf, verified = jax.device_get(arrays)
             rounds.read(rest[0], rest[1], n_new, conf)
@@ -225,7 +233,8 @@ def decoding_pool(engine: Engine, slots: int, max_len: int, *, prompt_len: int =
         n = min(c, prompt_len - start)
         ids = np.zeros((slots, c), np.int32)
         ids[:, :n] = rng.integers(3, engine.model.config.vocab_size, (slots, n))
-        bs, _ = engine.prefill_step(bs, ids, np.full(slots, n, np.int32), np.full(slots, start + n == prompt_len))
+        bs, _ = engine.prefill_step(bs, np.arange(slots), ids, np.full(slots, n, np.int32),
+                                    np.full(slots, start + n == prompt_len))
     return bs
 
 

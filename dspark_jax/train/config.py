@@ -17,7 +17,7 @@ from dspark_jax.train.optim import OptimConfig
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    batch_size: int  # windows per step
+    batch_size: int  # windows of seq_len per step (the drafter's: see RunConfig.drafter_shape)
     optim: OptimConfig
     max_steps: int | None = None  # stop earlier than the clock (toy runs)
     eval_every_s: float = 60.0
@@ -46,6 +46,9 @@ class RunConfig:
     # ahead failed) adds its compilation time to the run's.
     reserve_s: float = 15.0
     compile_ahead: bool = True  # later phases' programs compile in background threads (ahead.py)
+    # The programs that compile while the target trains do so without autotuning (ahead.UNTUNED),
+    # which would time candidate kernels on the device the target trains on; True: autotuned.
+    background_autotune: bool = False
     dtype: str = "bfloat16"  # parameter storage and activations (fp32 master and moments)
     seed: int = 0
     eval_windows: int = 16  # held-out windows per evaluation batch
@@ -77,6 +80,18 @@ class RunConfig:
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
+    def drafter_shape(self) -> tuple[int, int, int, int]:
+        """(windows per step, tokens per window, anchors per window, first anchor) of the drafter's
+        train step. Without generation: ``drafter.batch_size`` corpus windows of ``seq_len``, anchors
+        anywhere. With it: the generated sequences (prompt + continuation) as windows, anchors in the
+        continuation only, as many tokens per step and anchors per token as ``seq_len`` windows."""
+        if self.generate is None:
+            return self.drafter.batch_size, self.seq_len, min(self.draft_loss.num_anchors, self.seq_len - 1), 0
+        g = self.generate
+        windows = max(1, self.drafter.batch_size * self.seq_len // g.length)
+        anchors = max(1, min(self.draft_loss.num_anchors * g.length // self.seq_len, g.new_tokens - 1))
+        return windows, g.length, anchors, g.prefix_tokens
+
 
 # Every package the manifest pins (dspark_jax/train/corpus_packages.json).
 PINNED_PACKAGES = ("flax", "jax", "jaxtyping", "ml_dtypes", "numpy", "opt_einsum", "optax", "orbax-checkpoint", "tqdm")
@@ -88,7 +103,8 @@ def shipped(minutes: float = 7.0) -> RunConfig:
         model=model_config.shipped(),
         corpus=CorpusConfig(packages=PINNED_PACKAGES),
         seq_len=1024,
-        target=PhaseConfig(batch_size=48, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.1)),
+        # 640 steps or target_share of the time, whichever ends first (the rest goes to the drafter)
+        target=PhaseConfig(batch_size=48, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.1), max_steps=640),
         drafter=PhaseConfig(batch_size=32, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.0)),
         draft_loss=DraftLossConfig(num_anchors=128),
         generate=GenerateConfig(),
@@ -124,8 +140,8 @@ def toy(minutes: float = 10.0) -> RunConfig:
 
 def toy_generate() -> GenerateConfig:
     """The generation phase at CPU-test scale (``toy().replace(generate=toy_generate())``)."""
-    return GenerateConfig(sequences=8, prefix_tokens=32, new_tokens=96, batch_size=4, corpus_fraction=0.25,
-                          heldout_sequences=4)
+    return GenerateConfig(sequences=8, prefix_tokens=32, new_tokens=96, batch_size=4, greedy_fraction=0.75,
+                          corpus_fraction=0.25, heldout_sequences=4)
 
 
 PRESETS = {"shipped": shipped, "toy": toy}

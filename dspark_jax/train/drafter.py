@@ -3,8 +3,9 @@
 Per batch of windows x [b, T]:
 1. the frozen target runs once: fp32 logits (the teacher distributions p_t) and the hc-means of
    the DSpark target layers; ``main_x = main_norm(main_proj(hidden))``;
-2. ``num_anchors`` random anchors a per window; block = [x_a, noise x (γ-1)] at positions a .. a+γ-1, slot k
-   predicting x_{a+k+1};
+2. ``num_anchors`` random anchors a per window (from ``first_anchor`` on: windows of generated
+   sequences put them in the continuation, after the prompt); block = [x_a, noise x (γ-1)] at
+   positions a .. a+γ-1, slot k predicting x_{a+k+1};
 3. each stage attends to its context keys ``kv_norm(wkv(main_x))`` at positions a-W .. a-1
    (strictly before the anchor, W = sliding window) plus the block's own rows, bidirectionally:
    exactly ``DSparkStage.draft_layer`` of inference with committed length L = a;
@@ -52,12 +53,12 @@ class DraftLossConfig:
 
 
 # ---------------------------------------------------------------------------- inputs
-def sample_anchors(key: Array, batch: int, seq_len: int, num_anchors: int) -> Int[Array, "b a"]:
-    """Distinct anchors per window, uniform over positions 0 .. seq_len-2 (each has a label), sorted."""
-    if not 1 <= num_anchors <= seq_len - 1:
-        raise ValueError(f"num_anchors must lie in [1, seq_len-1 = {seq_len - 1}], got {num_anchors}")
-    u = jax.random.uniform(key, (batch, seq_len - 1))
-    return jnp.sort(jax.lax.top_k(u, num_anchors)[1], axis=-1).astype(jnp.int32)
+def sample_anchors(key: Array, batch: int, seq_len: int, num_anchors: int, first: int = 0) -> Int[Array, "b a"]:
+    """Distinct anchors per window, uniform over positions first .. seq_len-2 (each has a label), sorted."""
+    if not 1 <= num_anchors <= seq_len - 1 - first:
+        raise ValueError(f"num_anchors must lie in [1, seq_len-1-first = {seq_len - 1 - first}], got {num_anchors}")
+    u = jax.random.uniform(key, (batch, seq_len - 1 - first))
+    return (jnp.sort(jax.lax.top_k(u, num_anchors)[1], axis=-1) + first).astype(jnp.int32)
 
 
 def block_inputs(ids: Int[Array, "b t"], anchors: Int[Array, "b a"], gamma: int, noise_id: int):
@@ -213,15 +214,19 @@ def drafter_batch(model: DeepSeekV4, target_logits: Float[Array, "b t v"], hidde
     return out, metrics, (flat(valid), p_t)
 
 
-def make_drafter_step(graphdef: nnx.GraphDef, draft_dtypes, tx: optax.GradientTransformation, cfg: DraftLossConfig):
+def make_drafter_step(graphdef: nnx.GraphDef, draft_dtypes, tx: optax.GradientTransformation, cfg: DraftLossConfig,
+                      *, num_anchors: int | None = None, first_anchor: int = 0):
     """Jitted ``(state, frozen, rest, ids, key, lr) -> (state, metrics)``; ``state`` (the drafter's
     fp32 master and optimizer state) is donated. graphdef / draft_dtypes come from
-    ``nnx.split(model, DRAFT_PARAMS, nnx.Param, ...)``; ``frozen`` are the target parameters."""
+    ``nnx.split(model, DRAFT_PARAMS, nnx.Param, ...)``; ``frozen`` are the target parameters.
+    Each window gets ``num_anchors`` anchors (default ``cfg.num_anchors``, at most the positions
+    available) at positions ``first_anchor`` .. t-2."""
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state: TrainState, frozen: nnx.State, rest: nnx.State, ids: Int[Array, "b t"], key, lr):
         b, t = ids.shape
-        anchors = sample_anchors(key, b, t, min(cfg.num_anchors, t - 1))
+        a = num_anchors if num_anchors is not None else min(cfg.num_anchors, t - 1 - first_anchor)
+        anchors = sample_anchors(key, b, t, a, first_anchor)
         merge = lambda master: nnx.merge(graphdef, cast_like(master, draft_dtypes), frozen, rest)
         target_logits, hidden = target_features(merge(state.master), ids)
 

@@ -33,6 +33,8 @@ class PhaseLog:
     epochs: float = 0.0
     peak_memory_gib: float | None = None  # device memory after the first step (None on CPU)
     checkpoint_error: str | None = None  # checkpoints are only for resuming: a failure does not stop training
+    started_at: float | None = None  # time.time() when this invocation of the phase started (time_s origin)
+    first_step: int = 0  # the step this invocation started from (> 0: resumed from a checkpoint)
 
     @property
     def tokens_per_s(self) -> float:
@@ -44,13 +46,13 @@ class PhaseLog:
         return dict(name=self.name, steps=self.steps, tokens=self.tokens, compile_s=self.compile_s,
                     train_s=self.train_s, tokens_per_s=self.tokens_per_s, progress=self.progress, done=self.done,
                     batch_size=self.batch_size, epochs=self.epochs, peak_memory_gib=self.peak_memory_gib,
-                    checkpoint_error=self.checkpoint_error,
+                    checkpoint_error=self.checkpoint_error, started_at=self.started_at, first_step=self.first_step,
                     history=self.history, evals=self.evals)
 
     @classmethod
     def from_json(cls, d: dict) -> "PhaseLog":
         keys = ("name", "history", "evals", "compile_s", "train_s", "steps", "tokens", "progress", "done",
-                "batch_size", "epochs", "peak_memory_gib", "checkpoint_error")
+                "batch_size", "epochs", "peak_memory_gib", "checkpoint_error", "started_at", "first_step")
         return cls(**{k: d[k] for k in keys if k in d})
 
 
@@ -86,8 +88,9 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
     step_fn(state, batch, lr, step) -> (state, metrics) must donate ``state``. The schedule's
     progress continues from ``log.progress`` (resumed runs) and reaches 1 at the deadline. At
     least one step runs. On an out-of-memory error in the first step the batch is halved."""
-    t_start = time.time()
+    t_start = log.started_at = time.time()
     p0, step0 = log.progress, log.steps
+    log.first_step = step0
     host_state = jax.device_get(state) if retry_oom else None
     t_ready = None  # end of the first (compiling) step
     paused = 0.0  # time spent in evaluations and checkpoints after the first step
@@ -184,6 +187,28 @@ def run_phase(log: PhaseLog, state, step_fn: StepFn, sampler: WindowSampler, opt
     checkpoint(done=True)
     log.done = True
     return state
+
+
+def step_seconds(phase: dict, busy: list[tuple[float, float]]) -> dict:
+    """Median seconds per step of a phase (``PhaseLog.to_json``) while any of the ``busy`` intervals
+    (time.time() pairs: compilations in the background) ran, and while none did.
+
+    A step's ``time_s`` is when the previous step's metrics arrived (one step in flight), so step j
+    ran from time_s[j] to time_s[j + 1]; the invocation's first step (its compilation) and the steps
+    of an earlier invocation (resumed phases: their times have another origin) are left out."""
+    hist = [h for h in phase["history"] if h["step"] > phase.get("first_step", 0)]
+    if phase.get("started_at") is None or len(hist) < 2:
+        return dict(median_during_compiles=float("nan"), median_other=float("nan"), steps_during_compiles=0,
+                    steps_other=0)
+    t = phase["started_at"] + np.asarray([h["time_s"] for h in hist])
+    start, end = t[:-1], t[1:]
+    during = np.zeros(len(start), bool)
+    for a, b in busy:
+        during |= (start < b) & (end > a)
+    dt = end - start
+    med = lambda x: float(np.median(x)) if len(x) else float("nan")
+    return dict(median_during_compiles=med(dt[during]), median_other=med(dt[~during]),
+                steps_during_compiles=int(during.sum()), steps_other=int((~during).sum()))
 
 
 def _fmt(d: dict) -> str:

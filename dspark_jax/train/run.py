@@ -1,7 +1,7 @@
 """The whole pipeline under one wall-clock budget:
 
 corpus -> tokenizer -> token windows -> target pretraining -> generation (the target continues
-corpus prefixes) -> drafter training (generated + corpus windows) -> held-out evaluation ->
+prompts cut from the corpus) -> drafter training (generated + corpus windows) -> held-out evaluation ->
 simulated decoding rounds + STS -> official-layout export (+ load check) -> plots and a JSON log.
 
 Output directory layout::
@@ -33,12 +33,12 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train import drafter as drafter_lib
 from dspark_jax.train import generate as gen_lib
 from dspark_jax.train import sts as sts_lib
-from dspark_jax.train.ahead import Programs, abstract
+from dspark_jax.train.ahead import UNTUNED, Programs, abstract
 from dspark_jax.train.checkpointing import PhaseCheckpointer
 from dspark_jax.train.config import RunConfig
 from dspark_jax.train.corpus import WindowSampler, build_corpus, windows
 from dspark_jax.train.export import export_model, round_to_checkpoint
-from dspark_jax.train.loop import PhaseLog, run_phase
+from dspark_jax.train.loop import PhaseLog, run_phase, step_seconds
 from dspark_jax.train.optim import cast_like, init_state, make_optimizer
 from dspark_jax.train.target import init_hash_routes, make_target_eval, make_target_step
 from dspark_jax.train.tokenizer import encode_documents, train_tokenizer
@@ -123,7 +123,8 @@ def submit_programs(programs: Programs, model: DeepSeekV4, cfg: RunConfig) -> di
     """Every jitted program of the run, submitted with the abstract arguments its phase calls it with
     (known from the model's structure and the config before any data exists; ``model`` may be
     abstract, from ``nnx.eval_shape``): the target's train step and evaluation at once, the later
-    phases' programs once those two are compiled (so that they compile while the target trains).
+    phases' programs once those two are compiled, in the background (while the target trains: a
+    few at a time, at low priority, without autotuning unless ``cfg.background_autotune``).
     Returns the optimizers the train steps close over, by phase."""
     key = jax.eval_shape(lambda: jax.random.key(0))
     lr = jax.ShapeDtypeStruct((), jnp.float32, weak_type=True)  # a Python float
@@ -135,28 +136,32 @@ def submit_programs(programs: Programs, model: DeepSeekV4, cfg: RunConfig) -> di
     programs.submit("target_step", make_target_step(graphdef, _dtypes(params), tx_target), state, abstract(rest),
                     _ids(cfg.target.batch_size, cfg.seq_len), lr)
     programs.submit("target_eval", make_target_eval(graphdef), abstract(params), abstract(rest), held)
-    first = ("target_step", "target_eval")
+    # The later phases' programs, in the order they are needed.
+    later = dict(after=("target_step", "target_eval"), background=True,
+                 options=None if cfg.background_autotune else UNTUNED)
 
     g = cfg.generate
     if g is not None:
         graphdef_all, everything = nnx.split(model)
         programs.submit("generate", gen_lib.make_generate(graphdef_all, g), abstract(everything),
                         _ids(g.batch_size, g.prefix_tokens), jax.ShapeDtypeStruct((g.batch_size,), jnp.float32), key,
-                        after=first)
+                        **later)
 
     graphdef, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
     tx_drafter = make_optimizer(cfg.drafter.optim, draft)
     state = jax.eval_shape(lambda p: init_state(p, tx_drafter), draft)
     fixed = abstract(frozen), abstract(rest)
-    programs.submit("drafter_step", drafter_lib.make_drafter_step(graphdef, _dtypes(draft), tx_drafter, cfg.draft_loss),
-                    state, *fixed, _ids(cfg.drafter.batch_size, cfg.seq_len), key, lr, after=first)
+    windows, length, anchors, first_anchor = cfg.drafter_shape()
+    step = drafter_lib.make_drafter_step(graphdef, _dtypes(draft), tx_drafter, cfg.draft_loss, num_anchors=anchors,
+                                         first_anchor=first_anchor)
+    programs.submit("drafter_step", step, state, *fixed, _ids(windows, length), key, lr, **later)
     programs.submit("drafter_eval", drafter_lib.make_drafter_eval(graphdef, cfg.draft_loss), abstract(draft), *fixed,
-                    held, _ids(cfg.eval_windows, _eval_anchors(cfg)), after=first)
+                    held, _ids(cfg.eval_windows, _eval_anchors(cfg)), **later)
     if g is not None:
         rows = min(cfg.eval_windows, g.heldout_sequences)  # simulate_rounds' chunks
         anchors = len(gen_lib.replay_anchors(g.length, g.prefix_tokens, cfg.model.dspark.block_size))
         programs.submit("free_drafts", drafter_lib.make_free_drafts(graphdef), abstract(draft), *fixed,
-                        _ids(rows, g.length), _ids(rows, anchors), after=first)
+                        _ids(rows, g.length), _ids(rows, anchors), **later)
     return dict(target=tx_target, drafter=tx_drafter)
 
 
@@ -195,7 +200,10 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: opt
     _, draft, frozen, rest = nnx.split(model, drafter_lib.DRAFT_PARAMS, nnx.Param, ...)
     dtypes = _dtypes(draft)
     state = init_state(draft, tx)
-    sampler = WindowSampler(train_w, cfg.drafter.batch_size, seed=cfg.seed + 1)
+    windows, length, _, _ = cfg.drafter_shape()
+    if train_w.shape[1] != length:
+        raise ValueError(f"drafter windows of {train_w.shape[1]} tokens, the step is built for {length}")
+    sampler = WindowSampler(train_w, windows, seed=cfg.seed + 1)
     ckpt = PhaseCheckpointer(os.path.join(work, "ckpt_drafter"))
     state, log = _restore(ckpt, state, PhaseLog("drafter"), sampler, resume)
     step, evaluate = programs.get("drafter_step"), programs.get("drafter_eval")
@@ -232,18 +240,21 @@ def train_drafter(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: opt
     return dict(phase=log.to_json(), heldout=held), blocks
 
 
-def generate_phase(model: DeepSeekV4, cfg: RunConfig, programs: Programs, train_w, held_w, corpus_stats: dict,
-                   work: str, deadline: float, resume: bool) -> tuple[np.ndarray, dict, dict]:
+def generate_phase(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tok: Tokenizer, train_w, held_w,
+                   corpus_stats: dict, work: str, deadline: float, resume: bool) -> tuple[np.ndarray, dict, dict]:
     """Sequences the trained target generates (cached in ``<work>/generated.npz``) and the
     drafter's training windows made of them and of corpus windows."""
-    gcfg = cfg.generate
+    gcfg, m = cfg.generate, cfg.model
     fingerprint = dict(corpus=corpus_stats["content_sha256"], generate=dataclasses.asdict(gcfg), seed=cfg.seed,
-                       model=cfg.model.to_hf_dict(), dtype=cfg.dtype)
+                       model=m.to_hf_dict(), dtype=cfg.dtype)
     data = gen_lib.cached_generate(
         os.path.join(work, "generated.npz"), fingerprint,
         lambda: gen_lib.generate_data(programs.get("generate"), nnx.split(model)[1], gcfg, train_w.reshape(-1),
-                                      held_w.reshape(-1), seed=cfg.seed, deadline=deadline, say=_say), resume=resume)
-    windows_, mix = gen_lib.drafter_windows(data["train"], train_w, cfg.seq_len, gcfg.corpus_fraction, cfg.seed)
+                                      held_w.reshape(-1), line_starts=gen_lib.line_start_tokens(tok, m.vocab_size),
+                                      bos=m.bos_token_id, eos=m.eos_token_id, seed=cfg.seed, deadline=deadline,
+                                      say=_say), resume=resume)
+    windows_, mix = gen_lib.drafter_windows(data["train"], train_w.reshape(-1), gcfg.corpus_fraction, m.bos_token_id,
+                                            cfg.seed)
     stats = dict(data["stats"], **mix)
     _say(f"[generate] drafter data: {mix['generated_windows']} generated + {mix['corpus_windows']} corpus windows")
     return windows_, data, stats
@@ -320,7 +331,7 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
         if cfg.generate is not None:
             t0 = time.time()
             gen_deadline = t0 + cfg.generate.share * (deadline - cfg.reserve_s - t0)
-            drafter_w, generated, log["generate"] = generate_phase(model, cfg, programs, train_w, held_w,
+            drafter_w, generated, log["generate"] = generate_phase(model, cfg, programs, tok, train_w, held_w,
                                                                    log["corpus"], work, gen_deadline, resume)
             log["timings"]["generate_s"] = time.time() - t0
         t0 = time.time()
@@ -336,6 +347,12 @@ def train_all(out_dir: str, cfg: RunConfig, *, work_dir: str | None = None, resu
         else:
             sts_json, test = sts_lib.calibrate_blocks(blocks)
         log["compile"] = programs.to_json()
+    busy = [(t_start + p["started_s"], t_start + p["started_s"] + p["compile_s"]) for p in log["compile"].values()
+            if p["background"] and p["ahead"] and p["started_s"] is not None and p["compile_s"] is not None]
+    log["target"]["step_s"] = step_seconds(log["target"]["phase"], busy)
+    st = log["target"]["step_s"]
+    _say(f"[target] median step time {st['median_during_compiles']:.3f} s over {st['steps_during_compiles']} steps "
+         f"while programs compiled in the background, {st['median_other']:.3f} s over {st['steps_other']} others")
     log["sts"] = dict(test, temperatures=sts_json["temperatures"], fit_blocks=sts_json["fit_blocks"],
                       fit_ece_before=sts_json["ece_before"], fit_ece_after=sts_json["ece_after"],
                       labels=sts_json["labels"])
