@@ -44,19 +44,20 @@ def small_checkpoint(tmp_path_factory):
     return str(path)
 
 
-# The longest test files first, longest first (CPU seconds on 2 workers: ~90 down to ~15): with
-# `--dist loadfile` each worker takes the next whole file in this order when it runs short of tests,
-# so both end within about one short file of each other. pytest-xdist would otherwise order the
-# files by their number of tests (its "loadscope reorder", turned off below), which leaves long
-# files with few tests for the end.
-_LONG_FIRST = ("test_sharding.py", "test_sampling.py", "test_engine.py", "test_kernels_integration.py",
-               "test_train_e2e.py", "test_default_model.py", "test_model.py", "test_mechanisms.py",
-               "test_serving.py", "test_kernels_attention.py", "test_kernels_grouped_matmul.py",
-               "test_precision.py", "test_cli.py", "test_accept_profile.py")
+# The longest test files first, longest first (CPU seconds of each on a 2-worker run: ~100 down to
+# ~12): with `--dist loadfile` each worker takes the next whole file in this order when it runs
+# short of tests, so both end within about one short file of each other. pytest-xdist would
+# otherwise order the files by their number of tests (its "loadscope reorder", turned off below),
+# which can leave a long file with few tests for the end.
+_LONG_FIRST = ("test_sampling.py", "test_sharding.py", "test_engine.py", "test_kernels_integration.py",
+               "test_default_model.py", "test_train_e2e.py", "test_model.py", "test_serving.py",
+               "test_kernels_attention.py", "test_mechanisms.py", "test_kernels_grouped_matmul.py",
+               "test_checkpoint.py", "test_accept_profile.py", "test_cli.py", "test_precision.py",
+               "test_train_drafter.py")
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6: keep the collection order
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.8: keep the collection order
         config.option.loadscopereorder = False
 
 

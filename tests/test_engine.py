@@ -179,7 +179,9 @@ def test_stops_default_to_eos(tiny_f32):
 def test_request_filling_the_whole_context():
     """prompt + max_new_tokens = the model context: the last verify blocks write rows past the
     context (the cache's verify slack) while whole drafts are accepted; output = target-only."""
-    cfg = dspark_jax.config.tiny(dspark=False).replace(max_position_embeddings=256)  # the oracle drafts
+    # the oracle drafts; the target's three kinds of layers (window-only, C4 + indexer, C128) once each
+    cfg = dspark_jax.config.tiny(dspark=False).replace(max_position_embeddings=256, num_hidden_layers=3,
+                                                       compress_ratios=(0, 4, 128))
     m = dspark_jax.init(cfg, 1, dtype=jnp.float32)
     new = 23
     prompt = (np.arange(cfg.max_position_embeddings - new) * 7 % 300 + 3).tolist()

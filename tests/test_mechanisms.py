@@ -159,12 +159,16 @@ def test_compressor_entries_and_chunking(ratio):
     expect = apply_rope(jnp.asarray(np.stack(expect))[None], jnp.arange(len(expect))[None] * ratio,
                         layer_inv_freq(cfg, ratio), heads=False)[0]
 
+    @jax.jit
+    def step(x, start, state):  # one program per chunk width (op by op, every operation compiles on its own)
+        sz = x.shape[1]
+        return comp(x, Chunk(jnp.zeros((1, sz), jnp.int32), start, jnp.array([sz])), state)
+
     def run(sizes):
         state = init_cache(cfg, 1, t + 16, jnp.float32, fill=1e4).layers[1].compressor
         start = 0
         for sz in sizes:
-            chunk = Chunk(jnp.zeros((1, sz), jnp.int32), jnp.array([start]), jnp.array([sz]))
-            entries, state = comp(jnp.asarray(x[:, start:start + sz]), chunk, state)
+            entries, state = step(jnp.asarray(x[:, start:start + sz]), jnp.array([start]), state)
             start += sz
         return np.asarray(entries[0, :t // ratio])
 
