@@ -293,7 +293,8 @@ def schedulers(args, model, eng, prompts, params):
         table = profile_sps(eng, s, args.context, repeats=args.repeats)
         profile_s = time.perf_counter() - t0
         print(f"slots {s}: SPS table ({profile_s:.0f} s, {eng.compiled_programs() - compiled} programs compiled) "
-              f"tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}", flush=True)
+              f"tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}, static round "
+              f"{table.static_steps_per_s:.2f}/s (dominates: {table.static_dominates})", flush=True)
         table.save(os.path.join(out_dir(), f"sps_S{s}.json"))
         per_round = round_times(eng, s, args.context, table, args.round_repeats)
         print(f"slots {s}: seconds per round {per_round}", flush=True)
@@ -486,11 +487,13 @@ def flash_schedulers(args):
         print(f"slots {slots}: {programs} programs so far, this pool's compiled in {compile_s:.1f} s "
               f"(buckets {buckets})", flush=True)
         key = table_key(model, gamma=gamma, kv_layout=args.kv)
-        table = profile(round_seconds(eng, pool), buckets, key, repeats=args.repeats,
-                        meta=dict(slots=slots, context=context))
+        seconds = round_seconds(eng, pool)
+        table = profile(seconds, buckets, key, repeats=args.repeats, meta=dict(slots=slots, context=context),
+                        static_seconds=lambda: seconds(None))
         table.save(os.path.join(out_dir(), f"sps_S{slots}.json"))
         plot_table(table, os.path.join(out_dir(), f"sps_S{slots}.png"))
-        print(f"slots {slots}: SPS tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}",
+        print(f"slots {slots}: SPS tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}, "
+              f"static round {table.static_steps_per_s:.2f}/s (dominates: {table.static_dominates})",
               flush=True)
         for name in SCHEDULERS:
             row = run_rounds(eng, pool, name, table, args.warmup_rounds, args.rounds)

@@ -457,8 +457,37 @@ def test_profile_drops_warmup_and_plots(tmp_path):
     assert calls == [1, 1, 1, 4, 4, 4, 16, 16, 16]
     assert table.tokens == (1, 4, 16)
     np.testing.assert_allclose(1 / np.asarray(table.measured_steps_per_s), [0.0105 * (1 + t / 64) for t in (1, 4, 16)])
+    assert table.static_steps_per_s is None and not table.static_dominates
     sch.plot_table(table, str(tmp_path / "sps.png"))
     assert (tmp_path / "sps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the static round timed the same way (warm-up dropped, median of the repeats)
+    static_calls = []
+
+    def static_seconds():
+        static_calls.append(1)
+        return 100.0 if len(static_calls) == 1 else [0.02, 0.03, 0.01][len(static_calls) - 2]
+
+    calls.clear()
+    with_static = sch.profile(seconds, [16, 1, 4], KEY, repeats=3, warmup=1, static_seconds=static_seconds)
+    assert len(static_calls) == 4 and with_static.static_steps_per_s == pytest.approx(1 / 0.02)
+    sch.plot_table(with_static, str(tmp_path / "sps_static.png"))
+
+
+def test_static_round_dominates_only_when_no_bucket_is_faster(tmp_path):
+    """Θ(ragged) = E[accepted of a subset] · SPS(bucket) <= E[accepted of all] · SPS(fastest bucket),
+    so a static round at least as fast as the fastest bucket is the best choice whatever the
+    confidences; one that is slower is not (the schedulers then decide per round)."""
+    base = dict(tokens=(8, 16, 24), steps_per_s=(300.0, 250.0, 240.0))
+    assert sch.SPSTable(**base, static_steps_per_s=300.0).static_dominates
+    assert sch.SPSTable(**base, static_steps_per_s=450.0).static_dominates
+    assert not sch.SPSTable(**base, static_steps_per_s=299.0).static_dominates
+    assert not sch.SPSTable(**base).static_dominates
+    with pytest.raises(ValueError, match="static rounds per second"):
+        sch.SPSTable(**base, static_steps_per_s=0.0)
+    table = sch.SPSTable(**base, key=KEY, static_steps_per_s=371.5)
+    table.save(str(tmp_path / "sps.json"))
+    assert sch.SPSTable.load(str(tmp_path / "sps.json"), KEY) == table
 
 
 # ---------------------------------------------------------------------------- lag state

@@ -181,3 +181,45 @@ def test_prefill_chunks_keep_within_the_token_budget():
     for rows in range(1, 200):
         c = eng.chunk_limit(rows)
         assert c & (c - 1) == 0 and (rows * c <= eng.prefill_tokens or c == MIN_PREFILL_CHUNK)
+
+
+class _RecordingEngine:
+    """The parts of an Engine a RoundDispatcher calls; records which round program ran."""
+
+    gamma, temperatures = 5, None
+
+    def __init__(self):
+        self.calls = []
+
+    def round(self, bs, **flags):
+        self.calls.append("static")
+        return bs, None
+
+    def round_confidence(self, bs, table, **flags):
+        self.calls.append("confidence")
+        return bs, None
+
+    def round_lagged(self, bs, capacity, busy, **flags):
+        self.calls.append(("lagged", capacity, busy))
+        return bs, None
+
+
+@pytest.mark.parametrize("scheduler", ["confidence", "lagged"])
+def test_schedulers_run_the_static_round_when_the_table_says_it_dominates(scheduler):
+    """A static round at least as fast as every ragged bucket (a launch-bound pool: measured on
+    the H200 for the shipped model at 16 slots) is the schedulers' choice whatever the
+    confidences, in its one program; slower, they run their own rounds."""
+    from dspark_jax.decoding.serving import RoundDispatcher
+
+    slots, flags = 4, dict(sampled=False, top_k=False, top_p=False)
+    running = [0, 1, -1, 3]  # one slot idle: the lagged rule alone would not run the static round
+    buckets = dict(tokens=(8, 16, 24), steps_per_s=(250.0, 245.0, 240.0))
+    for static_sps, want in [(380.0, "static"), (250.0, "static"), (200.0, None)]:
+        eng = _RecordingEngine()
+        disp = RoundDispatcher(eng, scheduler, SPSTable(**buckets, static_steps_per_s=static_sps), slots)
+        for _ in range(3):
+            disp.dispatch("state", running, flags)
+        if want == "static":
+            assert eng.calls == ["static"] * 3
+        else:
+            assert "static" not in eng.calls and len(eng.calls) == 3

@@ -128,7 +128,9 @@ class SPSTable:
     of B verify tokens runs in the smallest profiled bucket >= B (the engine pads the packed
     token axis up to a compiled bucket), so SPS(B) = steps_per_s at that bucket; B beyond the
     last count is an error. measured_steps_per_s: 1 / median step time before the fit (for
-    plots). An empty table is *uninitialised*: schedulers then verify everything.
+    plots). static_steps_per_s: rounds per second of the pool's static round (every slot
+    verifying γ + 1 tokens in one program, no ragged packing), None if not measured. An empty
+    table is *uninitialised*: schedulers then verify everything.
     """
 
     tokens: tuple[int, ...]
@@ -136,11 +138,17 @@ class SPSTable:
     key: TableKey | None = None
     measured_steps_per_s: tuple[float, ...] | None = None
     meta: tuple[tuple[str, Any], ...] = ()  # free-form facts of the profile (not compared)
+    static_steps_per_s: float | None = None
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)
         put("tokens", tuple(int(t) for t in self.tokens))
         put("steps_per_s", tuple(float(s) for s in self.steps_per_s))
+        if self.static_steps_per_s is not None:
+            put("static_steps_per_s", float(self.static_steps_per_s))
+            if not (np.isfinite(self.static_steps_per_s) and self.static_steps_per_s > 0):
+                raise ValueError(f"SPS table static rounds per second must be finite and positive, "
+                                 f"got {self.static_steps_per_s}")
         if self.measured_steps_per_s is not None:
             put("measured_steps_per_s", tuple(float(s) for s in self.measured_steps_per_s))
         put("meta", tuple(sorted(dict(self.meta).items())))
@@ -162,6 +170,15 @@ class SPSTable:
     @property
     def initialised(self) -> bool:
         return len(self.tokens) > 0
+
+    @property
+    def static_dominates(self) -> bool:
+        """The static round is at least as fast as the fastest ragged bucket. Then it has the
+        highest throughput Θ = E[accepted] · SPS whatever the confidences: any ragged choice
+        verifies a subset of the drafts (E[accepted] no larger than verifying all) at no more
+        rounds per second than the static round."""
+        return (self.initialised and self.static_steps_per_s is not None
+                and self.static_steps_per_s >= self.steps_per_s[0])
 
     def check_covers(self, tokens: int) -> None:
         """Raise unless rounds of up to ``tokens`` verify tokens have a bucket in the table."""
@@ -190,7 +207,7 @@ class SPSTable:
                     key=None if self.key is None else dataclasses.asdict(self.key), tokens=list(self.tokens),
                     steps_per_s=list(self.steps_per_s),
                     measured_steps_per_s=None if self.measured_steps_per_s is None else list(self.measured_steps_per_s),
-                    meta=dict(self.meta))
+                    static_steps_per_s=self.static_steps_per_s, meta=dict(self.meta))
 
     def save(self, path: str) -> None:
         if not self.initialised:
@@ -220,7 +237,8 @@ class SPSTable:
             raise StaleTableError(f"SPS table {path!r} was measured for another setup ({'; '.join(diff)}): "
                                   "profile again for this one")
         return cls(tokens=raw["tokens"], steps_per_s=raw["steps_per_s"], key=stored,
-                   measured_steps_per_s=raw.get("measured_steps_per_s"), meta=tuple((raw.get("meta") or {}).items()))
+                   measured_steps_per_s=raw.get("measured_steps_per_s"), static_steps_per_s=raw.get("static_steps_per_s"),
+                   meta=tuple((raw.get("meta") or {}).items()))
 
 
 def isotonic_increasing(y: Sequence[float], w: Sequence[float]) -> np.ndarray:
@@ -255,10 +273,12 @@ def fit_table(step_seconds: Mapping[int, Sequence[float]], key: TableKey | None 
 
 
 def profile(seconds: Callable[[int], float], token_counts: Sequence[int], key: TableKey | None = None, *,
-            repeats: int = 5, warmup: int = 1, meta: Mapping[str, Any] | None = None) -> SPSTable:
+            repeats: int = 5, warmup: int = 1, meta: Mapping[str, Any] | None = None,
+            static_seconds: Callable[[], float] | None = None) -> SPSTable:
     """Time rounds at each verify-token count: ``seconds(tokens)`` runs one round of that many
     verify tokens and returns its wall time; the first ``warmup`` calls per count (compilation)
-    are dropped, the next ``repeats`` fitted by ``fit_table``."""
+    are dropped, the next ``repeats`` fitted by ``fit_table``. ``static_seconds()``, if given,
+    times the pool's static round the same way (its median sets ``static_steps_per_s``)."""
     counts = [int(t) for t in token_counts]
     if not counts or len(set(counts)) != len(counts):
         raise ValueError(f"token counts must be a non-empty list of distinct counts, got {list(token_counts)}")
@@ -269,7 +289,13 @@ def profile(seconds: Callable[[int], float], token_counts: Sequence[int], key: T
         for _ in range(warmup):
             seconds(t)
         times[t] = [float(seconds(t)) for _ in range(repeats)]
-    return fit_table(times, key, dict(meta or {}, repeats=repeats, warmup=warmup))
+    table = fit_table(times, key, dict(meta or {}, repeats=repeats, warmup=warmup))
+    if static_seconds is None:
+        return table
+    for _ in range(warmup):
+        static_seconds()
+    median = statistics.median(float(static_seconds()) for _ in range(repeats))
+    return dataclasses.replace(table, static_steps_per_s=1.0 / median)
 
 
 def plot_table(table: SPSTable, path: str) -> None:
@@ -286,6 +312,8 @@ def plot_table(table: SPSTable, path: str) -> None:
     ax.step(x, table.steps_per_s, where="pre", label="fitted SPS (ceiling lookup)")
     if table.measured_steps_per_s is not None:
         ax.plot(x, table.measured_steps_per_s, "o", ms=4, label="measured (1 / median)")
+    if table.static_steps_per_s is not None:
+        ax.axhline(table.static_steps_per_s, ls="--", c="gray", label="static round (all slots, γ + 1 each)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("verify tokens per round (B)")
     ax.set_ylabel("rounds per second")

@@ -81,9 +81,10 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
 class RoundDispatcher:
     """The host half of the verify schedulers over a pool of ``slots`` slots: ``dispatch`` runs
     one round under ``scheduler`` ("static", "confidence" or "lagged", by ``table``; without an
-    initialised table every scheduler verifies everything, as "static", with a warning; the
-    lagged scheduler runs the static round's one program when its capacity covers every draft
-    of a pool whose slots all decode) and
+    initialised table every scheduler verifies everything, as "static", with a warning). Both
+    confidence schedulers run the static round's one program when the table says it dominates
+    (``SPSTable.static_dominates``: no ragged bucket runs faster than the static round), and the
+    lagged one also when its capacity covers every draft of a pool whose slots all decode; and
     ``read`` takes a round's outputs once the host has them, for the lagged scheduler's history
     (``scheduler.SurvivalHistory``: when it schedules round t the host has read round t - 2)."""
 
@@ -96,13 +97,14 @@ class RoundDispatcher:
             table.check_covers(slots * (engine.gamma + 1))
         self.engine, self.scheduler, self.table = engine, scheduler, table
         self.history = SurvivalHistory(slots, engine.gamma) if scheduler == "lagged" else None
+        self.always_static = scheduler == "static" or table.static_dominates
         self.rounds = 0  # rounds dispatched
 
     def dispatch(self, bs, running: list[int], flags: dict[str, bool]):
         """One round over the pool; running[s] = the request slot s decodes (-1: none). Returns
         the state, the round's (device) outputs and the round's index."""
         eng = self.engine
-        if self.scheduler == "static":
+        if self.always_static:
             bs, res = eng.round(bs, **flags)
         elif self.scheduler == "confidence":
             bs, res = eng.round_confidence(bs, self.table, **flags)
@@ -246,13 +248,14 @@ def round_seconds(engine: Engine, pool):
     """``seconds(tokens)``: the wall time of one ragged greedy round on a copy of the state
     ``pool`` (``decoding_pool``; the copy is not timed, and the context does not grow from call to
     call) verifying ``tokens`` tokens in total, spread evenly over the slots, in their bucket;
-    for ``scheduler.profile``."""
+    ``seconds(None)``: the static round (every slot verifies γ + 1 tokens, one program); for
+    ``scheduler.profile``."""
     slots, g1 = pool.anchor.shape[0], engine.gamma + 1
 
-    def seconds(tokens: int) -> float:
-        if not 1 <= tokens <= slots * g1:
+    def seconds(tokens: int | None) -> float:
+        if tokens is not None and not 1 <= tokens <= slots * g1:
             raise ValueError(f"a pool of {slots} slots verifies 1 to {slots * g1} tokens, got {tokens}")
-        lens = np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
+        lens = None if tokens is None else np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
         state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, pool))
         t0 = time.perf_counter()
         state, res = engine.round(state, sampled=False, top_k=False, top_p=False, verify_lens=lens)
@@ -264,8 +267,10 @@ def round_seconds(engine: Engine, pool):
 
 def profile_sps(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, repeats: int = 5) -> SPSTable:
     """The SPS table of ``engine`` for a pool of ``slots`` x ``max_len``: ragged rounds timed at
-    every token bucket of the pool (``round_seconds``), keyed by the device, model, γ and KV layout."""
+    every token bucket of the pool and the static round (``round_seconds``), keyed by the device,
+    model, γ and KV layout."""
     key = table_key(engine.model, gamma=engine.gamma, kv_layout=engine.kv_layout)
     seconds = round_seconds(engine, decoding_pool(engine, slots, max_len, prompt_len=prompt_len))
     return profile(seconds, verify_buckets(slots, engine.gamma), key, repeats=repeats,
-                   meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len))
+                   meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len),
+                   static_seconds=lambda: seconds(None))
