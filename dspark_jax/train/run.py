@@ -175,12 +175,16 @@ def train_target(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: opta
     ckpt = PhaseCheckpointer(os.path.join(work, "ckpt_target"))
     state, log = _restore(ckpt, state, PhaseLog("target"), sampler, resume)
     step, evaluate = programs.get("target_step"), programs.get("target_eval")
-    eval_ids = jnp.asarray(evals[0])
+    eval_ids = [jnp.asarray(b) for b in evals]
+
+    def heldout_metrics(master):  # every held-out window (a first batch alone can be one easy file)
+        params = cast_like(master, dtypes)
+        return _mean_metrics([evaluate(params, rest, ids) for ids in eval_ids])
+
     if not log.done:
         state = run_phase(
             log, state, lambda s, b, lr, i: step(s, rest, jnp.asarray(b), lr), sampler, cfg.target.optim,
-            deadline=deadline, max_steps=cfg.target.max_steps,
-            eval_fn=lambda s: evaluate(cast_like(s.master, dtypes), rest, eval_ids),
+            deadline=deadline, max_steps=cfg.target.max_steps, eval_fn=lambda s: heldout_metrics(s.master),
             eval_every_s=cfg.target.eval_every_s, checkpointer=ckpt, ckpt_every_s=cfg.target.ckpt_every_s,
             save_meta=lambda: dict(sampler=dict(epoch=sampler.epoch, cursor=sampler.cursor)))
     ckpt.close()
