@@ -66,6 +66,7 @@ def child(args) -> None:
     import dspark_jax
     from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
     from dspark_jax import SamplingParams, config
+    from dspark_jax.config import MAX_VERIFY_TOKENS
     from dspark_jax.decoding.engine import Engine
     from dspark_jax.decoding.generate import default_model
 
@@ -83,17 +84,23 @@ def child(args) -> None:
             gamma = model.config.dspark.block_size if mode == "dspark" else 0
             profile = DEFAULT_PROFILE if (mode == "dspark" and name != "shipped") else None
             eng = Engine(model, gamma=gamma, accept_profile=profile)
-            alloc = args.context + (gamma + 1) * (3 * n + 8) + 128
-            bs = at_context(random_state(eng, 1, alloc, seed=0), args.context)
+            growth = (gamma + 1) * (2 * n + 3) + 128  # the tokens of one repeat's rounds (each starts afresh)
+            limit = model.config.max_position_embeddings + MAX_VERIFY_TOKENS
+            context = min(args.context, limit - growth)  # the shipped model stops at 1024 positions
+            if context < 1:
+                raise ValueError(f"{name}: 2 x {n} rounds do not fit its {limit} positions")
+            start = at_context(random_state(eng, 1, context + growth, seed=0), context)
+            fresh = lambda: jax.tree.map(jnp.copy, start)  # noqa: E731
             t0 = time.perf_counter()
-            fn = eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False).compile()
+            fn = eng._round.lower(eng.params, start, sampled=False, top_k=False, top_p=False).compile()
             compile_s = time.perf_counter() - t0
             params = eng.params
-            for _ in range(3):
-                bs, res = fn(params, bs)
-            jax.block_until_ready(res.n_new)
             calls, pipelined, sync = [], [], []
             for _ in range(args.repeats):
+                bs = fresh()
+                for _ in range(3):
+                    bs, res = fn(params, bs)
+                jax.block_until_ready(res.n_new)
                 t0 = time.perf_counter()
                 for _ in range(n):
                     c0 = time.perf_counter()
@@ -116,7 +123,7 @@ def child(args) -> None:
             jax.block_until_ready(out)
             leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(bs))
             row = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": name,
-                   "mode": mode, "gamma": gamma, "compile_s": compile_s, "param_leaves": leaves[0],
+                   "mode": mode, "gamma": gamma, "context": context, "compile_s": compile_s, "param_leaves": leaves[0],
                    "state_leaves": leaves[1], "call_ms": 1e3 * float(np.median(calls)),
                    "pipelined_ms": 1e3 * float(np.median(pipelined)), "sync_ms": 1e3 * float(np.median(sync)),
                    "args_ms": 1e3 * float(np.median(args_t)),
