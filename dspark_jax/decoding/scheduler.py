@@ -237,8 +237,8 @@ class SPSTable:
             raise StaleTableError(f"SPS table {path!r} was measured for another setup ({'; '.join(diff)}): "
                                   "profile again for this one")
         return cls(tokens=raw["tokens"], steps_per_s=raw["steps_per_s"], key=stored,
-                   measured_steps_per_s=raw.get("measured_steps_per_s"), static_steps_per_s=raw.get("static_steps_per_s"),
-                   meta=tuple((raw.get("meta") or {}).items()))
+                   measured_steps_per_s=raw.get("measured_steps_per_s"),
+                   static_steps_per_s=raw.get("static_steps_per_s"), meta=tuple((raw.get("meta") or {}).items()))
 
 
 def isotonic_increasing(y: Sequence[float], w: Sequence[float]) -> np.ndarray:

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-batch", type=int, default=None, help="windows per target step")
     p.add_argument("--target-steps", type=int, default=None,
                    help="the target phase ends after this many steps if its share of the time has not run out "
-                        "first (default: 640 for the shipped preset)")
+                        "first (default: 512 for the shipped preset)")
     p.add_argument("--drafter-batch", type=int, default=None,
                    help="drafter step size in windows of the context length (with generation: as many tokens "
                         "in generated sequences)")

@@ -177,7 +177,7 @@ def train_target(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tx: opta
     step, evaluate = programs.get("target_step"), programs.get("target_eval")
     eval_ids = [jnp.asarray(b) for b in evals]
 
-    def heldout_metrics(master):  # every held-out window (a first batch alone can be one easy file)
+    def heldout_metrics(master):  # every held-out window (the first batch alone is far easier than the rest)
         params = cast_like(master, dtypes)
         return _mean_metrics([evaluate(params, rest, ids) for ids in eval_ids])
 
