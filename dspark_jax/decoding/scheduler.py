@@ -470,6 +470,22 @@ def lagged_capacity(surv: np.ndarray, active: np.ndarray, table: SPSTable) -> in
     return int(np.argmax(theta))
 
 
+def static_round_wins(surv: np.ndarray, active: np.ndarray, table: SPSTable, capacity: int) -> bool:
+    """Whether the static round (every slot verifying γ + 1 tokens at ``table.static_steps_per_s``)
+    has at least the throughput Θ of the lagged round of ``capacity`` drafts, both from the same
+    lagged survivals [slots, γ] (so the choice, like the capacity, does not read the round's own
+    drafts). False when the table has no static rate."""
+    if table.static_steps_per_s is None or not table.initialised:
+        return False
+    surv, active = np.asarray(surv, np.float64), np.asarray(active, bool)
+    _check_shapes(surv, active)
+    n_active = int(active.sum())
+    values = np.sort(surv[active].ravel())[::-1]
+    theta_static = (n_active + values.sum()) * table.static_steps_per_s
+    theta_lagged = (n_active + values[:capacity].sum()) * table.steps_per_second(np.array([n_active + capacity]))[0]
+    return bool(theta_static >= theta_lagged)
+
+
 @dataclasses.dataclass
 class SurvivalHistory:
     """Per-slot survivals of past rounds, for the lagged capacity (host side, numpy).

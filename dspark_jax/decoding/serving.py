@@ -41,7 +41,7 @@ from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity, profile,
-                                           table_key)
+                                           static_round_wins, table_key)
 from dspark_jax.train.sts import survival
 
 
@@ -84,7 +84,9 @@ class RoundDispatcher:
     initialised table every scheduler verifies everything, as "static", with a warning). Both
     confidence schedulers run the static round's one program when the table says it dominates
     (``SPSTable.static_dominates``: no ragged bucket runs faster than the static round), and the
-    lagged one also when its capacity covers every draft of a pool whose slots all decode; and
+    lagged one also when its capacity covers every draft of a pool whose slots all decode, or when
+    the static round's throughput from the same lagged survivals is at least its own
+    (``scheduler.static_round_wins``); and
     ``read`` takes a round's outputs once the host has them, for the lagged scheduler's history
     (``scheduler.SurvivalHistory``: when it schedules round t the host has read round t - 2)."""
 
@@ -110,8 +112,10 @@ class RoundDispatcher:
             bs, res = eng.round_confidence(bs, self.table, **flags)
         else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
             busy = np.asarray(running) >= 0
-            capacity = lagged_capacity(self.history.lagged(self.rounds, running), busy, self.table)
-            if busy.all() and capacity >= busy.size * eng.gamma:  # every draft of every slot: the static round
+            surv = self.history.lagged(self.rounds, running)
+            capacity = lagged_capacity(surv, busy, self.table)
+            if ((busy.all() and capacity >= busy.size * eng.gamma)  # every draft of every slot: the static round
+                    or static_round_wins(surv, busy, self.table, capacity)):  # or its measured rate makes up for it
                 bs, res = eng.round(bs, **flags)
             else:
                 bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
