@@ -208,13 +208,16 @@ class _RecordingEngine:
 def test_schedulers_run_the_static_round_when_the_table_says_it_dominates(scheduler):
     """A static round at least as fast as every ragged bucket (a launch-bound pool: measured on
     the H200 for the shipped model at 16 slots) is the schedulers' choice whatever the
-    confidences, in its one program; slower, they run their own rounds."""
+    confidences, in its one program; slower, where the lagged survivals say it wins; else they
+    run their own rounds."""
     from dspark_jax.decoding.serving import RoundDispatcher
 
     slots, flags = 4, dict(sampled=False, top_k=False, top_p=False)
     running = [0, 1, -1, 3]  # one slot idle: the lagged rule alone would not run the static round
     buckets = dict(tokens=(8, 16, 24), steps_per_s=(250.0, 245.0, 240.0))
-    for static_sps, want in [(380.0, "static"), (250.0, "static"), (200.0, None)]:
+    # 245/s: slower than the 8-token bucket, but with no history yet (survival 1: every draft is
+    # worth verifying) the static round's Θ = 18 x 245 beats the lagged capacity's 18 x 240
+    for static_sps, want in [(380.0, "static"), (250.0, "static"), (245.0, "static"), (200.0, None)]:
         eng = _RecordingEngine()
         disp = RoundDispatcher(eng, scheduler, SPSTable(**buckets, static_steps_per_s=static_sps), slots)
         for _ in range(3):

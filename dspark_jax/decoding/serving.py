@@ -81,14 +81,16 @@ def finish_request(tokens: list[int], params: SamplingParams, tokenizer) -> tupl
 class RoundDispatcher:
     """The host half of the verify schedulers over a pool of ``slots`` slots: ``dispatch`` runs
     one round under ``scheduler`` ("static", "confidence" or "lagged", by ``table``; without an
-    initialised table every scheduler verifies everything, as "static", with a warning). Both
-    confidence schedulers run the static round's one program when the table says it dominates
-    (``SPSTable.static_dominates``: no ragged bucket runs faster than the static round), and the
-    lagged one also when its capacity covers every draft of a pool whose slots all decode, or when
-    the static round's throughput from the same lagged survivals is at least its own
-    (``scheduler.static_round_wins``); and
-    ``read`` takes a round's outputs once the host has them, for the lagged scheduler's history
-    (``scheduler.SurvivalHistory``: when it schedules round t the host has read round t - 2)."""
+    initialised table every scheduler verifies everything, as "static", with a warning) and
+    ``read`` takes a round's outputs once the host has them, for the survival history
+    (``scheduler.SurvivalHistory``: when round t is scheduled the host has read round t - 2).
+
+    Both confidence schedulers run the static round's one program instead of their own rounds
+    when the table's static rate says it is worth it: always, if no ragged bucket is faster
+    (``SPSTable.static_dominates``); else for a round whose lagged survivals give the static round
+    at least the throughput of the lagged capacity (``scheduler.static_round_wins``), or whose
+    lagged capacity covers every draft of a pool whose slots all decode. The choice reads rounds
+    t - 2 and older only, so it does not depend on the round's own drafts (lossless)."""
 
     def __init__(self, engine: Engine, scheduler: str, table: SPSTable | None, slots: int):
         check_scheduler(scheduler, engine.gamma)
@@ -98,7 +100,7 @@ class RoundDispatcher:
         if scheduler != "static":
             table.check_covers(slots * (engine.gamma + 1))
         self.engine, self.scheduler, self.table = engine, scheduler, table
-        self.history = SurvivalHistory(slots, engine.gamma) if scheduler == "lagged" else None
+        self.history = SurvivalHistory(slots, engine.gamma) if scheduler != "static" else None
         self.always_static = scheduler == "static" or table.static_dominates
         self.rounds = 0  # rounds dispatched
 
@@ -108,15 +110,15 @@ class RoundDispatcher:
         eng = self.engine
         if self.always_static:
             bs, res = eng.round(bs, **flags)
-        elif self.scheduler == "confidence":
-            bs, res = eng.round_confidence(bs, self.table, **flags)
-        else:  # lagged: the capacity from survivals of round t - 2, the newest the host has read
+        else:  # the lagged capacity from survivals of round t - 2, the newest the host has read
             busy = np.asarray(running) >= 0
             surv = self.history.lagged(self.rounds, running)
             capacity = lagged_capacity(surv, busy, self.table)
             if ((busy.all() and capacity >= busy.size * eng.gamma)  # every draft of every slot: the static round
                     or static_round_wins(surv, busy, self.table, capacity)):  # or its measured rate makes up for it
                 bs, res = eng.round(bs, **flags)
+            elif self.scheduler == "confidence":
+                bs, res = eng.round_confidence(bs, self.table, **flags)
             else:
                 bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
         self.rounds += 1
