@@ -155,6 +155,39 @@ def test_processing_applies_top_k_and_top_p():
     np.testing.assert_allclose(np.asarray(jax.nn.softmax(x)), np.asarray(jax.nn.softmax(logits * 2)), rtol=1e-5)
 
 
+def test_processing_from_the_largest_candidates_equals_sorting_the_vocabulary(monkeypatch):
+    """Top-k / top-p read the c largest logits of each row (lax.top_k) where that is enough for
+    every row and sort whole rows otherwise; both give exactly what sorting the vocabulary gives.
+    Rows: top-k below, at and above c, top-p nuclei inside and reaching past c, greedy rows,
+    temperatures; peaked logits so that most nuclei are small, one flat row to force the sort."""
+    from dspark_jax.decoding import sampling
+
+    v, c = 512, 16
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(12, 3, v)) * np.geomspace(0.5, 8.0, 12)[:, None, None], jnp.float32)
+    arrays = lambda temp, k, p: SamplingArrays(temperature=jnp.asarray(temp, jnp.float32),  # noqa: E731
+                                               top_k=jnp.asarray(k, jnp.int32), top_p=jnp.asarray(p, jnp.float32),
+                                               seed=jnp.zeros(12, jnp.int32))
+    within = arrays([0.7, 1.0, 0.0, 1.3] * 3, [1, 5, 16, 0, 3, 0, 16, 2, 0, 8, 0, 4],
+                    [1.0, 0.9, 0.5, 1.0, 0.95, 1.0, 1.0, 0.3, 1.0, 0.99, 1.0, 0.8])
+    past = arrays([1.0] * 12, [0, 17, 100, 5, 0, 0, 40, 0, 3, 0, 0, 0],
+                  [0.95, 1.0, 0.9, 1.0, 0.999, 0.5, 1.0, 1.0, 0.9, 0.7, 0.95, 0.99])
+    proc = jax.jit(process_logits, static_argnames=("use_top_k", "use_top_p", "candidates"))
+    for sp in (within, past):
+        for flags in (dict(use_top_k=True, use_top_p=True), dict(use_top_k=True, use_top_p=False),
+                      dict(use_top_k=False, use_top_p=True)):
+            want = np.asarray(proc(logits, sp, candidates=v, **flags))  # sorts the vocabulary
+            got = np.asarray(proc(logits, sp, candidates=c, **flags))
+            np.testing.assert_array_equal(got, want)
+            assert 0 < np.isfinite(want).sum() < want.size
+    # the first batch is served by its candidates alone: a poisoned sort does not reach its output;
+    # the second batch sorts (its output changes with the poison)
+    want = {name: np.asarray(proc(logits, sp, candidates=v)) for name, sp in (("within", within), ("past", past))}
+    monkeypatch.setattr(sampling.jnp, "sort", lambda a, axis=-1: jnp.full_like(a, jnp.nan))
+    np.testing.assert_array_equal(np.asarray(sampling.process_logits(logits, within, candidates=c)), want["within"])
+    assert not np.array_equal(np.asarray(sampling.process_logits(logits, past, candidates=c)), want["past"])
+
+
 @pytest.fixture(scope="module")
 def vocab8_model():
     """The tiny config with a vocabulary of 8 and its three kinds of layers once each (window-only,

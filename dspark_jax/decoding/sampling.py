@@ -108,28 +108,59 @@ def request_keys(seed: Int[Array, " b"], position: Int[Array, " b"], stream: int
     return keys if round_start is None else jax.vmap(jax.random.fold_in)(keys, round_start)
 
 
+# Top-k / top-p read the largest CANDIDATES logits of a row (lax.top_k) instead of sorting the
+# vocabulary: exact when every row's top-k is at most that many and its top-p nucleus lies within
+# them; otherwise the whole batch sorts its rows (one lax.cond, same result).
+CANDIDATES = 256
+
+
 def process_logits(logits: Float[Array, "b ... v"], sp: SamplingArrays, *, use_top_k: bool = True,
-                   use_top_p: bool = True) -> Float[Array, "b ... v"]:
-    """Tempered logits with tokens outside top-k / top-p set to -inf (greedy rows: temperature 1)."""
+                   use_top_p: bool = True, candidates: int = CANDIDATES) -> Float[Array, "b ... v"]:
+    """Tempered logits with tokens outside top-k / top-p set to -inf (greedy rows: temperature 1).
+
+    Top-k keeps the values >= the k-th largest; top-p keeps the largest values whose probability
+    mass before them (after top-k) is below p. Both read the ``candidates`` largest values of a
+    row; rows that need more (top-k above it, or a nucleus reaching past it) make the batch read
+    fully sorted rows instead."""
     extra = logits.ndim - 2
     expand = lambda a: a.reshape(a.shape + (1,) * (extra + 1))
     t = jnp.where(sp.greedy, 1.0, sp.temperature)
     x = logits.astype(jnp.float32) / expand(t)
-    if use_top_k or use_top_p:
-        srt = jnp.sort(x, axis=-1)[..., ::-1]
-        v = x.shape[-1]
-        if use_top_k:
-            k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
-            kth = jnp.take_along_axis(srt, expand(k - 1) * jnp.ones(srt.shape[:-1] + (1,), jnp.int32), axis=-1)
-            x = jnp.where(x < kth, -jnp.inf, x)
+    if not (use_top_k or use_top_p):
+        return x
+    v = x.shape[-1]
+    top_k = expand(sp.top_k)
+    top_p = expand(sp.top_p)
+
+    def keep(srt: Float[Array, "b ... c"]):
+        """The filtered logits from the c largest values of each row, descending; and whether they
+        were enough for every row."""
+        out, c = x, srt.shape[-1]
+        ok = jnp.ones(x.shape[:-1] + (1,), bool)
+        if use_top_k:  # rows without top-k cut nothing
+            k = jnp.clip(top_k, 1, c) * jnp.ones(srt.shape[:-1] + (1,), jnp.int32)
+            kth = jnp.where(top_k > 0, jnp.take_along_axis(srt, k - 1, axis=-1), -jnp.inf)
+            out = jnp.where(out < kth, -jnp.inf, out)
             srt = jnp.where(srt < kth, -jnp.inf, srt)
+            ok &= top_k <= c
         if use_top_p:
-            probs = jax.nn.softmax(srt, axis=-1)
+            probs = jnp.exp(srt - jax.nn.logsumexp(out, axis=-1, keepdims=True))
             before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly larger tokens
-            keep = (before < expand(sp.top_p)) | (expand(sp.top_p) >= 1.0)  # 1.0: all, despite rounding
-            cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-            x = jnp.where(x < cutoff, -jnp.inf, x)
-    return x
+            kept = before < top_p
+            cutoff = jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True)
+            cutoff = jnp.where(top_p >= 1.0, -jnp.inf, cutoff)  # 1.0: all, despite rounding
+            out = jnp.where(out < cutoff, -jnp.inf, out)
+            # the nucleus ends within the candidates if their mass reaches p (every later token then
+            # has at least p before it), or if the row is cut at one of them by top-k
+            cut_by_top_k = (top_k > 0) & (top_k <= c) if use_top_k else False
+            ok &= (top_p >= 1.0) | (jnp.sum(probs, axis=-1, keepdims=True) >= top_p) | cut_by_top_k
+        return out, jnp.all(ok)
+
+    sort_all = lambda: keep(jnp.sort(x, axis=-1)[..., ::-1])[0]  # noqa: E731
+    if candidates >= v:
+        return sort_all()
+    out, enough = keep(jax.lax.top_k(x, candidates)[0])
+    return jax.lax.cond(enough, lambda: out, sort_all)
 
 
 def pick_tokens(keys: Array, processed: Float[Array, "b v"], greedy: Bool[Array, " b"]) -> Int[Array, " b"]:
