@@ -474,23 +474,24 @@ def test_profile_drops_warmup_and_plots(tmp_path):
     sch.plot_table(with_static, str(tmp_path / "sps_static.png"))
 
 
-def test_static_round_wins_against_the_lagged_capacity_by_throughput():
+def test_lagged_plan_runs_the_static_round_when_its_throughput_wins():
     """Θ(static) = (n + Σ every survival) · SPS_static against Θ(K) = (n + Σ the K largest) ·
     SPS(n + K), brute force over the same lagged survivals."""
     table = sch.SPSTable(tokens=(8, 16, 24), steps_per_s=(300.0, 200.0, 150.0), static_steps_per_s=180.0)
     active = np.array([True, True, True, True])
     confident, unsure = np.full((4, 5), 0.9), np.full((4, 5), 0.1)
     for surv in (confident, unsure):
-        k = sch.lagged_capacity(surv, active, table)
+        k, static_wins = sch.lagged_plan(surv, active, table)
+        assert k == sch.lagged_capacity(surv, active, table)
         values = np.sort(surv.ravel())[::-1]
         static = (4 + values.sum()) * 180.0
         lagged = (4 + values[:k].sum()) * table.steps_per_second(np.array([4 + k]))[0]
-        assert sch.static_round_wins(surv, active, table, k) == (static >= lagged)
+        assert static_wins == (static >= lagged)
     # confident drafts: 22 expected tokens at 180 rounds/s beat the best ragged round (24 tokens, 150/s)
-    assert sch.static_round_wins(confident, active, table, sch.lagged_capacity(confident, active, table))
+    assert sch.lagged_plan(confident, active, table) == (20, True)
     # unsure drafts: the anchors plus 4 drafts at 300 rounds/s beat verifying everything
-    assert not sch.static_round_wins(unsure, active, table, sch.lagged_capacity(unsure, active, table))
-    assert not sch.static_round_wins(confident, active, dataclasses.replace(table, static_steps_per_s=None), 20)
+    assert sch.lagged_plan(unsure, active, table) == (4, False)
+    assert sch.lagged_plan(confident, active, dataclasses.replace(table, static_steps_per_s=None)) == (20, False)
 
 
 def test_static_round_dominates_only_when_no_bucket_is_faster(tmp_path):

@@ -452,38 +452,32 @@ def bucket_early_stopping(surv: Float[Array, "r g"], active: Bool[Array, " r"], 
     return _lengths(order, jnp.sum(jnp.cumprod(admit.astype(jnp.int32))), active, g)
 
 
-def lagged_capacity(surv: np.ndarray, active: np.ndarray, table: SPSTable) -> int:
-    """The lagged scheduler's host half: K = argmax_m Θ(m) over every m in 0 .. n_active·γ (no early
-    stop; the smallest m on ties), Θ from ``surv`` [slots, γ] = ``SurvivalHistory.lagged``. Rounds
-    of n_active + K verify tokens then run in bucket ``table.bucket(n_active + K)``."""
+def lagged_plan(surv: np.ndarray, active: np.ndarray, table: SPSTable) -> tuple[int, bool]:
+    """The lagged scheduler's host half, from ``surv`` [slots, γ] = ``SurvivalHistory.lagged``:
+    the capacity K = argmax_m Θ(m) over every m in 0 .. n_active·γ (no early stop; the smallest m
+    on ties), whose rounds of n_active + K verify tokens run in bucket ``table.bucket(n_active +
+    K)``; and whether the static round (every draft verified at ``table.static_steps_per_s``) has
+    at least the throughput Θ(K) by the same survivals (False when the table has no static rate).
+    Neither reads the round's own drafts."""
     surv, active = np.asarray(surv, np.float64), np.asarray(active, bool)
     r, g = _check_shapes(surv, active)
     n_active = int(active.sum())
     if not table.initialised:
-        warnings.warn(UNINITIALISED_WARNING, stacklevel=2)
-        return n_active * g
+        warnings.warn(UNINITIALISED_WARNING, stacklevel=3)
+        return n_active * g, False
     table.check_covers(r * (g + 1))
     values = np.sort(surv[active].ravel())[::-1]
     if not np.all((values >= 0) & (values <= 1)):
         raise ValueError("survivals must lie in [0, 1]")
     theta = _throughput(values, values.size, n_active, np.asarray(table.tokens), np.asarray(table.steps_per_s), np)
-    return int(np.argmax(theta))
+    k = int(np.argmax(theta))
+    static = table.static_steps_per_s is not None and (n_active + values.sum()) * table.static_steps_per_s >= theta[k]
+    return k, bool(static)
 
 
-def static_round_wins(surv: np.ndarray, active: np.ndarray, table: SPSTable, capacity: int) -> bool:
-    """Whether the static round (every slot verifying γ + 1 tokens at ``table.static_steps_per_s``)
-    has at least the throughput Θ of the lagged round of ``capacity`` drafts, both from the same
-    lagged survivals [slots, γ] (so the choice, like the capacity, does not read the round's own
-    drafts). False when the table has no static rate."""
-    if table.static_steps_per_s is None or not table.initialised:
-        return False
-    surv, active = np.asarray(surv, np.float64), np.asarray(active, bool)
-    _check_shapes(surv, active)
-    n_active = int(active.sum())
-    values = np.sort(surv[active].ravel())[::-1]
-    theta_static = (n_active + values.sum()) * table.static_steps_per_s
-    theta_lagged = (n_active + values[:capacity].sum()) * table.steps_per_second(np.array([n_active + capacity]))[0]
-    return bool(theta_static >= theta_lagged)
+def lagged_capacity(surv: np.ndarray, active: np.ndarray, table: SPSTable) -> int:
+    """The lagged capacity K of ``lagged_plan``."""
+    return lagged_plan(surv, active, table)[0]
 
 
 @dataclasses.dataclass

@@ -40,8 +40,8 @@ import numpy as np
 from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_capacity, profile,
-                                           static_round_wins, table_key)
+from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_plan, profile,
+                                           table_key)
 from dspark_jax.train.sts import survival
 
 
@@ -88,7 +88,7 @@ class RoundDispatcher:
     Both confidence schedulers run the static round's one program instead of their own rounds
     when the table's static rate says it is worth it: always, if no ragged bucket is faster
     (``SPSTable.static_dominates``); else for a round whose lagged survivals give the static round
-    at least the throughput of the lagged capacity (``scheduler.static_round_wins``), or whose
+    at least the throughput of the lagged capacity (``scheduler.lagged_plan``), or whose
     lagged capacity covers every draft of a pool whose slots all decode. The choice reads rounds
     t - 2 and older only, so it does not depend on the round's own drafts (lossless)."""
 
@@ -112,10 +112,8 @@ class RoundDispatcher:
             bs, res = eng.round(bs, **flags)
         else:  # the lagged capacity from survivals of round t - 2, the newest the host has read
             busy = np.asarray(running) >= 0
-            surv = self.history.lagged(self.rounds, running)
-            capacity = lagged_capacity(surv, busy, self.table)
-            if ((busy.all() and capacity >= busy.size * eng.gamma)  # every draft of every slot: the static round
-                    or static_round_wins(surv, busy, self.table, capacity)):  # or its measured rate makes up for it
+            capacity, static_wins = lagged_plan(self.history.lagged(self.rounds, running), busy, self.table)
+            if static_wins or (busy.all() and capacity >= busy.size * eng.gamma):  # (every draft of every slot)
                 bs, res = eng.round(bs, **flags)
             elif self.scheduler == "confidence":
                 bs, res = eng.round_confidence(bs, self.table, **flags)
