@@ -320,9 +320,10 @@ def schedulers(args, model, eng, prompts, params):
             print(row, flush=True)
             rows.append(row)
         rows.append({"slots": s, "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
-                     "seconds_per_round": per_round, "compile_s": compile_s, "profile_s": profile_s,
+                     "static_steps_per_s": table.static_steps_per_s, "seconds_per_round": per_round,
+                     "compile_s": compile_s, "profile_s": profile_s,
                      "compiled_after_compile_pool": eng.compiled_programs() - compiled})
-    write_json("schedulers.json", {"env": environment(), "rows": rows})
+        write_json("schedulers.json", {"env": environment(), "rows": rows})  # after every pool: a killed run keeps it
 
 
 # ---------------------------------------------------------------------------- --flash
