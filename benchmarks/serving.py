@@ -29,9 +29,11 @@ variants on one state (static per-request layout, ragged at the top bucket with 
 verifying everything, which is also what padding the confidence scheduler's round to the top
 bucket would cost, and the confidence scheduler's two programs with and without the host sync);
 then the prompts streamed
-through ``generate`` under each scheduler: accepted tokens/s, mean verify tokens per request
-and round, mean accept length, and whether greedy outputs equal the static scheduler's. Writes
-schedulers.json.
+through ``generate`` under each scheduler, ``--passes`` timed calls each, the schedulers taking
+turns (static, confidence, lagged, static, ...; one untimed call each first): median accepted
+tokens/s, the ratio of each pass to the static pass beside it, mean verify tokens per request and
+round, mean accept length, the static and ragged rounds each scheduler ran, and whether greedy
+outputs equal the static scheduler's. Writes schedulers.json after every pool.
 
     python benchmarks/serving.py --schedulers --prompts 32 --slots 4 16
     python benchmarks/serving.py --schedulers --prompts 32 --slots 16 --context 512 --compile-threads 13
@@ -61,10 +63,12 @@ size and flash_schedulers.png (Figure 8 of the paper: throughput against concurr
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import functools
 import os
 import resource
+import statistics
 import threading
 import time
 
@@ -173,6 +177,7 @@ def main():
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny model)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per bucket for the SPS table")
     ap.add_argument("--round-repeats", type=int, default=25, help="timed rounds per variant for the round times")
+    ap.add_argument("--passes", type=int, default=3, help="--schedulers: timed generate calls per scheduler")
     ap.add_argument("--flash", action="store_true", help="the schedulers on a Flash slice, calibrated acceptance "
                     "profile (see the docstring)")
     ap.add_argument("--depth", type=int, default=2, help="--flash: layers of the slice")
@@ -282,6 +287,7 @@ def prefill_shapes(eng: Engine, slots: int, prompt_lens: list[int]) -> tuple[tup
 
 def schedulers(args, model, eng, prompts, params):
     rows = []
+    kinds = count_round_kinds(eng)
     for s in args.slots:
         prefills = prefill_shapes(eng, s, [len(p) for p in prompts])
         compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma),
@@ -298,25 +304,37 @@ def schedulers(args, model, eng, prompts, params):
         table.save(os.path.join(out_dir(), f"sps_S{s}.json"))
         per_round = round_times(eng, s, args.context, table, args.round_repeats)
         print(f"slots {s}: seconds per round {per_round}", flush=True)
-        ref = None
-        for name in ("static", "confidence", "lagged"):
-            def run():
-                return dspark_jax.generate(prompts, model=model, sampling=params, slots=s, context=args.context,
-                                           scheduler=name, sps_table=table)
-            run()  # compiles
-            programs = eng.compiled_programs()
-            t0 = time.perf_counter()
-            res = run()
-            wall = time.perf_counter() - t0
+        names = ("static", "confidence", "lagged")
+
+        def run(name):
+            return dspark_jax.generate(prompts, model=model, sampling=params, slots=s, context=args.context,
+                                       scheduler=name, sps_table=table)
+        ref = {name: run(name) for name in names}  # compiles anything left; static's outputs are the reference
+        programs = eng.compiled_programs()
+        passes = {name: [] for name in names}
+        for _ in range(args.passes):
+            for name in names:
+                kinds.clear()
+                t0 = time.perf_counter()
+                res = run(name)
+                wall = time.perf_counter() - t0
+                passes[name].append(dict(wall_s=wall, res=res, kinds=dict(kinds)))
+        for name in names:
+            res = passes[name][-1]["res"]
             tokens = sum(len(r.tokens) for r in res)
             rounds = sum(r.stats["rounds"] for r in res)
-            ref = res if name == "static" else ref
-            row = {"slots": s, "scheduler": name, "tokens": tokens, "accepted_tokens_per_s": tokens / wall,
+            walls = [p["wall_s"] for p in passes[name]]
+            row = {"slots": s, "scheduler": name, "tokens": tokens,
+                   "accepted_tokens_per_s": tokens / statistics.median(walls),
+                   "x_static_per_pass": [w0 / w for w0, w in zip((p["wall_s"] for p in passes["static"]), walls)],
+                   "wall_s": walls, "rounds_run": [p["kinds"] for p in passes[name]],
                    "mean_verify_tokens_per_request_round": sum(r.stats["mean_verify_tokens"] * r.stats["rounds"]
                                                                for r in res) / rounds,
                    "mean_accept_length": sum(r.stats["mean_accept_length"] * r.stats["rounds"] for r in res) / rounds,
-                   "request_rounds": rounds, "identical_to_static": all(a.tokens == b.tokens for a, b in zip(res, ref)),
-                   "compiled_during_timed_call": eng.compiled_programs() - programs}
+                   "request_rounds": rounds,
+                   "identical_to_static": all(a.tokens == b.tokens for p in passes[name] for a, b in
+                                              zip(p["res"], ref["static"])),
+                   "compiled_during_timed_calls": eng.compiled_programs() - programs}
             print(row, flush=True)
             rows.append(row)
         rows.append({"slots": s, "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
@@ -329,6 +347,18 @@ def schedulers(args, model, eng, prompts, params):
 # ---------------------------------------------------------------------------- --flash
 SCHEDULERS = ("static", "confidence", "lagged")
 GREEDY = dict(sampled=False, top_k=False, top_p=False)
+
+
+def count_round_kinds(eng: Engine) -> collections.Counter:
+    """Counts of the rounds ``eng`` runs from now on by kind ("static", "confidence", "lagged"):
+    wraps its three round methods on the instance."""
+    counts = collections.Counter()
+    for kind, method in (("static", "round"), ("confidence", "round_confidence"), ("lagged", "round_lagged")):
+        def counted(*a, _f=getattr(eng, method), _k=kind, **k):
+            counts[_k] += 1
+            return _f(*a, **k)
+        setattr(eng, method, counted)
+    return counts
 
 
 def _copy(state):

@@ -524,3 +524,24 @@ def test_survival_history_freshness():
     assert sorted(h.rounds) == [3, 4, 5]  # only rounds a later schedule can still ask for
     with pytest.raises(ValueError, match="survivals"):
         h.record(6, owner=[5, 7, -1, 9], active=[True] * 4, surv=np.ones((4, 3)))
+
+
+def test_round_times_scale_the_ragged_rates_by_their_slowdown_against_the_static_round():
+    table = sch.SPSTable(tokens=(8, 16), steps_per_s=(100.0, 50.0), static_steps_per_s=40.0)
+    times = sch.RoundTimes(window=3)
+    assert times.corrected(table) is table  # nothing measured
+    times.record("static", 0.025, 0.05)  # static rounds 2x slower than the table
+    assert times.slowdown() == 1.0  # no ragged round measured yet
+    for measured in (0.04, 0.06, 0.08, 0.06):  # ragged rounds of 0.01 s predicted: 4x .. 8x, the last 3 kept
+        times.record("ragged", 0.01, measured)
+    assert times.ratios["ragged"] == pytest.approx([6.0, 8.0, 6.0])
+    assert times.slowdown() == pytest.approx(3.0)  # median 6x against the static round's 2x
+    fixed = times.corrected(table)
+    assert fixed.steps_per_s == pytest.approx((100 / 3, 50 / 3)) and fixed.static_steps_per_s == 40.0
+    times.record("static", 0.025, 0.4)  # the static round slower still: ragged rounds do no worse
+    times.record("static", 0.025, 0.4)
+    assert times.slowdown() == 1.0
+    with pytest.raises(ValueError, match="kind"):
+        times.record("verify", 0.01, 0.01)
+    with pytest.raises(ValueError, match="positive"):
+        times.record("ragged", 0.0, 0.01)

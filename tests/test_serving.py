@@ -199,10 +199,12 @@ class _RecordingEngine:
 
     def round_confidence(self, bs, table, **flags):
         self.calls.append("confidence")
+        self.last_bucket = 24
         return bs, None
 
     def round_lagged(self, bs, capacity, busy, **flags):
         self.calls.append(("lagged", capacity, busy))
+        self.last_bucket = 24  # the bucket of busy + capacity <= 3 + 15 verify tokens
         return bs, None
 
 
@@ -228,3 +230,27 @@ def test_schedulers_run_the_static_round_when_the_table_says_it_dominates(schedu
             assert eng.calls == ["static"] * 3
         else:
             assert "static" not in eng.calls and len(eng.calls) == 3
+
+
+@pytest.mark.parametrize("scheduler", ["confidence", "lagged"])
+def test_schedulers_fall_back_to_the_static_round_when_ragged_rounds_run_slower_than_the_table(scheduler):
+    """Round times measured while serving correct the table: ragged rounds three times slower
+    than their entry make the static round the better choice after a few rounds (the first
+    calls of a program compile and are not counted); as fast as the table says, or with
+    adaptation off, the scheduler keeps its own rounds."""
+    from dspark_jax.decoding.serving import RoundDispatcher
+
+    slots, flags, running = 4, dict(sampled=False, top_k=False, top_p=False), [0, 1, -1, 3]
+    table = SPSTable(tokens=(8, 16, 24), steps_per_s=(250.0, 245.0, 240.0), static_steps_per_s=200.0)
+    for slow, adapt, want_static in [(3.0, True, True), (1.0, True, False), (3.0, False, False)]:
+        eng, now = _RecordingEngine(), [0.0]
+        disp = RoundDispatcher(eng, scheduler, table, slots, adapt=adapt, clock=lambda: now[0])
+        for _ in range(10):
+            disp.dispatch("state", running, flags)
+            now[0] += 1 / 200.0 if eng.calls[-1] == "static" else slow / 240.0  # the round just dispatched
+        ragged = [c != "static" for c in eng.calls]
+        if want_static:  # rounds 0-2 ragged; round 2's time, the first counted, is read at round 3's dispatch
+            assert ragged == [True] * 3 + [False] * 7
+            assert disp.times.slowdown() == pytest.approx(3.0)
+        else:
+            assert all(ragged)

@@ -186,12 +186,14 @@ class Engine:
     (capacity from confidences two rounds old, allocated by the current ones: ``round_lagged``),
     with the rounds-per-second table ``sps_table`` (``scheduler.SPSTable``; None or uninitialised:
     every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
+    adapt_sps: serving corrects the table's ragged rates by the round times it measures
+    (``scheduler.RoundTimes``; False: choices from the table alone, the same on every run).
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
                  accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
-                 sps_table: SPSTable | None = None, profile_confidence: float | None = None):
+                 sps_table: SPSTable | None = None, profile_confidence: float | None = None, adapt_sps: bool = True):
         cfg = model.config
         check_scheduler(scheduler, gamma)
         if profile_confidence is not None and (accept_profile is None or not np.isfinite(profile_confidence)
@@ -200,6 +202,8 @@ class Engine:
                              f"{profile_confidence!r} with accept_profile {accept_profile!r}")
         self.profile_confidence = None if profile_confidence is None else float(profile_confidence)
         self.scheduler, self.sps_table = scheduler, sps_table
+        self.adapt_sps = adapt_sps  # serving corrects the table by measured round times (serving.RoundDispatcher)
+        self.last_bucket: int | None = None  # verify bucket of the last ragged round (host)
         # STS temperatures of the model's drafter (none for an oracle or calibrated profile confidences)
         self.temperatures = model.sts_temperatures if drafter is None and profile_confidence is None else None
         if gamma > 0 and drafter is None and cfg.dspark is None:
@@ -606,7 +610,7 @@ class Engine:
         the drafter compiles once for all buckets; without the confidence scheduler's sync the
         host dispatches both at once."""
         b = bs.anchor.shape[0]
-        bucket = verify_bucket(tokens, b, self.gamma)
+        bucket = self.last_bucket = verify_bucket(tokens, b, self.gamma)
         self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
         return self._verify_step(self.params, bs, drafted, verify_lens, jnp.int32(capacity), sampled=sampled,
                                  top_k=top_k, top_p=top_p, tokens=bucket)

@@ -526,3 +526,43 @@ class SurvivalHistory:
             same = (then == owner) & (owner >= 0)
             out[same] = surv[same]
         return out
+
+
+@dataclasses.dataclass
+class RoundTimes:
+    """Round times measured while serving, held against the SPS table's predictions.
+
+    The table is profiled one round at a time; a serving loop runs rounds back to back, reads
+    them one round late and (confidence scheduler) waits for the verify lengths, so a ragged
+    round can cost more there than its table entry says (on the H200 the shipped model's ragged
+    rounds at 128 slots lost to the static round although the table had them faster). ``record``
+    takes the ratio measured / predicted seconds of a round of each kind ("static" or
+    "ragged"); ``slowdown`` is how much slower the ragged rounds run than predicted relative to
+    the static round (medians of the last ``window`` ratios; the static ratio taken as 1 until
+    a static round is measured; 1 while no ragged round is, or when ragged rounds do no worse),
+    and ``corrected(table)`` divides the table's ragged rates by it. The choices then depend on wall time, never on a round's drafts: lossless as
+    before, but not reproducible from run to run (``Engine(adapt_sps=False)`` turns it off)."""
+
+    window: int = 9
+    ratios: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"static": [], "ragged": []})
+
+    def record(self, kind: str, predicted_s: float, measured_s: float) -> None:
+        if kind not in self.ratios:
+            raise ValueError(f"round kind must be 'static' or 'ragged', got {kind!r}")
+        if not (predicted_s > 0 and measured_s > 0):
+            raise ValueError(f"round times must be positive, got predicted {predicted_s}, measured {measured_s}")
+        kept = self.ratios[kind]
+        kept.append(measured_s / predicted_s)
+        del kept[:-self.window]
+
+    def slowdown(self) -> float:
+        if not self.ratios["ragged"]:
+            return 1.0
+        static = statistics.median(self.ratios["static"]) if self.ratios["static"] else 1.0
+        return max(1.0, statistics.median(self.ratios["ragged"]) / static)
+
+    def corrected(self, table: SPSTable) -> SPSTable:
+        f = self.slowdown()
+        if f == 1.0:
+            return table
+        return dataclasses.replace(table, steps_per_s=tuple(s / f for s in table.steps_per_s))

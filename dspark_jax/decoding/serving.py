@@ -40,8 +40,8 @@ import numpy as np
 from dspark_jax.config import MAX_VERIFY_TOKENS
 from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.sampling import SamplingParams
-from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, SPSTable, SurvivalHistory, lagged_plan, profile,
-                                           table_key)
+from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, RoundTimes, SPSTable, SurvivalHistory, lagged_plan,
+                                           profile, table_key)
 from dspark_jax.train.sts import survival
 
 
@@ -90,9 +90,17 @@ class RoundDispatcher:
     (``SPSTable.static_dominates``); else for a round whose lagged survivals give the static round
     at least the throughput of the lagged capacity (``scheduler.lagged_plan``), or whose
     lagged capacity covers every draft of a pool whose slots all decode. The choice reads rounds
-    t - 2 and older only, so it does not depend on the round's own drafts (lossless)."""
+    t - 2 and older only, so it does not depend on the round's own drafts (lossless).
 
-    def __init__(self, engine: Engine, scheduler: str, table: SPSTable | None, slots: int):
+    With ``adapt`` (and a table with a static rate) the table's ragged rates are corrected by
+    the round times measured here (``scheduler.RoundTimes``): the wall time between two round
+    dispatches of a decode-only loop step is that of a round (the loop reads each round one
+    round late, so in steady state it waits for one round per step), counted for a round kind
+    when the two rounds before were of that kind and ran programs already compiled, and no
+    prefill step came between them."""
+
+    def __init__(self, engine: Engine, scheduler: str, table: SPSTable | None, slots: int, *,
+                 adapt: bool = True, clock=time.perf_counter):
         check_scheduler(scheduler, engine.gamma)
         if scheduler != "static" and (table is None or not table.initialised):
             warnings.warn(UNINITIALISED_WARNING, stacklevel=3)
@@ -103,24 +111,50 @@ class RoundDispatcher:
         self.history = SurvivalHistory(slots, engine.gamma) if scheduler != "static" else None
         self.always_static = scheduler == "static" or table.static_dominates
         self.rounds = 0  # rounds dispatched
+        self.times = (RoundTimes() if adapt and not self.always_static and table.static_steps_per_s is not None
+                      else None)
+        self.clock, self._recent, self._programs = clock, [], set()
 
-    def dispatch(self, bs, running: list[int], flags: dict[str, bool]):
+    def dispatch(self, bs, running: list[int], flags: dict[str, bool], *, clean: bool = True):
         """One round over the pool; running[s] = the request slot s decodes (-1: none). Returns
-        the state, the round's (device) outputs and the round's index."""
+        the state, the round's (device) outputs and the round's index. ``clean``: no prefill since
+        the previous round (the time between the two is a round's)."""
         eng = self.engine
         if self.always_static:
             bs, res = eng.round(bs, **flags)
         else:  # the lagged capacity from survivals of round t - 2, the newest the host has read
+            now = self.clock()
+            table = self.table
+            if self.times is not None:
+                self._count(now, clean)
+                table = self.times.corrected(table)
             busy = np.asarray(running) >= 0
-            capacity, static_wins = lagged_plan(self.history.lagged(self.rounds, running), busy, self.table)
+            capacity, static_wins = lagged_plan(self.history.lagged(self.rounds, running), busy, table)
             if static_wins or (busy.all() and capacity >= busy.size * eng.gamma):  # (every draft of every slot)
                 bs, res = eng.round(bs, **flags)
+                program = ("static", None)
             elif self.scheduler == "confidence":
-                bs, res = eng.round_confidence(bs, self.table, **flags)
+                bs, res = eng.round_confidence(bs, table, **flags)
+                program = ("ragged", eng.last_bucket)
             else:
                 bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
+                program = ("ragged", eng.last_bucket)
+            self._recent = self._recent[-1:] + [dict(program=program, t=now, clean=clean,
+                                                     warm=program in self._programs)]
+            self._programs.add(program)
         self.rounds += 1
         return bs, res, self.rounds - 1
+
+    def _count(self, now: float, clean: bool) -> None:
+        """The time since the previous dispatch, for the previous round when it and the round
+        before it ran one kind of round in programs run before, with no prefill since the round
+        before it. ``program``: (kind, verify bucket of a ragged round)."""
+        if not (len(self._recent) == 2 and clean and all(r["clean"] and r["warm"] for r in self._recent)):
+            return
+        (kind, bucket), (kind_before, _) = self._recent[1]["program"], self._recent[0]["program"]
+        if kind == kind_before:
+            rate = self.table.static_steps_per_s if kind == "static" else self.table.steps_per_second([bucket])[0]
+            self.times.record(kind, 1.0 / float(rate), now - self._recent[1]["t"])
 
     def read(self, index: int, running: list[int], n_new: np.ndarray, confidence: np.ndarray) -> None:
         """Round ``index``'s emitted-token counts and raw confidences [slots, γ], on the host."""
@@ -142,7 +176,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                   confidences=[[] for _ in range(n)], reason=["length"] * n, admitted=[0.0] * n, first=[0.0] * n,
                   finished=[0.0] * n)
     rounds = RoundDispatcher(engine, engine.scheduler if scheduler is None else scheduler,
-                             engine.sps_table if sps_table is None else sps_table, slots)
+                             engine.sps_table if sps_table is None else sps_table, slots, adapt=engine.adapt_sps)
     done = [False] * n
     flags = engine.round_flags(slots, max_len, sampled=any(p.temperature > 0 for p in params),
                                top_k=any(p.top_k > 0 for p in params),
@@ -180,6 +214,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         # 2 one prefill chunk for the prompts still being read
         step: list[tuple] = []
         reading = [s for s in range(slots) if owner[s] >= 0 and not decoding[s]]
+        clean = not (entering or reading)  # this step runs no prefill before its round (freeing slots is cheap)
         if reading:  # on the reading slots' rows (padded with other slots to a power of 2), or the whole pool
             p = prefill_rows(len(reading), slots)
             rows = (reading + [s for s in range(slots) if s not in reading][:p - len(reading)] if p < slots
@@ -202,7 +237,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         # 3 one decoding round over the pool
         running = [owner[s] if decoding[s] else -1 for s in range(slots)]
         if any(o >= 0 for o in running):
-            bs, res, index = rounds.dispatch(bs, running, flags)
+            bs, res, index = rounds.dispatch(bs, running, flags, clean=clean)
             step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence, res.verify_lens),
                          list(owner), index, running))
 
