@@ -438,7 +438,8 @@ def run_rounds(eng: Engine, pool, scheduler: str, table: SPSTable, warmup: int, 
     return {"scheduler": scheduler, "slots": slots, "rounds": rounds, "seconds": wall,
             "accepted_tokens_per_s": tokens / wall, "rounds_per_s": rounds / wall,
             "mean_verify_tokens_per_request": verified / (slots * rounds),
-            "mean_accept_length": tokens / (slots * rounds)}
+            "mean_accept_length": tokens / (slots * rounds),
+            "ragged_slowdown": None if disp.times is None else disp.times.slowdown()}
 
 
 def plot_flash(rows: list[dict], title: str, path: str) -> None:
