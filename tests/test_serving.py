@@ -191,7 +191,7 @@ class _RecordingEngine:
     gamma, temperatures = 5, None
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.round_times = [], {}
 
     def round(self, bs, **flags):
         self.calls.append("static")
@@ -254,3 +254,12 @@ def test_schedulers_fall_back_to_the_static_round_when_ragged_rounds_run_slower_
             assert disp.times.slowdown() == pytest.approx(3.0)
         else:
             assert all(ragged)
+    # a later call on the same engine, pool and table starts from the round times measured
+    eng, now = _RecordingEngine(), [0.0]
+    for _ in range(2):  # the first call explores as above
+        disp = RoundDispatcher(eng, scheduler, table, slots, clock=lambda: now[0])
+        eng.calls.clear()
+        for _ in range(10):
+            disp.dispatch("state", running, flags)
+            now[0] += 1 / 200.0 if eng.calls[-1] == "static" else 3.0 / 240.0
+    assert eng.calls == ["static"] * 10

@@ -204,6 +204,7 @@ class Engine:
         self.scheduler, self.sps_table = scheduler, sps_table
         self.adapt_sps = adapt_sps  # serving corrects the table by measured round times (serving.RoundDispatcher)
         self.last_bucket: int | None = None  # verify bucket of the last ragged round (host)
+        self.round_times: dict = {}  # scheduler.RoundTimes per pool, scheduler and table, across serve calls
         # STS temperatures of the model's drafter (none for an oracle or calibrated profile confidences)
         self.temperatures = model.sts_temperatures if drafter is None and profile_confidence is None else None
         if gamma > 0 and drafter is None and cfg.dspark is None:

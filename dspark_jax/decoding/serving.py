@@ -111,9 +111,11 @@ class RoundDispatcher:
         self.history = SurvivalHistory(slots, engine.gamma) if scheduler != "static" else None
         self.always_static = scheduler == "static" or table.static_dominates
         self.rounds = 0  # rounds dispatched
-        self.times = (RoundTimes() if adapt and not self.always_static and table.static_steps_per_s is not None
-                      else None)
-        self.clock, self._recent, self._programs = clock, [], set()
+        self.times = None  # kept by the engine per pool, scheduler and table: a later call starts from them
+        if adapt and not self.always_static and table.static_steps_per_s is not None:
+            key = (slots, scheduler, table.tokens, table.steps_per_s, table.static_steps_per_s)
+            self.times = engine.round_times.setdefault(key, RoundTimes())
+        self.clock, self._recent = clock, []
 
     def dispatch(self, bs, running: list[int], flags: dict[str, bool], *, clean: bool = True):
         """One round over the pool; running[s] = the request slot s decodes (-1: none). Returns
@@ -139,9 +141,10 @@ class RoundDispatcher:
             else:
                 bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
                 program = ("ragged", eng.last_bucket)
-            self._recent = self._recent[-1:] + [dict(program=program, t=now, clean=clean,
-                                                     warm=program in self._programs)]
-            self._programs.add(program)
+            if self.times is not None:
+                self._recent = self._recent[-1:] + [dict(program=program, t=now, clean=clean,
+                                                         warm=program in self.times.programs)]
+                self.times.programs.add(program)
         self.rounds += 1
         return bs, res, self.rounds - 1
 
