@@ -32,7 +32,8 @@ Programs: ``shipped`` (the shipped tiny pair in float32, as ``generate`` loads i
 the acceptance profile of ``benchmarks/decode.py``), target-only (γ = 0) and DSpark (γ = 5),
 batch 1 at context 2048 (caches filled with random rows, no prefill). Under the ``default``
 setting the shipped model also runs through ``generate`` (one prompt, target-only and DSpark):
-its wall time per round includes the serving loop's own host work.
+its wall time per round includes the serving loop's own host work, and one more call under
+cProfile records where that host time goes (``host_profile``: the top functions, ms per round).
 
     python benchmarks/dispatch.py --budget-s 280
     python benchmarks/dispatch.py --smoke        # CPU: checks the script runs
@@ -137,8 +138,28 @@ def child(args) -> None:
                 st = dspark_jax.generate(["def main():"], **kw)[0].stats
                 row = {"variant": args.variant, "model": name, "mode": "generate " + ("DSpark" if speculative else "target-only"),
                        "round_ms": 1e3 * st["decode_s"] / max(1, st["rounds"] - 1), "rounds": st["rounds"],
-                       "tokens_per_s": st["tokens_per_s"]}
+                       "tokens_per_s": st["tokens_per_s"], "host_profile": host_profile(kw, st["rounds"])}
                 print("ROW " + json.dumps(row), flush=True)
+
+
+def host_profile(kw: dict, rounds: int, top: int = 15) -> list[dict]:
+    """Where a ``generate`` call's host time goes: one more call under cProfile (which slows it),
+    the ``top`` functions by own time, in ms per round (blocking reads of device outputs show up
+    as ``_value``: time waiting for the device)."""
+    import cProfile
+    import pstats
+
+    import dspark_jax
+
+    prof = cProfile.Profile()
+    prof.enable()
+    dspark_jax.generate(["def main():"], **kw)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{os.path.basename(f)}:{line}({fn})", "calls_per_round": v[0] / max(1, rounds),
+             "own_ms_per_round": 1e3 * v[2] / max(1, rounds), "cumulative_ms_per_round": 1e3 * v[3] / max(1, rounds)}
+            for (f, line, fn), v in rows]
 
 
 def table(rows: list[dict]) -> str:
