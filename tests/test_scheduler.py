@@ -538,6 +538,7 @@ def test_round_times_scale_the_ragged_rates_by_their_slowdown_against_the_static
     assert times.slowdown() == pytest.approx(3.0)  # median 6x against the static round's 2x
     fixed = times.corrected(table)
     assert fixed.steps_per_s == pytest.approx((100 / 3, 50 / 3)) and fixed.static_steps_per_s == 40.0
+    assert times.corrected(table) is fixed  # built again only when the factor moves
     times.record("static", 0.025, 0.4)  # the static round slower still: ragged rounds do no worse
     times.record("static", 0.025, 0.4)
     assert times.slowdown() == 1.0

@@ -549,6 +549,7 @@ class RoundTimes:
     window: int = 9
     ratios: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"static": [], "ragged": []})
     programs: set = dataclasses.field(default_factory=set)  # (kind, bucket) run before: their first call compiles
+    _last: tuple | None = dataclasses.field(default=None, repr=False)  # (table, factor, corrected table)
 
     def record(self, kind: str, predicted_s: float, measured_s: float) -> None:
         if kind not in self.ratios:
@@ -569,4 +570,6 @@ class RoundTimes:
         f = self.slowdown()
         if f == 1.0:
             return table
-        return dataclasses.replace(table, steps_per_s=tuple(s / f for s in table.steps_per_s))
+        if self._last is None or self._last[:2] != (table, f):  # a new table only when the factor moves
+            self._last = (table, f, dataclasses.replace(table, steps_per_s=tuple(s / f for s in table.steps_per_s)))
+        return self._last[2]
