@@ -540,8 +540,9 @@ class RoundTimes:
     "ragged"); ``slowdown`` is how much slower the ragged rounds run than predicted relative to
     the static round (medians of the last ``window`` ratios; the static ratio taken as 1 until
     a static round is measured; 1 while no ragged round is, or when ragged rounds do no worse),
-    and ``corrected(table)`` divides the table's ragged rates by it. The choices then depend on wall time, never on a round's drafts: lossless as
-    before, but not reproducible from run to run (``Engine(adapt_sps=False)`` turns it off).
+    and ``corrected(table)`` divides the table's ragged rates by it. The choices then depend on
+    wall time, never on a round's drafts: lossless as before, but not reproducible from run to
+    run (``Engine(adapt_sps=False)`` turns it off).
     The engine keeps one per pool, scheduler and table, so a later call starts from what the
     earlier ones measured (the first calls of each program compile and are not counted:
     ``programs``)."""

@@ -125,9 +125,9 @@ class RoundDispatcher:
         if self.always_static:
             bs, res = eng.round(bs, **flags)
         else:  # the lagged capacity from survivals of round t - 2, the newest the host has read
-            now = self.clock()
-            table = self.table
+            table, now = self.table, None
             if self.times is not None:
+                now = self.clock()
                 self._count(now, clean)
                 table = self.times.corrected(table)
             busy = np.asarray(running) >= 0
@@ -149,9 +149,9 @@ class RoundDispatcher:
         return bs, res, self.rounds - 1
 
     def _count(self, now: float, clean: bool) -> None:
-        """The time since the previous dispatch, for the previous round when it and the round
-        before it ran one kind of round in programs run before, with no prefill since the round
-        before it. ``program``: (kind, verify bucket of a ragged round)."""
+        """Record the time since the previous dispatch for the previous round when it and the
+        round before it ran one kind of round ((kind, verify bucket) programs run before), with no
+        prefill since the round before it."""
         if not (len(self._recent) == 2 and clean and all(r["clean"] and r["warm"] for r in self._recent)):
             return
         (kind, bucket), (kind_before, _) = self._recent[1]["program"], self._recent[0]["program"]
