@@ -40,20 +40,38 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     np.testing.assert_array_equal(seqs[0::2, 6:], argmax[0::2])
     assert (seqs[1::2, 6:] != argmax[1::2]).mean() > 0.3  # random weights: a near-flat distribution
 
-    # the phase around it (same shapes, nothing compiles again): BOS-led prompts ending at a line end
+    # the phase around it (same shapes, nothing compiles again): BOS-led prompts ending at a line end,
+    # rows 0 and 3 of each batch (framed_fraction 0.3 of 4, spread evenly) framed as requests
     rng = np.random.default_rng(1)
     train, held = rng.integers(3, 40, 500), rng.integers(3, 40, 100)
     line_starts = np.zeros(model.cfg.vocab_size, bool)
     line_starts[3:8] = True
+    frames = [(np.array([40, 41]), np.array([42])), (np.array([43]), np.array([], np.int32))]
     data = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, greedy_fraction=0.75), train, held,
-                         line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"))
+                         line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames)
     assert data["train"].shape == (8, 16) and data["heldout"].shape == (4, 16)
-    for rows, stream in ((data["train"], train), (data["heldout"], held)):
+    framed = np.array([True, False, False, True] * 2)
+    assert data["stats"]["framed_fraction"] == 0.5
+
+    def line_slices(stream, n):  # n-token slices of the stream whose next token starts a line
+        w = np.lib.stride_tricks.sliding_window_view(stream, n + 1)
+        return w[line_starts[w[:, n]], :n]
+
+    for rows, stream, frame in ((data["train"], train, framed), (data["heldout"], held, np.zeros(4, bool))):
         assert (rows[:, 0] == 0).all()
-        # the 5 corpus tokens of each prompt are a slice of the stream whose next token starts a line
-        windows = np.lib.stride_tricks.sliding_window_view(stream, 6)
-        windows = windows[line_starts[windows[:, 5]]]
-        assert all((windows[:, :5] == r[1:6]).all(axis=1).any() for r in rows)
+        for r, f in zip(rows, frame):
+            if not f:  # the 5 corpus tokens of the prompt are a slice ending at a line end
+                assert (line_slices(stream, 5) == r[1:6]).all(axis=1).any()
+            elif r[1] == 40:  # head [40 41], 2 code tokens starting and ending a line, tail [42]
+                assert r[2] == 41 and r[5] == 42 and line_starts[r[3]]
+                assert (line_slices(stream, 2) == r[3:5]).all(axis=1).any()
+            else:  # head [43], 4 code tokens, no tail
+                assert r[1] == 43 and line_starts[r[2]]
+                assert (line_slices(stream, 4) == r[2:6]).all(axis=1).any()
+    assert {r[1] for r in data["train"][framed]} == {40, 43}
+    with pytest.raises(ValueError, match="needs the request frames"):
+        generate_data(generate, state, cfg, train, held, line_starts=line_starts, bos=0, eos=1, seed=0,
+                      deadline=float("inf"))
     assert data["temperature"].tolist() == [1.0, 0.0, 0.0, 0.0] * 2 and data["stats"]["greedy_fraction"] == 0.75
 
 

@@ -12,6 +12,13 @@ held-out split (``heldout_sequences`` of them are kept, the batch has the compil
 ``simulate_rounds`` replays greedy speculative decoding (the confidences and acceptances the
 scheduler sees in free decoding), which gives the decoding accept length and the data that STS is
 fitted on.
+
+A ``framed_fraction`` of the training prompts are shaped like a chat request instead: BOS, a
+request line (``REQUEST_FRAMES``) and a Markdown code fence, corpus code that begins and ends at
+line ends, then the fence closed (or left open). Users prompt a code model that way; the corpus
+has no such text, so without them the drafter never sees how the target continues a request and
+drafts worse on such prompts (docs/tiny_model.md, "Why HumanEval is the harder set"). No
+benchmark prompt is used: the request lines are generic and the code comes from the train split.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class GenerateConfig:
     greedy_fraction: float = 0.75  # of the training sequences decoded greedily (the others sampled at T = 1)
     corpus_fraction: float = 0.1  # share of corpus windows in the drafter's training windows
     heldout_sequences: int = 512  # greedy held-out continuations replayed as decoding rounds (STS, accept length)
+    framed_fraction: float = 0.3  # of the training prompts shaped as chat requests around corpus code (REQUEST_FRAMES)
 
     def __post_init__(self):
         if not 0 < self.share < 1:
@@ -57,6 +65,8 @@ class GenerateConfig:
             raise ValueError(f"heldout_sequences must lie in [1, batch_size], got {self.heldout_sequences}")
         if not 0 <= self.corpus_fraction < 1:
             raise ValueError(f"corpus_fraction must lie in [0, 1), got {self.corpus_fraction}")
+        if not 0 <= self.framed_fraction <= 1:
+            raise ValueError(f"framed_fraction must lie in [0, 1], got {self.framed_fraction}")
 
     @property
     def length(self) -> int:
@@ -126,6 +136,54 @@ def sample_prompts(stream: np.ndarray, ends: np.ndarray, n: int, length: int, bo
     return np.concatenate([np.full((n, 1), bos), rows], axis=1).astype(np.int32)
 
 
+# Chat-request framings of a code slice: (text before the code, text after it). The code begins
+# with a newline token (it starts a line), so each head ends where a line of text does.
+REQUEST_FRAMES = (
+    ("Complete the following code.\n```python", "\n```"),
+    ("Explain what this code does:\n```python", "\n```"),
+    ("Here is a function from my project. Can you add type hints and docstrings?\n```python", "\n\n```"),
+    ("Review this code and point out any bugs.\n\n```python", "\n```\n"),
+    ("Write unit tests for the code below.\n```", "\n```"),
+    ("Refactor the following so that it is easier to read, keeping its behaviour:\n```python", "\n\n```"),
+    ("Implement the missing parts of this module and make sure its examples still work:\n```python", "\n```"),
+    ("Why does this code raise an exception?\n```python", "\n```"),
+    ("Continue this Python file:\n```python", ""),
+    ("Translate the comments of this code into plain English and simplify it:\n```py", "\n```"),
+)
+
+
+def encode_frames(tokenizer, frames=REQUEST_FRAMES) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each frame's (head, tail) token ids, encoded as the texts are (no special tokens)."""
+    def ids(text: str) -> np.ndarray:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids if text else [], np.int32)
+
+    return [(ids(head), ids(tail)) for head, tail in frames]
+
+
+def framed_prompts(stream: np.ndarray, n: int, length: int, line_starts: np.ndarray, specials: tuple[int, ...],
+                   frames: list[tuple[np.ndarray, np.ndarray]], bos: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` prompts [n, 1 + length]: BOS + a frame's head + a slice of ``stream`` that begins
+    with a line-start token and ends where a line ends + the frame's tail, the slice as long as
+    the prompt's length leaves. Frames are drawn uniformly among those that leave at least half
+    the prompt to the code."""
+    stream = np.asarray(stream)
+    fits = [f for f in frames if length - len(f[0]) - len(f[1]) >= max(1, length // 2)]
+    if not fits:
+        raise ValueError(f"no request frame leaves half of a {length}-token prompt to the code")
+    which = rng.integers(0, len(fits), n)
+    rows = np.zeros((n, 1 + length), np.int32)
+    for f in np.unique(which):
+        (head, tail), count = fits[f], int(np.sum(which == f))
+        code = length - len(head) - len(tail)
+        ends = prompt_ends(stream, code, line_starts, specials)
+        ends = ends[line_starts[stream[ends - code]]]  # the slice begins a line as well
+        if len(ends) == 0:
+            raise ValueError(f"no slice of {code} tokens of the stream begins and ends at a line end")
+        picks = rng.choice(ends, count, replace=len(ends) < count)
+        rows[which == f] = [np.concatenate([[bos], head, stream[e - code:e], tail]) for e in picks]
+    return rows
+
+
 def row_temperatures(batch_size: int, greedy_fraction: float) -> np.ndarray:
     """[batch_size] temperatures: 0 (greedy) for a ``greedy_fraction`` of the rows, spread evenly, 1
     for the others."""
@@ -135,15 +193,21 @@ def row_temperatures(batch_size: int, greedy_fraction: float) -> np.ndarray:
 
 
 def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream: np.ndarray, held_stream: np.ndarray,
-                  *, line_starts: np.ndarray, bos: int, eos: int, seed: int, deadline: float, say=print) -> dict:
+                  *, line_starts: np.ndarray, bos: int, eos: int, seed: int, deadline: float,
+                  frames: list[tuple[np.ndarray, np.ndarray]] = (), say=print) -> dict:
     """The held-out batch (greedy) and training batches (``row_temperatures``) until
     ``cfg.sequences`` or until the next batch would end after ``deadline``. ``generate`` is
     ``make_generate(graphdef, cfg)`` (or its executable) and ``state`` the model's whole state
-    (``nnx.split(model)``); prompts end at line ends (``line_start_tokens``)."""
+    (``nnx.split(model)``); prompts end at line ends (``line_start_tokens``); a
+    ``cfg.framed_fraction`` of each training batch's rows (spread evenly) are ``framed_prompts``
+    in ``frames`` (``encode_frames``; needed when the fraction is not 0)."""
     rng = np.random.default_rng([seed, 7])
     key = jax.random.key(seed + 7)
     b, p = cfg.batch_size, cfg.prefix_tokens
     temps = row_temperatures(b, cfg.greedy_fraction)
+    framed = row_temperatures(b, 1 - cfg.framed_fraction) > 0  # rows spread evenly, as the sampled ones
+    if framed.any() and not frames:
+        raise ValueError("framed_fraction > 0 needs the request frames (encode_frames)")
     train_ends = prompt_ends(train_stream, p - 1, line_starts, (bos, eos))
     held_ends = prompt_ends(held_stream, p - 1, line_starts, (bos, eos))
     t0 = time.time()
@@ -156,6 +220,9 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
         if batches and t1 + max(batch_s) > deadline:
             break
         prefixes = sample_prompts(train_stream, train_ends, b, p - 1, bos, rng)
+        if framed.any():
+            prefixes[framed] = framed_prompts(train_stream, int(framed.sum()), p - 1, line_starts, (bos, eos), frames,
+                                              bos, rng)
         batches.append(np.asarray(generate(state, jnp.asarray(prefixes), jnp.asarray(temps),
                                            jax.random.fold_in(key, len(batches) + 1))))
         batch_s.append(time.time() - t1)
@@ -163,7 +230,7 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     held = held[:cfg.heldout_sequences]
     new = len(batches) * b * cfg.new_tokens
     stats = dict(sequences=len(train), heldout_sequences=len(held), prefix_tokens=p, new_tokens=cfg.new_tokens,
-                 greedy_fraction=float(np.mean(temps == 0)), batch_size=b, first_batch_s=first_s,
+                 greedy_fraction=float(np.mean(temps == 0)), framed_fraction=float(np.mean(framed)), batch_size=b, first_batch_s=first_s,
                  batch_s=float(np.median(batch_s)), generated_tokens=new,
                  tokens_per_s=new / max(sum(batch_s), 1e-9), total_s=time.time() - t0,
                  prompt_ends=dict(train=int(len(train_ends)), heldout=int(len(held_ends))))

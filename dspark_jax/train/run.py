@@ -250,13 +250,14 @@ def generate_phase(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tok: T
     drafter's training windows made of them and of corpus windows."""
     gcfg, m = cfg.generate, cfg.model
     fingerprint = dict(corpus=corpus_stats["content_sha256"], generate=dataclasses.asdict(gcfg), seed=cfg.seed,
+                       frames=gen_lib.REQUEST_FRAMES,
                        model=m.to_hf_dict(), dtype=cfg.dtype)
     data = gen_lib.cached_generate(
         os.path.join(work, "generated.npz"), fingerprint,
         lambda: gen_lib.generate_data(programs.get("generate"), nnx.split(model)[1], gcfg, train_w.reshape(-1),
                                       held_w.reshape(-1), line_starts=gen_lib.line_start_tokens(tok, m.vocab_size),
                                       bos=m.bos_token_id, eos=m.eos_token_id, seed=cfg.seed, deadline=deadline,
-                                      say=_say), resume=resume)
+                                      frames=gen_lib.encode_frames(tok), say=_say), resume=resume)
     windows_, mix = gen_lib.drafter_windows(data["train"], train_w.reshape(-1), gcfg.corpus_fraction, m.bos_token_id,
                                             cfg.seed)
     stats = dict(data["stats"], **mix)
