@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax
 from dspark_jax import InputError, SamplingParams
-from dspark_jax.decoding.engine import Engine, verify_bucket
+from dspark_jax.decoding.engine import Engine, pack_round, unpack_round, verify_bucket
 from dspark_jax.decoding.generate import _engine
 from dspark_jax.decoding.scheduler import SPSTable
 from tests.helpers import OracleDrafter
@@ -61,6 +61,25 @@ def test_oracle_drafter_exercises_every_accept_length(tiny_f32, greedy_truth, or
         assert all(h > 0 for h in hist), hist  # accept lengths 1..γ+1 all happened
         assert r.stats["mean_accept_length"] > 2.0
     assert len(prompts[1]) + 320 > 2 * 128 + 16  # crossed two C128 windows
+
+
+@pytest.mark.parametrize("gamma", [0, 5])
+def test_packed_round_reads_back_every_field(gamma):
+    """The serving loop's one read of a round (``pack_round`` on the device, ``unpack_round`` on
+    the host) gives every field back bit for bit: -1 tokens, and confidences of any value."""
+    rng = np.random.default_rng(gamma)
+    b = 3
+    fields = (rng.integers(-1, 50_000, (b, gamma + 1)), rng.integers(0, gamma + 2, b), rng.integers(0, gamma + 1, b),
+              rng.normal(0, 30, (b, gamma)).astype(np.float32), rng.integers(0, gamma + 2, b))
+    if gamma:
+        fields[3][0, :3] = [np.inf, -np.inf, -0.0]
+    host = np.asarray(jax.jit(pack_round)(*[jnp.asarray(f) for f in fields]))
+    assert host.dtype == np.int32 and host.shape == (b, 2 * gamma + 4)
+    for got, want in zip(unpack_round(host, gamma), fields):
+        assert got.dtype == want.dtype or got.dtype == np.int32
+        np.testing.assert_array_equal(got.view(np.int32), want.astype(got.dtype).view(np.int32))
+    with pytest.raises(ValueError, match="columns"):
+        unpack_round(host, gamma + 1)
 
 
 def test_draft_rings_after_rounds_equal_fresh_prefill(tiny_f32, greedy_truth, oracle):

@@ -79,6 +79,25 @@ class RoundOutput:
     accepted: Int[Array, " b"]  # a: drafts accepted
     confidence: Float[Array, "b g"]  # raw confidence logits of the drafts (empty when γ = 0)
     verify_lens: Int[Array, " b"]  # tokens verified (anchor + drafts), 0 for slots without a running request
+    host: Int[Array, "b w"]  # all of the above in one array (``pack_round``): the serving loop's one read
+
+
+def pack_round(tokens, n_new, accepted, confidence, verify_lens) -> Int[Array, "b w"]:
+    """[b, 2γ + 4] int32: tokens (γ + 1), n_new, accepted, verify_lens, then the confidences'
+    float32 bits (γ). Reading a round's outputs is then one device-to-host copy instead of five
+    (each costs about 80 us of host time on an H200: docs/benchmarks.md)."""
+    bits = jax.lax.bitcast_convert_type(confidence.astype(jnp.float32), jnp.int32)
+    return jnp.concatenate([tokens, n_new[:, None], accepted[:, None], verify_lens[:, None], bits], axis=1)
+
+
+def unpack_round(host: np.ndarray, gamma: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``pack_round``'s array, read on the host, back into (tokens, n_new, accepted, confidence, verify_lens)."""
+    host = np.asarray(host)
+    g1 = gamma + 1
+    if host.ndim != 2 or host.shape[1] != 2 * gamma + 4:
+        raise ValueError(f"a packed round for gamma = {gamma} has {2 * gamma + 4} columns, got shape {host.shape}")
+    return (host[:, :g1], host[:, g1], host[:, g1 + 1], np.ascontiguousarray(host[:, g1 + 3:]).view(np.float32),
+            host[:, g1 + 2])
 
 
 # A drafter maps (model, draft cache, anchor [b], lengths [b], pick) to a DraftOutput.
@@ -410,8 +429,10 @@ class Engine:
         bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
                                  anchor=jnp.where(commits, bonus, bs.anchor))
         verified = jnp.where(was_active, g + 1, 0) if lens is None else lens
-        return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=jnp.where(commits, a, 0),
-                                             confidence=conf, verify_lens=verified.astype(jnp.int32))
+        accepted, verified = jnp.where(commits, a, 0), verified.astype(jnp.int32)
+        return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=accepted, confidence=conf,
+                                             verify_lens=verified,
+                                             host=pack_round(tokens, n_new, accepted, conf, verified))
 
     def _profile_accept(self, sp: SamplingArrays, lengths, logits, conf, proc, sampled: bool, limit=None):
         """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``): with

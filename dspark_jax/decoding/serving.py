@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import MAX_VERIFY_TOKENS
-from dspark_jax.decoding.engine import Engine, check_scheduler, chunk_width, prefill_rows, verify_buckets
+from dspark_jax.decoding.engine import (Engine, check_scheduler, chunk_width, prefill_rows, unpack_round,
+                                       verify_buckets)
 from dspark_jax.decoding.sampling import SamplingParams
 from dspark_jax.decoding.scheduler import (UNINITIALISED_WARNING, RoundTimes, SPSTable, SurvivalHistory, lagged_plan,
                                            profile, table_key)
@@ -241,8 +242,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
         running = [owner[s] if decoding[s] else -1 for s in range(slots)]
         if any(o >= 0 for o in running):
             bs, res, index = rounds.dispatch(bs, running, flags, clean=clean)
-            step.append(("round", (res.tokens, res.n_new, res.accepted, res.confidence, res.verify_lens),
-                         list(owner), index, running))
+            step.append(("round", res.host, list(owner), index, running))
 
         # 4 the previous step's tokens (the device works on this step meanwhile)
         for kind, arrays, owners, *rest in pending:
@@ -253,7 +253,7 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                     out.first[i] = time.perf_counter()
                     take(i, [int(first[j])])
                 continue
-            toks, n_new, acc, conf, verified = jax.device_get(arrays)
+            toks, n_new, acc, conf, verified = unpack_round(arrays, engine.gamma)  # one copy from the device
             rounds.read(rest[0], rest[1], n_new, conf)
             for s, i in enumerate(owners):
                 if i < 0 or done[i] or n_new[s] == 0:
