@@ -183,6 +183,15 @@ def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
                               mesh=mesh)
     for r, t in zip(res, truth):
         assert r.tokens == t[:12]
+    # a pool's state is built by one program straight into its layout on the mesh
+    from dspark_jax.decoding.generate import _sharded
+    from dspark_jax.sharding import state_shardings
+
+    eng = _engine(_sharded(tiny_f32, mesh), GAMMA, None)
+    pool = eng.init_slots(4, 64)
+    for leaf, want in zip(jax.tree_util.tree_leaves(pool), jax.tree_util.tree_leaves(state_shardings(pool, mesh))):
+        assert leaf.sharding == want
+    assert pool.cache.lengths.sharding.spec == jax.sharding.PartitionSpec("data")  # 4 slots split over 2
 
 
 def test_stops_default_to_eos(tiny_f32):

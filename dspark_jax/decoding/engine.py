@@ -249,6 +249,7 @@ class Engine:
         self._prefill_rows = jax.jit(scoped(self._prefill_rows_impl), donate_argnums=(1,))
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
+        self._empty: dict[tuple, Callable] = {}  # (rows, max_len, active, stop width) -> program building a state
         self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
                               static_argnames=("sampled", "top_k", "top_p"))
         self._draft_step = jax.jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "schedule"))
@@ -460,10 +461,10 @@ class Engine:
     # ------------------------------------------------------------------ host side
     @staticmethod
     def _sampling_arrays(params: list[SamplingParams], seeds: list[int]) -> SamplingArrays:
-        return SamplingArrays(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-                              top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-                              top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-                              seed=jnp.asarray(np.asarray(seeds, np.uint32).astype(np.int32)))
+        return SamplingArrays(temperature=np.asarray([p.temperature for p in params], np.float32),
+                              top_k=np.asarray([p.top_k for p in params], np.int32),
+                              top_p=np.asarray([p.top_p for p in params], np.float32),
+                              seed=np.asarray(seeds, np.uint32).astype(np.int32))
 
     @staticmethod
     def _stop_array(params: list[SamplingParams], width: int) -> np.ndarray:
@@ -476,24 +477,41 @@ class Engine:
 
     def _empty_state(self, b: int, max_len: int, stop: np.ndarray, max_new, sampling: SamplingArrays,
                      active: bool) -> BatchState:
+        """A state of ``b`` rows with empty caches, built by one program straight into its layout
+        (``_layout``): a pool's ~100 cache arrays made one operation at a time would each be
+        dispatched from the host (about 20 ms per ``generate`` call on an H200), and on a mesh
+        would first be made whole on one device."""
         cfg, dtype = self.model.config, self.model.numerics.dtype
-        bs = BatchState(cache=init_cache(cfg, b, max_len, dtype, kv_layout=self.kv_layout),
-                        draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
-                        anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
-                        n_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.asarray(max_new, jnp.int32),
-                        stop_ids=jnp.asarray(stop), sampling=sampling)
-        return self.place(bs)
+        args = (np.asarray(stop, np.int32), np.asarray(max_new, np.int32), sampling)
+
+        def build(stop_ids, max_new_, sampling_) -> BatchState:
+            return BatchState(cache=init_cache(cfg, b, max_len, dtype, kv_layout=self.kv_layout),
+                              draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
+                              anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
+                              n_generated=jnp.zeros((b,), jnp.int32), max_new=max_new_, stop_ids=stop_ids,
+                              sampling=sampling_)
+
+        key = (b, max_len, active, args[0].shape[1])
+        if key not in self._empty:
+            self._empty[key] = jax.jit(build, out_shardings=self._layout(jax.eval_shape(build, *args)))
+        return self._empty[key](*args)
+
+    def _layout(self, tree):
+        """Where the engine keeps a state (arrays or shapes): the model's mesh by
+        ``sharding.state_shardings``, else the device of the model's parameters."""
+        if self.mesh is not None:
+            return state_shardings(tree, self.mesh)
+        leaf = jax.tree_util.tree_leaves(self.model.state)[0]
+        device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
+        return jax.tree_util.tree_map(lambda _: jax.sharding.SingleDeviceSharding(device), tree)
 
     def place(self, bs: BatchState) -> BatchState:
         """``bs`` committed to the model's device (off a mesh) or laid out on its mesh
-        (``sharding.state_shardings``). Every state the engine builds is, and so must be a state
-        built by hand (benchmarks): a program's outputs are committed when any input is (loaded
-        weights are), and jax compiles a program apart for uncommitted inputs, so an uncommitted
-        first state would compile each program twice (its first call, then the calls on outputs)."""
-        if self.mesh is not None:
-            return jax.device_put(bs, state_shardings(bs, self.mesh))
-        leaf = jax.tree_util.tree_leaves(self.model.state)[0]
-        return jax.device_put(bs, next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0])
+        (``_layout``). Every state the engine builds is, and so must be a state built by hand
+        (benchmarks): a program's outputs are committed when any input is (loaded weights are),
+        and jax compiles a program apart for uncommitted inputs, so an uncommitted first state
+        would compile each program twice (its first call, then the calls on outputs)."""
+        return jax.device_put(bs, self._layout(bs))
 
     def init_state(self, prompts: list[np.ndarray], params: list[SamplingParams], seeds: list[int],
                    max_len: int) -> BatchState:
@@ -519,9 +537,9 @@ class Engine:
         for s, (p, seed) in entering.items():
             admit[s], params[s], seeds[s] = True, p, seed
         self._shapes.add(("admit", s_count, bs.cache.max_len))
-        return self._admit(bs, jnp.asarray(admit), jnp.asarray(release, bool),
-                           jnp.asarray([p.max_new_tokens for p in params], jnp.int32),
-                           jnp.asarray(self._stop_array(params, bs.stop_ids.shape[1])),
+        return self._admit(bs, admit, np.asarray(release, bool),
+                           np.asarray([p.max_new_tokens for p in params], np.int32),
+                           self._stop_array(params, bs.stop_ids.shape[1]),
                            self._sampling_arrays(params, seeds))
 
     def prefill_step(self, bs: BatchState, rows: np.ndarray, ids: np.ndarray, n_valid: np.ndarray,
@@ -538,8 +556,8 @@ class Engine:
         if p == bs.anchor.shape[0] and rows.tolist() != list(range(p)):
             raise ValueError(f"a prefill step of every slot takes them in slot order, got rows {rows.tolist()}")
         self._shapes.add(("prefill", bs.anchor.shape[0], bs.cache.max_len, p, c))
-        return self._prefill_rows(self.params, bs, jnp.asarray(rows, jnp.int32), jnp.asarray(ids, jnp.int32),
-                                  jnp.asarray(n_valid, jnp.int32), jnp.asarray(is_last, bool))
+        return self._prefill_rows(self.params, bs, np.asarray(rows, np.int32), np.asarray(ids, np.int32),
+                                  np.asarray(n_valid, np.int32), np.asarray(is_last, bool))
 
     def prefill(self, bs: BatchState, prompts: list[np.ndarray]) -> tuple[BatchState, np.ndarray]:
         """Chunked prefill of every prompt of a static batch, then the first generated token of each request."""
@@ -555,8 +573,7 @@ class Engine:
         for s in range(0, padded.shape[1], c):
             n_valid = np.clip(lens - s, 0, c).astype(np.int32)
             is_last = (lens > s) & (lens <= s + c)
-            bs, last = self._prefill(self.params, bs, jnp.asarray(padded[:, s:s + c]), jnp.asarray(n_valid),
-                                     last, jnp.asarray(is_last))
+            bs, last = self._prefill(self.params, bs, padded[:, s:s + c], n_valid, last, is_last)
         bs, first = self._first(self.params, bs, last, jnp.ones((b,), bool))
         return bs, np.asarray(first)
 
@@ -588,7 +605,7 @@ class Engine:
         if lens.min() < 0 or lens.max() > self.gamma + 1:
             raise ValueError(f"verify_lens must lie in [0, gamma + 1 = {self.gamma + 1}], got {lens.tolist()}")
         drafted, _ = self._draft_program(bs, top_k, top_p, None)
-        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), **flags)
+        return self._ragged_round(bs, drafted, np.asarray(lens, np.int32), -1, int(lens.sum()), **flags)
 
     def round_lagged(self, bs: BatchState, capacity: int, busy: int, *, sampled: bool, top_k: bool,
                      top_p: bool) -> tuple[BatchState, RoundOutput]:
@@ -601,7 +618,7 @@ class Engine:
             raise ValueError(f"need 0 <= busy <= {b} slots and capacity >= 0, got busy={busy}, capacity={capacity}")
         capacity = min(int(capacity), busy * self.gamma)
         drafted, _ = self._draft_program(bs, top_k, top_p, None)
-        return self._ragged_round(bs, drafted, jnp.zeros((b,), jnp.int32), capacity, busy + capacity,
+        return self._ragged_round(bs, drafted, np.zeros((b,), np.int32), capacity, busy + capacity,
                                   sampled=sampled, top_k=top_k, top_p=top_p)
 
     def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
@@ -616,14 +633,14 @@ class Engine:
         table.check_covers(bs.anchor.shape[0] * (self.gamma + 1))
         drafted, lens = self._draft_program(bs, top_k, top_p, table)
         lens = np.asarray(lens)
-        return self._ragged_round(bs, drafted, jnp.asarray(lens, jnp.int32), -1, int(lens.sum()), sampled=sampled,
+        return self._ragged_round(bs, drafted, np.asarray(lens, np.int32), -1, int(lens.sum()), sampled=sampled,
                                   top_k=top_k, top_p=top_p)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: SPSTable | None):
         self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
         tokens, steps = ((1,), (1.0,)) if table is None else (table.tokens, table.steps_per_s)
-        return self._draft_step(self.params, bs, jnp.asarray(tokens, jnp.int32),
-                                jnp.asarray(steps, jnp.float32), top_k=top_k, top_p=top_p, schedule=table is not None)
+        return self._draft_step(self.params, bs, np.asarray(tokens, np.int32),
+                                np.asarray(steps, np.float32), top_k=top_k, top_p=top_p, schedule=table is not None)
 
     def _ragged_round(self, bs: BatchState, drafted, verify_lens, capacity: int, tokens: int, *, sampled: bool,
                       top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
@@ -634,7 +651,7 @@ class Engine:
         b = bs.anchor.shape[0]
         bucket = self.last_bucket = verify_bucket(tokens, b, self.gamma)
         self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
-        return self._verify_step(self.params, bs, drafted, verify_lens, jnp.int32(capacity), sampled=sampled,
+        return self._verify_step(self.params, bs, drafted, verify_lens, np.int32(capacity), sampled=sampled,
                                  top_k=top_k, top_p=top_p, tokens=bucket)
 
     def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
