@@ -160,25 +160,38 @@ def encode_frames(tokenizer, frames=REQUEST_FRAMES) -> list[tuple[np.ndarray, np
     return [(ids(head), ids(tail)) for head, tail in frames]
 
 
-def framed_prompts(stream: np.ndarray, n: int, length: int, line_starts: np.ndarray, specials: tuple[int, ...],
-                   frames: list[tuple[np.ndarray, np.ndarray]], bos: int, rng: np.random.Generator) -> np.ndarray:
-    """``n`` prompts [n, 1 + length]: BOS + a frame's head + a slice of ``stream`` that begins
-    with a line-start token and ends where a line ends + the frame's tail, the slice as long as
-    the prompt's length leaves. Frames are drawn uniformly among those that leave at least half
-    the prompt to the code."""
+def framed_slices(stream: np.ndarray, length: int, line_starts: np.ndarray, specials: tuple[int, ...],
+                  frames: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """For each frame that leaves at least half of a ``length``-token prompt to the code: (head,
+    tail, ends), ends = the positions e where the slice of the length left before e begins with a
+    line-start token, ends where a line ends and holds no special token. One pass over the
+    stream per frame: computed once per phase, drawn from by ``framed_prompts``."""
     stream = np.asarray(stream)
-    fits = [f for f in frames if length - len(f[0]) - len(f[1]) >= max(1, length // 2)]
-    if not fits:
-        raise ValueError(f"no request frame leaves half of a {length}-token prompt to the code")
-    which = rng.integers(0, len(fits), n)
-    rows = np.zeros((n, 1 + length), np.int32)
-    for f in np.unique(which):
-        (head, tail), count = fits[f], int(np.sum(which == f))
+    out = []
+    for head, tail in frames:
         code = length - len(head) - len(tail)
+        if code < max(1, length // 2):
+            continue
         ends = prompt_ends(stream, code, line_starts, specials)
         ends = ends[line_starts[stream[ends - code]]]  # the slice begins a line as well
         if len(ends) == 0:
             raise ValueError(f"no slice of {code} tokens of the stream begins and ends at a line end")
+        out.append((head, tail, ends))
+    if not out:
+        raise ValueError(f"no request frame leaves half of a {length}-token prompt to the code")
+    return out
+
+
+def framed_prompts(stream: np.ndarray, n: int, length: int, slices: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                   bos: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` prompts [n, 1 + length]: BOS + a frame's head + a slice of ``stream`` that begins
+    with a line-start token and ends where a line ends + the frame's tail, the slice as long as
+    the prompt's length leaves (frames drawn uniformly from ``framed_slices`` for this length)."""
+    which = rng.integers(0, len(slices), n)
+    rows = np.zeros((n, 1 + length), np.int32)
+    for f in np.unique(which):
+        (head, tail, ends), count = slices[f], int(np.sum(which == f))
+        code = length - len(head) - len(tail)
         picks = rng.choice(ends, count, replace=len(ends) < count)
         rows[which == f] = [np.concatenate([[bos], head, stream[e - code:e], tail]) for e in picks]
     return rows
@@ -208,6 +221,7 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     framed = row_temperatures(b, 1 - cfg.framed_fraction) > 0  # rows spread evenly, as the sampled ones
     if framed.any() and not frames:
         raise ValueError("framed_fraction > 0 needs the request frames (encode_frames)")
+    slices = framed_slices(train_stream, p - 1, line_starts, (bos, eos), frames) if framed.any() else []
     train_ends = prompt_ends(train_stream, p - 1, line_starts, (bos, eos))
     held_ends = prompt_ends(held_stream, p - 1, line_starts, (bos, eos))
     t0 = time.time()
@@ -221,8 +235,7 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
             break
         prefixes = sample_prompts(train_stream, train_ends, b, p - 1, bos, rng)
         if framed.any():
-            prefixes[framed] = framed_prompts(train_stream, int(framed.sum()), p - 1, line_starts, (bos, eos), frames,
-                                              bos, rng)
+            prefixes[framed] = framed_prompts(train_stream, int(framed.sum()), p - 1, slices, bos, rng)
         batches.append(np.asarray(generate(state, jnp.asarray(prefixes), jnp.asarray(temps),
                                            jax.random.fold_in(key, len(batches) + 1))))
         batch_s.append(time.time() - t1)
