@@ -6,7 +6,7 @@ accept_length.json under $OUT.
     python benchmarks/accept_length.py [--model DIR] [--heldout 32] [--humaneval 164] [--new-tokens 128]
 
 By default every HumanEval prompt and up to 32 held-out snippets (one per held-out file long
-enough; 29 from the CPU machine's stdlib, 17 files on the H200's): measured on 8-16 prompts the
+enough; 29 from the CPU machine's stdlib, at most 17 on the H200's): measured on 8-16 prompts the
 accept length varies more than pairs differ (docs/tiny_model.md).
 """
 
