@@ -478,9 +478,11 @@ class Engine:
     def _empty_state(self, b: int, max_len: int, stop: np.ndarray, max_new, sampling: SamplingArrays,
                      active: bool) -> BatchState:
         """A state of ``b`` rows with empty caches, built by one program straight into its layout
-        (``_layout``): a pool's ~100 cache arrays made one operation at a time would each be
-        dispatched from the host (about 20 ms per ``generate`` call on an H200), and on a mesh
-        would first be made whole on one device."""
+        (``_layout``): made one operation at a time, a pool's ~100 cache arrays were each
+        dispatched from the host (about 20 ms per ``generate`` call by an H200 profile of the
+        shipped model), and on a mesh made whole on one device before being resharded. At Flash
+        dimensions the program has no temporaries and each device writes only its shard
+        (docs/benchmarks.md)."""
         cfg, dtype = self.model.config, self.model.numerics.dtype
         args = (np.asarray(stop, np.int32), np.asarray(max_new, np.int32), sampling)
 

@@ -243,8 +243,8 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     held = held[:cfg.heldout_sequences]
     new = len(batches) * b * cfg.new_tokens
     stats = dict(sequences=len(train), heldout_sequences=len(held), prefix_tokens=p, new_tokens=cfg.new_tokens,
-                 greedy_fraction=float(np.mean(temps == 0)), framed_fraction=float(np.mean(framed)), batch_size=b, first_batch_s=first_s,
-                 batch_s=float(np.median(batch_s)), generated_tokens=new,
+                 greedy_fraction=float(np.mean(temps == 0)), framed_fraction=float(np.mean(framed)), batch_size=b,
+                 first_batch_s=first_s, batch_s=float(np.median(batch_s)), generated_tokens=new,
                  tokens_per_s=new / max(sum(batch_s), 1e-9), total_s=time.time() - t0,
                  prompt_ends=dict(train=int(len(train_ends)), heldout=int(len(held_ends))))
     say(f"[generate] {len(train)} sequences of {p} + {cfg.new_tokens} tokens ({new:,} generated, "
