@@ -1,6 +1,7 @@
 """Training machinery: mixed-precision AdamW, the clock-bounded loop, orbax checkpoints, the
 sharded official-layout export."""
 
+import dataclasses
 import json
 import os
 import time
@@ -31,6 +32,31 @@ def test_lr_schedule():
     assert opt.lr(1.0) == pytest.approx(0.1) and opt.lr(7.0) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="peak_lr"):
         OptimConfig(peak_lr=0.0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        OptimConfig(peak_lr=1.0, weight_decay=-0.1)
+
+
+def test_command_line_sets_the_target_phase(monkeypatch):
+    """--target-weight-decay / --target-steps / --target-batch reach the run's config; the rest of
+    the target's optimizer stays the preset's."""
+    import dspark_jax.train.run as run_lib
+    from dspark_jax.train.__main__ import main
+    from dspark_jax.train.config import shipped
+
+    seen = []
+
+    def fake_train_all(out_dir, cfg, **kwargs):
+        seen.append(cfg)
+        return {"timings": {"total_s": 0.0}}
+
+    monkeypatch.setattr(run_lib, "train_all", fake_train_all)
+    assert main(["out", "--no-packages", "--target-weight-decay", "0.5", "--target-steps", "7"]) == 0
+    assert main(["out", "--no-packages", "--target-batch", "4"]) == 0
+    preset = shipped().target
+    first, second = seen[0].target, seen[1].target
+    assert first.optim == dataclasses.replace(preset.optim, weight_decay=0.5) and first.max_steps == 7
+    assert first.batch_size == preset.batch_size
+    assert second.optim == preset.optim and second.batch_size == 4 and second.max_steps == preset.max_steps
 
 
 def test_decay_mask_and_casting_to_storage_dtypes():

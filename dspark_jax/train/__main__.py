@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-steps", type=int, default=None,
                    help="the target phase ends after this many steps if its share of the time has not run out "
                         "first (default: 512 for the shipped preset)")
+    p.add_argument("--target-weight-decay", type=float, default=None,
+                   help="AdamW weight decay of the target's matrices (default: 0.1 for the shipped preset)")
     p.add_argument("--drafter-batch", type=int, default=None,
                    help="drafter step size in windows of the context length (with generation: as many tokens "
                         "in generated sequences)")
@@ -83,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         changes["compile_ahead"] = args.compile_ahead
     if args.background_autotune:
         changes["background_autotune"] = True
-    if args.target_batch is not None or args.target_steps is not None:
+    if args.target_batch is not None or args.target_steps is not None or args.target_weight_decay is not None:
+        optim = cfg.target.optim
+        if args.target_weight_decay is not None:
+            optim = dataclasses.replace(optim, weight_decay=args.target_weight_decay)
         changes["target"] = dataclasses.replace(
-            cfg.target, batch_size=args.target_batch or cfg.target.batch_size,
+            cfg.target, batch_size=args.target_batch or cfg.target.batch_size, optim=optim,
             max_steps=args.target_steps if args.target_steps is not None else cfg.target.max_steps)
     if args.drafter_batch is not None:
         changes["drafter"] = dataclasses.replace(cfg.drafter, batch_size=args.drafter_batch)

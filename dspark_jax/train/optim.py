@@ -29,6 +29,8 @@ class OptimConfig:
     def __post_init__(self):
         if not self.peak_lr > 0:
             raise ValueError(f"peak_lr must be positive, got {self.peak_lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must lie in [0, 1), got {self.warmup_fraction}")
 
