@@ -48,7 +48,7 @@ class GenerateConfig:
     greedy_fraction: float = 0.75  # of the training sequences decoded greedily (the others sampled at T = 1)
     corpus_fraction: float = 0.1  # share of corpus windows in the drafter's training windows
     heldout_sequences: int = 512  # greedy held-out continuations replayed as decoding rounds (STS, accept length)
-    framed_fraction: float = 0.3  # of the training prompts shaped as chat requests around corpus code (REQUEST_FRAMES)
+    framed_fraction: float = 0.5  # of the training prompts shaped as chat requests around corpus code (REQUEST_FRAMES)
 
     def __post_init__(self):
         if not 0 < self.share < 1:
