@@ -105,8 +105,8 @@ def shipped(minutes: float = 7.0) -> RunConfig:
         seq_len=1024,
         # 512 steps (about 10 epochs of the stdlib corpus: held-out loss 3.14 at 502-509 steps, 3.28 at 579) or
         # target_share of the time, whichever ends first (the rest goes to the drafter)
-        # weight decay 1.0: ten epochs of a small corpus overfit at 0.1 (held-out 3.175 at 512 steps, rising
-        # after ~470); 1.0 reached 3.100 and 3.0 3.132 at 512 steps, still falling (docs/tiny_model.md)
+        # weight decay 1.0: ten epochs of a small corpus overfit at 0.1 (3.137-3.183 in four runs, rising after
+        # ~470 steps); 1.0 gave 3.100-3.165 in three (still falling at 512), 3.0 gave 3.132 (docs/tiny_model.md)
         target=PhaseConfig(batch_size=48, optim=OptimConfig(peak_lr=2e-3, weight_decay=1.0), max_steps=512),
         drafter=PhaseConfig(batch_size=32, optim=OptimConfig(peak_lr=2e-3, weight_decay=0.0)),
         draft_loss=DraftLossConfig(num_anchors=128),
