@@ -47,7 +47,8 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     line_starts = np.zeros(model.cfg.vocab_size, bool)
     line_starts[3:8] = True
     frames = [(np.array([40, 41]), np.array([42])), (np.array([43]), np.array([], np.int32))]
-    data = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, greedy_fraction=0.75), train, held,
+    data = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, greedy_fraction=0.75,
+                                                              framed_fraction=0.3), train, held,
                          line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames)
     assert data["train"].shape == (8, 16) and data["heldout"].shape == (4, 16)
     framed = np.array([True, False, False, True] * 2)
