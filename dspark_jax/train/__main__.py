@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the target phase ends after this many steps if its share of the time has not run out "
                         "first (default: 512 for the shipped preset)")
     p.add_argument("--target-weight-decay", type=float, default=None,
-                   help="AdamW weight decay of the target's matrices (default: 0.1 for the shipped preset)")
+                   help="AdamW weight decay of the target's matrices (default: 1.0 for the shipped preset)")
     p.add_argument("--drafter-batch", type=int, default=None,
                    help="drafter step size in windows of the context length (with generation: as many tokens "
                         "in generated sequences)")
