@@ -74,3 +74,19 @@ def device_time(fn, x, *args, reps: int = 20, repeat: int = 5) -> float:
         return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.float32))
 
     return median_time(jax.jit(loop), x, *args, repeat=repeat, warmup=1) / reps
+
+
+def add_split_option(ap) -> None:
+    """``--split-programs``: the grouped matmul's K-split target (``SPLIT_TARGET_PROGRAMS``; 0 =
+    no split), to measure the library's choice against another in the same code."""
+    ap.add_argument("--split-programs", type=int, default=None,
+                    help="grouped-matmul K-split target programs (default: the library's; 0: no split)")
+
+
+def apply_split_option(args) -> int:
+    from pallas_kernels import grouped_matmul as gm
+
+    if args.split_programs is not None:
+        gm.SPLIT_TARGET_PROGRAMS = args.split_programs
+    return gm.SPLIT_TARGET_PROGRAMS
+

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax
-from benchmarks.common import ceilings, environment, out_dir, write_json
+from benchmarks.common import add_split_option, apply_split_option, ceilings, environment, out_dir, write_json
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from pallas_kernels import kv_fp8
@@ -476,7 +476,9 @@ def main(argv=None):
     ap.add_argument("--compile-threads", type=int, default=4, help="programs compiled at the same time")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining shapes once this is spent (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
+    add_split_option(ap)
     args = ap.parse_args(argv)
+    args.split_programs = apply_split_option(args)
     start = time.perf_counter()
 
     full = config.tiny() if args.smoke else config.flash()

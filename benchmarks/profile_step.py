@@ -50,6 +50,7 @@ import numpy as np
 PHASES = ("draft", "verify", "accept_commit")
 COMPONENTS = ("embed", "attention", "indexer", "compressor", "mhc", "moe", "head", "markov", "confidence",
               "context")
+LISTED_LAYERS = ("L1", "L2")  # layers whose every kernel the results list (window-only; C4 + indexer)
 _LAYER = re.compile(r"^(layer|stage)(\d+)$")
 # Instructions that launch nothing themselves (their operands' kernels or their bodies do).
 _NO_KERNEL = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
@@ -198,6 +199,20 @@ class Attribution:
                 self._cache[hlo_op] = s
         return self._cache[hlo_op]
 
+    def describe(self, name: str, limit: int = 5) -> str:
+        """What a kernel computes, for reading a profile: the last parts of the op_names of its
+        (fused) instructions, e.g. ``moe/gate: top_k, sqrt, ...``."""
+        ins = self.instrs.get(name)
+        if ins is None:
+            return ""
+        inner = [self.instrs[i] for c in ins.fused for i in self.comps.get(c, ()) if i in self.instrs] or [ins]
+        parts = []
+        for i in inner:
+            tail = "/".join(i.op_name.split("/")[-2:]) if i.op_name else ""
+            if tail and tail not in parts and i.opcode not in _NO_KERNEL:
+                parts.append(tail)
+        return f"{ins.opcode}: " + ", ".join(parts[:limit])
+
     def kernel_instructions(self) -> list[str]:
         """Kernel-launching instructions of the entry computation and of loop bodies."""
         inlined = {c for ins in self.instrs.values() for c in ins.fused}
@@ -317,6 +332,7 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
     by_phase = collections.defaultdict(lambda: [0.0, 0])
     missing = collections.Counter()
     inferred = 0
+    listed = {}  # every kernel of the listed layers: hlo_op -> [first start, total ns, launches, scope]
     for e in events:
         inferred += attr.scope(e.hlo_op) is not None and e.hlo_op in attr.inferred
         s = attr.scope(e.hlo_op)
@@ -325,6 +341,9 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
             key, layer = "unattributed", ""
         else:
             key, layer = f"{s.phase}/{s.component}", s.layer
+        if layer in LISTED_LAYERS:
+            first = listed.setdefault(e.hlo_op, [e.start_ns, 0.0, 0, key])
+            first[0], first[1], first[2] = min(first[0], e.start_ns), first[1] + e.dur_ns, first[2] + 1
         tables = ((by_comp, key), (by_layer, layer or "-"), (by_kernel, e.hlo_op),
                   (by_layer_comp, (layer, key.split("/")[-1])), (by_phase, key.split("/")[0]))
         for table, k in tables:
@@ -345,7 +364,10 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
             "top_kernels": {k: dict(v, scope=dataclasses.asdict(attr.scope(k)) if attr.scope(k) else None)
                             for k, v in list(top.items())[:25]},
             "unattributed_ops": dict(missing.most_common(10)),
-            "launches_scope_inferred": inferred / rounds}
+            "launches_scope_inferred": inferred / rounds,
+            "listed_layer_kernels": [  # in launch order: instruction, phase/component, us per round, launches
+                [op, v[3], round(v[1] / rounds / 1e3, 2), v[2] / rounds, attr.describe(op)]
+                for op, v in sorted(listed.items(), key=lambda kv: kv[1][0])]}
 
 
 # ----------------------------------------------------------------------------- roofline
@@ -625,7 +647,7 @@ def plot(results: list[dict], path: str, title: str):
 
 
 def main():
-    from benchmarks.common import ceilings, environment, out_dir, write_json
+    from benchmarks.common import add_split_option, apply_split_option, ceilings, environment, out_dir, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -643,7 +665,9 @@ def main():
     ap.add_argument("--compile-cache", default=None,
                     help="a folder for JAX's persistent compilation cache (a second run loads instead of compiling)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
+    add_split_option(ap)
     args = ap.parse_args()
+    args.split_programs = apply_split_option(args)
     if args.smoke:
         args.context, args.rounds, args.warmup = min(args.context, 64), min(args.rounds, 2), 1
 
@@ -659,10 +683,10 @@ def main():
     model = build(args)
     jax.block_until_ready(model.state)
     cfg = model.config
-    info = {"layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "batch": args.batch,
-            "context": args.context, "rounds": args.rounds, "weights": args.weights, "kv_layout": args.kv_layout,
-            "prefill": args.prefill, "smoke": args.smoke, "weight_bytes": model.weight_bytes,
-            "init_s": time.time() - t0}
+    info = {"layers": cfg.num_hidden_layers, "split_programs": args.split_programs, "experts": cfg.n_routed_experts,
+            "batch": args.batch, "context": args.context, "rounds": args.rounds, "weights": args.weights,
+            "kv_layout": args.kv_layout, "prefill": args.prefill, "smoke": args.smoke,
+            "weight_bytes": model.weight_bytes, "init_s": time.time() - t0}
     print(info, flush=True)
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="dspark_profile_")
     results = []

@@ -183,28 +183,68 @@ def check_inputs(x: Array, w: Weights, tile_group: Array, block_m: int) -> None:
 class GemmConfig:
     """Tiles of the kernel: ``block_n`` output columns per program and ``block_k`` inputs per loop
     step (powers of two; fp8 weights need both <= 128 so a tile sits in one scale block, fp4 needs
-    block_k >= 32). The row tile ``block_m`` comes with the metadata."""
+    block_k >= 32). The row tile ``block_m`` comes with the metadata. ``split_k`` (a power of two):
+    programs per output tile, each over K / split_k of the inputs; their fp32 partial products are
+    summed after the kernel (XLA), then rounded (and, fused SwiGLU, activated) as without the split.
+    A decode step's few rows and wide K give few output tiles; splitting K keeps every core
+    streaming weights."""
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+
+    def __post_init__(self):
+        if not backend.is_power_of_2(self.split_k):
+            raise ValueError(f"split_k must be a power of two, got {self.split_k}")
 
     def fit(self, n: int, k: int, fmt: str) -> "GemmConfig":
-        """This config with tiles shrunk to divide N and K (and the format's scale blocks)."""
+        """This config with tiles shrunk to divide N and K (and the format's scale blocks), and
+        the split to divide K's loop steps."""
         bn = backend.largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
         bk_cap = min(self.block_k, FP8_BLOCK) if fmt == "fp8" else self.block_k
         bk = backend.largest_pow2_divisor(k, bk_cap)
         kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
         if bn < 16 or bk < kmin:
             raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
-        return dataclasses.replace(self, block_n=bn, block_k=bk)
+        split = backend.largest_pow2_divisor(k // bk, self.split_k)
+        return dataclasses.replace(self, block_n=bn, block_k=bk, split_k=split)
 
 
-def default_config(block_m: int, fmt: str) -> GemmConfig:
-    """Few rows (decode / verify): narrow column tiles, many programs streaming weights. Many rows
-    (prefill): wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an
-    H200 (the in-register decoding favours 64 columns); the others as first measured there."""
+# Decode / verify (row tile 16): K is split until the kernel has at least this many programs
+# (output tiles x splits), keeping at least SPLIT_MIN_STEPS loop steps per program.
+SPLIT_TARGET_PROGRAMS = 512
+SPLIT_MIN_STEPS = 4
+
+
+def split_for(programs: int, k_steps: int, target: int | None = None, min_steps: int | None = None) -> int:
+    """The smallest power-of-two K split that gives ``target`` programs (default
+    ``SPLIT_TARGET_PROGRAMS``, read at the call: 0 turns splitting off), at most ``k_steps /
+    min_steps`` (default ``SPLIT_MIN_STEPS``); 1: no split."""
+    target = SPLIT_TARGET_PROGRAMS if target is None else target
+    min_steps = SPLIT_MIN_STEPS if min_steps is None else min_steps
+    split = 1
+    while programs * split < target and k_steps // (split * 2) >= min_steps:
+        split *= 2
+    return split
+
+
+def default_config(block_m: int, fmt: str, *, n: int | None = None, k: int | None = None,
+                   tiles: int | None = None) -> GemmConfig:
+    """Few rows (decode / verify): narrow column tiles, many programs streaming weights, and K split
+    (``split_for``) when the output's ``tiles`` x N give too few programs. Many rows (prefill):
+    wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an H200 (the
+    in-register decoding favours 64 columns); the others as first measured there."""
+    cfg = _tile_config(block_m, fmt)
+    if block_m > 16 or None in (n, k, tiles):
+        return cfg
+    fit = cfg.fit(n, k, fmt)
+    split = split_for(tiles * (n // fit.block_n), k // fit.block_k)
+    return dataclasses.replace(cfg, split_k=split)
+
+
+def _tile_config(block_m: int, fmt: str) -> GemmConfig:
     if fmt == "fp8_k32":
         if block_m <= 16:
             return GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -295,7 +335,14 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
     return step_product(xs, w_refs, fmt, g, n, k, n0, k0, bn, bk, dt)
 
 
-def _kernel(*refs, fmt: str, n: int, k: int, bm: int, cfg: GemmConfig, n_weights: int, limit: float | None):
+def _swiglu_rows(gate: Array, up: Array, row_weight: Array, limit: float, dt) -> Array:
+    """The expert's SwiGLU with the reference's roundings (products in ``dt``, SwiGLU in fp32),
+    times the routing weight (rounded to ``dt``) of each row: fp32 [rows, n]."""
+    return swiglu(gate.astype(dt), up.astype(dt), limit) * row_weight.astype(dt).astype(jnp.float32)[:, None]
+
+
+def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n_weights: int,
+            limit: float | None):
     tile_group_ref, num_tiles_ref = refs[:2]
     refs = refs[2:]
     n_x = 2 if fmt == "fp4" else 1
@@ -303,35 +350,43 @@ def _kernel(*refs, fmt: str, n: int, k: int, bm: int, cfg: GemmConfig, n_weights
     per_w = 1 if fmt == "dense" else 2
     w_sets = [refs[i * per_w:(i + 1) * per_w] for i in range(n_weights)]
     refs = refs[n_weights * per_w:]
-    rw_ref = refs[0] if limit is not None else None
+    rw_ref = refs[0] if limit is not None and cfg.split_k == 1 else None
     o_ref = refs[-1]
 
-    bn, bk = cfg.block_n, cfg.block_k
+    bn, bk, split = cfg.block_n, cfg.block_k, cfg.split_k
     t, nb = pl.program_id(0), pl.program_id(1)
     r0, n0 = t * bm, nb * bn
+    steps = k // bk // split
+    s_id = pl.program_id(2) if split > 1 else 0  # (read here: interpret mode has no program ids in branches)
+    k_base = s_id * steps * bk
     dt = x_refs[0].dtype
+
+    def store(outs):
+        if split == 1:  # the finished rows
+            o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = outs[0].astype(o_ref.dtype)
+        else:  # fp32 partial products: split s at rows s * m.., weight i at columns i * n..
+            s0 = s_id * m + r0
+            for i, out in enumerate(outs):
+                o_ref[pl.ds(s0, bm), pl.ds(i * n + n0, bn)] = out
 
     @pl.when(t < num_tiles_ref[0])
     def _compute():
         g = tile_group_ref[t]
 
         def body(step, accs):
-            k0 = step * bk
+            k0 = k_base + step * bk
             return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt)
                          for a, w in zip(accs, w_sets))
 
         zero = jnp.zeros((bm, bn), jnp.float32)
-        accs = lax.fori_loop(0, k // bk, body, (zero,) * n_weights)
-        if limit is None:
-            out = accs[0]
-        else:  # the expert's SwiGLU with the reference's roundings, times the routing weight
-            gate, up = (a.astype(dt) for a in accs)
-            out = swiglu(gate, up, limit) * rw_ref[pl.ds(r0, bm)].astype(dt).astype(jnp.float32)[:, None]
-        o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = out.astype(o_ref.dtype)
+        accs = lax.fori_loop(0, steps, body, (zero,) * n_weights)
+        if rw_ref is not None:
+            accs = (_swiglu_rows(accs[0], accs[1], rw_ref[pl.ds(r0, bm)], limit, dt),)
+        store(accs)
 
     @pl.when(t >= num_tiles_ref[0])
     def _unused():
-        o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = jnp.zeros((bm, bn), o_ref.dtype)
+        store((jnp.zeros((bm, bn), jnp.float32),) * (n_weights if split > 1 else 1))
 
 
 def flat_operands(w: Weights) -> tuple[Array, ...]:
@@ -350,22 +405,32 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
     fmt = ws[0].fmt
     _, n, k = ws[0].shape
     cfg = cfg.fit(n, k, fmt)
-    m = x.shape[0]
+    m, split = x.shape[0], cfg.split_k
     args = [tile_group, num_tiles, *_x_operands(x, fmt)]
     for w in ws:
         args += flat_operands(w)
-    if limit is not None:
+    if limit is not None and split == 1:
         args.append(row_weight.astype(jnp.float32))
-    kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit)
+    kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, m=m, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit)
+    grid = (tile_group.shape[0], n // cfg.block_n) + ((split,) if split > 1 else ())
+    out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if split == 1
+                 else jax.ShapeDtypeStruct((split * m, len(ws) * n), jnp.float32))
     with backend.quiet_triton_deprecation():
-        return pl.pallas_call(
+        y = pl.pallas_call(
             kernel,
-            grid=(tile_group.shape[0], n // cfg.block_n),
-            out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+            grid=grid,
+            out_shape=out_shape,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
             interpret=interpret,
-            name=f"grouped_matmul_{fmt}" + ("_swiglu" if limit is not None else ""),
+            name=f"grouped_matmul_{fmt}" + ("_swiglu" if limit is not None else "")
+                 + (f"_split{split}" if split > 1 else ""),
         )(*args)
+    if split == 1:
+        return y
+    parts = jnp.sum(y.reshape(split, m, len(ws), n), axis=0)  # fp32 [m, weights, n]
+    if limit is None:
+        return parts[:, 0].astype(out_dtype)
+    return _swiglu_rows(parts[:, 0], parts[:, 1], row_weight.astype(jnp.float32), limit, x.dtype).astype(out_dtype)
 
 
 def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
@@ -381,7 +446,7 @@ def kernel(x: Float[Array, "m k"], w: Weights, tile_group: Int[Array, " t"], num
     """The Pallas kernel (same contract as ``reference``)."""
     check_inputs(x, w, tile_group, block_m)
     _check_kernel_shapes(x, [w], block_m)
-    cfg = config or default_config(block_m, w.fmt)
+    cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
 
@@ -392,7 +457,7 @@ def swiglu_kernel(x: Float[Array, "m k"], w1: Weights, w3: Weights, row_weight: 
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
-    cfg = config or default_config(block_m, w1.fmt)
+    cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
 
@@ -431,3 +496,17 @@ def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, out_dtype=None, impl
     tile_group, num_tiles = dense_tiles(mp, g, bm)
     y = grouped_matmul(xp, w, tile_group, num_tiles, block_m=bm, out_dtype=out_dtype, impl=impl, **kernel_options)
     return y.reshape(g, mp, -1)[:, :m]
+
+
+def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: float, impl: str | None = None,
+                   **kernel_options) -> Float[Array, "m n"]:
+    """``swiglu(x W1^T, x W3^T)`` of one group of weights (a shared expert's first half) through
+    the fused kernel: rows padded to the row tile, routing weight 1, result in x's dtype."""
+    m, _ = x.shape
+    bm = block_m_for(m)
+    mp = -(-m // bm) * bm
+    tile_group, num_tiles = dense_tiles(mp, 1, bm)
+    ones = jnp.ones((mp,), jnp.float32)
+    return grouped_swiglu(jnp.pad(x, ((0, mp - m), (0, 0))), w1, w3, ones, tile_group, num_tiles, block_m=bm,
+                          limit=limit, impl=impl, **kernel_options)[:m]
+

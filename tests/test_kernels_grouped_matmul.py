@@ -6,6 +6,8 @@ Interpret mode fills every kernel output with NaN before the kernel runs
 element was written.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -188,6 +190,57 @@ def test_kernel_matches_reference(fmt, routing):
     np.testing.assert_allclose(np.asarray(h_ker, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
     # the clamp is active somewhere (limit 1.0 against products of several units)
     assert np.abs(np.asarray(gm.reference(x, w, *meta, block_m=16))).max() > 1.0
+
+
+@pytest.mark.parametrize("fmt,split", [("dense", 2), ("fp8", 4), ("fp4", 2), ("fp8_k32", 4)])
+def test_split_k_matches_the_reference(fmt, split):
+    """K split over programs: fp32 partial products summed after the kernel, then rounded (and,
+    fused SwiGLU, activated) as by the unsplit kernel; unused tiles stay zero."""
+    rng = np.random.default_rng(11)
+    g, n, k = 8, 64, 512
+    w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
+    tiles = md.group_tiles(jnp.asarray(ROUTINGS["uneven"](rng).astype(np.int32)), g, 16)
+    pair = np.asarray(tiles.pair_of_row)
+    x = jnp.asarray(np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0), jnp.bfloat16)
+    meta = (tiles.tile_group, tiles.num_tiles)
+    bk = 64 if fmt in ("dense", "fp8") else 128
+    cfg = gm.GemmConfig(block_n=32, block_k=bk, split_k=split)
+    assert cfg.fit(n, k, fmt).split_k == split
+    ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
+    want = _oracle(x, w, tiles)
+    assert np.isfinite(ker).all() and (ker[pair < 0] == 0).all()
+    np.testing.assert_allclose(ker, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # bf16 output: the rounded sum, as the unsplit kernel gives it
+    unsplit = dataclasses.replace(cfg, split_k=1)
+    y16 = gm.kernel(x, w, *meta, block_m=16, config=cfg, interpret=True)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(
+        gm.kernel(x, w, *meta, block_m=16, config=unsplit, interpret=True), np.float32), rtol=1e-2, atol=1e-3)
+
+    rw = jnp.asarray(np.where(pair >= 0, rng.random(pair.size), 0.0), jnp.float32)
+    h_split = gm.swiglu_kernel(x, w, w3, rw, *meta, block_m=16, limit=1.0, config=cfg, interpret=True)
+    h_ref = gm.swiglu_reference(x, w, w3, rw, *meta, block_m=16, limit=1.0)
+    assert h_split.dtype == x.dtype and np.isfinite(np.asarray(h_split, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(h_split, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
+    assert (np.asarray(h_split, np.float32)[pair < 0] == 0).all()
+
+
+def test_decode_configs_split_k_only_where_programs_are_few():
+    # Flash decode at one token: the shared expert's w1 (N 2048, K 4096) has 32 column tiles of 64
+    # and 32 loop steps of 128: split 8 (4 steps each) is the most the minimum steps allow
+    cfg = gm.default_config(16, "fp8", n=2048, k=4096, tiles=1)
+    assert cfg.split_k == 8 and 4096 // 128 // cfg.split_k == gm.SPLIT_MIN_STEPS
+    # the routed experts' 6 pair tiles x 32 column tiles: split 4 reaches the target
+    assert gm.default_config(16, "fp8", n=2048, k=4096, tiles=6).split_k == 4
+    # the split keeps at least SPLIT_MIN_STEPS loop steps per program (K 1024: 8 steps of 128)
+    assert gm.default_config(16, "fp8", n=512, k=1024, tiles=1).split_k == 2
+    # enough programs already (wq_b: N 32768), prefill row tiles, and unknown shapes: no split
+    assert gm.default_config(16, "fp8", n=32768, k=1024, tiles=1).split_k == 1
+    assert gm.default_config(64, "fp8", n=2048, k=4096, tiles=1).split_k == 1
+    assert gm.default_config(16, "fp8").split_k == 1
+    assert gm.split_for(1, 100) == 16 and gm.split_for(1, 100, min_steps=50) == 2
+    with pytest.raises(ValueError, match="split_k must be a power of two"):
+        gm.GemmConfig(split_k=3)
 
 
 def test_batched_matmul_is_a_plain_matmul_per_group():

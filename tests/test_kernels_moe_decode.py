@@ -20,7 +20,7 @@ from flax import nnx
 
 from dspark_jax import config
 from dspark_jax.model.common import Numerics
-from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, grouped_experts
+from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, SharedExpert, grouped_experts
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering, pair_experts, routing
 from tests.test_kernels_grouped_matmul import _random_weights
@@ -151,6 +151,30 @@ def test_moe_decode_step_runs_as_four_kernels(hashed):
     moe.experts.num = dataclasses.replace(num, kernels="xla")  # the routed experts' switch
     xla = _ops(moe, 5)
     assert "pallas:router_logits" not in xla and "pallas:pair_experts_up" not in xla and "dot_general" in xla
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_shared_expert_runs_w1_and_w3_as_one_fused_kernel(rows):
+    """FP8 shared expert on the Pallas path: w1 and w3 in one SwiGLU kernel, bit-identical to the
+    two GEMMs it replaces (same tiles and K split, the same roundings); the XLA path keeps them apart."""
+    cfg = config.tiny().replace(hidden_size=1024, moe_intermediate_size=256)  # w1 / w3: K split in 2
+    num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
+    shared = SharedExpert(cfg, num, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(rows), (rows, 1024), jnp.bfloat16)
+    assert shared.fused()
+    fused = shared(x)
+    two = shared.w2(gm.swiglu(shared.w1(x), shared.w3(x), shared.limit).astype(x.dtype))
+    assert np.isfinite(np.asarray(fused, np.float32)).all() and np.abs(np.asarray(fused, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(two, np.float32))
+    graphdef, state = nnx.split(shared)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    kernels = [o for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
+    assert kernels == ["pallas:grouped_matmul_fp8_swiglu_split2", "pallas:grouped_matmul_fp8"], kernels
+    for mod in (shared.w1, shared.w2, shared.w3):
+        mod.num = dataclasses.replace(num, kernels="xla")
+    assert not shared.fused()
+    np.testing.assert_allclose(np.asarray(shared(x), np.float32), np.asarray(fused, np.float32), rtol=2e-2,
+                               atol=2e-2 * np.abs(np.asarray(fused, np.float32)).max())
 
 
 def test_bad_inputs_are_named():

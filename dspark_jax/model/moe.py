@@ -60,8 +60,20 @@ class SharedExpert(nnx.Module):
         self.w3 = Linear(d, i, num, rngs=rngs)
         self.limit = cfg.swiglu_limit
 
+    def fused(self) -> bool:
+        """Whether w1 and w3 run as one fused SwiGLU kernel (FP8 weights on the Pallas path, no
+        mesh): one launch and no separate activation, the same roundings as two GEMMs."""
+        w1, w3 = self.w1, self.w3
+        return (w1.quantized and w3.quantized and w1.mesh is None and w3.mesh is None and w1.fp8_act == w3.fp8_act
+                and w1.compute_dtype is None and w1.num.kernel_impl() == "pallas")
+
     def __call__(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
-        h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
+        if self.fused():
+            rows = fp8_sim(x, 128) if self.w1.fp8_act else x
+            h = gm.batched_swiglu(rows, self.w1.grouped_weights(), self.w3.grouped_weights(), limit=self.limit,
+                                  impl="pallas")
+        else:
+            h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
 
     def weights(self) -> tuple[gm.Weights, gm.Weights, gm.Weights]:

@@ -1,0 +1,228 @@
+"""The grouped-matmul kernel at a decode step's shapes: column tiles, stages and K splits.
+
+At one token a DeepSeek-V4-Flash linear is a matrix-vector product: its few output tiles (e.g.
+32 column tiles for the shared expert's 2048 outputs) leave most of the GPU's cores idle while
+each program walks all of K. This script times every FP8 / FP4 linear and expert kernel of one
+Flash layer (and the drafter's input projection) at one token (rows padded to the 16-row tile),
+and the routed experts at a 6-token verify, for the configuration the library picks
+(``grouped_matmul.default_config``, which splits K), the same tiles without the split, and a
+sweep of column tiles x splits x pipeline stages.
+
+Device time per call: one jitted program runs the kernel on R distinct copies of the weights
+(together >= 256 MiB, more than the H200's 50 MiB L2, so no call reads another's weights from the
+cache; experts: a different random choice of experts per call), minus the dispatch of a trivial
+call, divided by R; median of 7. A split's partial-product sum (an XLA reduction) is included.
+Bytes = weights (values + scales) read + activations; GB/s against a device copy of the same run.
+Each picked configuration is also checked against the unsplit kernel on the device.
+
+    PYTHONPATH=. OUT=out python benchmarks/gemm_decode.py --budget-s 300
+    PYTHONPATH=. python benchmarks/gemm_decode.py --smoke    # small shapes, interpret mode (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import ceilings, environment, write_json
+from benchmarks.device_time import DeviceTimer
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.group_metadata import dense_tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    fmt: str
+    n: int  # outputs per group
+    k: int  # inputs
+    groups: int  # stacked weights (experts) to choose from; 1 for a linear
+    tiles: int  # row tiles in use (pairs for experts, groups for a batched linear)
+    swiglu: bool = False  # two weights (w1, w3) and the fused SwiGLU
+
+    @property
+    def weight_bytes_per_tile(self) -> int:
+        per = self.n * self.k if self.fmt != "fp4" else self.n * self.k // 2
+        scales = {"fp8": (self.n // 128) * (self.k // 128), "fp4": self.n * self.k // 32,
+                  "fp8_k32": self.n * self.k // 32, "dense": 0}[self.fmt]
+        mult = 2 if self.fmt == "dense" else 1
+        return (per * mult + scales) * (2 if self.swiglu else 1)
+
+
+def flash_shapes() -> list[Shape]:
+    d, i, h, hd, q, og, orank = 4096, 2048, 64, 512, 1024, 8, 1024
+    return [
+        Shape("attn.wq_a", "fp8", q, d, 1, 1),
+        Shape("attn.wq_b", "fp8", h * hd, q, 1, 1),
+        Shape("attn.wkv", "fp8", hd, d, 1, 1),
+        Shape("attn.wo_a (8 groups)", "fp8", orank, h * hd // og, og, og),
+        Shape("attn.wo_b", "fp8", d, og * orank, 1, 1),
+        Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1),
+        Shape("shared w1 | w3", "fp8", i, d, 1, 1),
+        Shape("shared w1 + w3 swiglu", "fp8", i, d, 1, 1, swiglu=True),
+        Shape("shared w2", "fp8", d, i, 1, 1),
+        Shape("routed swiglu, 1 token (fp8)", "fp8_k32", i, d, 256, 6, swiglu=True),
+        Shape("routed w2, 1 token (fp8)", "fp8_k32", d, i, 256, 6),
+        Shape("routed swiglu, 6 tokens (fp8)", "fp8_k32", i, d, 256, 36, swiglu=True),
+        Shape("routed w2, 6 tokens (fp8)", "fp8_k32", d, i, 256, 36),
+        Shape("routed swiglu, 1 token (fp4)", "fp4", i, d, 256, 6, swiglu=True),
+        Shape("routed w2, 1 token (fp4)", "fp4", d, i, 256, 6),
+        Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1),
+    ]
+
+
+def smoke_shapes() -> list[Shape]:
+    return [Shape("linear", "fp8", 256, 1024, 1, 1), Shape("experts swiglu", "fp8_k32", 128, 512, 8, 3, swiglu=True),
+            Shape("experts w2", "fp4", 256, 256, 8, 3)]
+
+
+def random_weights(key, shape: Shape) -> gm.Weights:
+    g, n, k = shape.groups, shape.n, shape.k
+    kv, ks = jax.random.split(key)
+    if shape.fmt == "dense":
+        return gm.Weights(jax.random.normal(kv, (g, n, k), jnp.bfloat16) * 0.02, None, "dense")
+    if shape.fmt == "fp4":
+        vals = jax.random.randint(kv, (g, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        return gm.Weights(vals, jax.random.randint(ks, (g, n, k // 32), 118, 124, jnp.int32).astype(jnp.uint8), "fp4")
+    vals = (jax.random.normal(kv, (g, n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    sshape = (g, n // 128, k // 128) if shape.fmt == "fp8" else (g, n, k // 32)
+    return gm.Weights(vals, jax.random.randint(ks, sshape, 118, 124, jnp.int32).astype(jnp.uint8), shape.fmt)
+
+
+def build(shape: Shape, copies: int, key):
+    """(x, weight sets, tile metadata per call, row weights)."""
+    bm = 16
+    keys = jax.random.split(key, copies * 2 + 2)
+    sets = [tuple(random_weights(keys[2 * c + j], shape) for j in range(2 if shape.swiglu else 1))
+            for c in range(copies)]
+    rows = shape.tiles * bm
+    x = jax.random.normal(keys[-1], (rows, shape.k), jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    metas = []
+    for _ in range(copies):
+        if shape.groups == 1:
+            tg, nt = dense_tiles(rows, 1, bm)
+        elif shape.groups == shape.tiles:  # a batched linear: group after group
+            tg, nt = dense_tiles(bm, shape.groups, bm)
+        else:  # experts: a random choice of distinct experts per call
+            tg = jnp.asarray(rng.choice(shape.groups, shape.tiles, replace=shape.tiles > shape.groups), jnp.int32)
+            nt = jnp.full((1,), shape.tiles, jnp.int32)
+        metas.append((tg, nt))
+    rw = jax.random.uniform(keys[-2], (rows,), jnp.float32)
+    return x, sets, metas, rw
+
+
+def call(shape: Shape, x, ws, meta, rw, cfg, interpret):
+    tg, nt = meta
+    if shape.swiglu:
+        return gm.swiglu_kernel(x, ws[0], ws[1], rw, tg, nt, block_m=16, limit=10.0, config=cfg, interpret=interpret)
+    return gm.kernel(x, ws[0], tg, nt, block_m=16, config=cfg, interpret=interpret)
+
+
+def candidates(shape: Shape, smoke: bool) -> list[gm.GemmConfig]:
+    base = gm.default_config(16, shape.fmt)
+    if smoke:
+        return [dataclasses.replace(base, block_n=32, split_k=2)]
+    out = []
+    for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,)):
+        c = dataclasses.replace(base, block_n=bn, split_k=split, num_stages=stages)
+        fit = c.fit(shape.n, shape.k, shape.fmt)
+        if fit.split_k == split and fit.block_n == bn and fit not in out:
+            out.append(fit)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--no-sweep", action="store_true", help="only the picked and the unsplit configuration")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    interpret = args.smoke
+    env = environment()
+    ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
+    print(env, ceil, flush=True)
+    timer = DeviceTimer(reps=7)
+    out = {"env": env, "ceilings": ceil, "method": __doc__.split("\n\n")[2], "shapes": []}
+    shapes = smoke_shapes() if args.smoke else flash_shapes()
+
+    def setup(si: int, shape: Shape):
+        call_bytes = shape.weight_bytes_per_tile * shape.tiles
+        copies = 2 if args.smoke else (1 if shape.groups > 1 else min(32, max(2, -(-(256 << 20) // call_bytes))))
+        calls = copies if shape.groups == 1 or shape.groups == shape.tiles else 16
+        x, sets, metas, rw = build(shape, copies, jax.random.key(si))
+        metas = (metas * calls)[:calls]
+        fn = lambda cfg: jax.jit(lambda x, sets, metas, rw: [  # noqa: E731
+            call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)])
+        nbytes = call_bytes + x.size * 2
+
+        def timed(cfg):
+            per = timer.per_call(fn(cfg), (x, sets, metas, rw), calls)
+            return {"config": cfg.__dict__, "us": per * 1e6, "GBps": nbytes / per / 1e9 if per > 0 else None}
+
+        return x, sets, metas, rw, nbytes, timed
+
+    # 1. every shape: the picked configuration against the same tiles unsplit (checked, timed)
+    for si, shape in enumerate(shapes):
+        x, sets, metas, rw, nbytes, timed = setup(si, shape)
+        picked = gm.default_config(16, shape.fmt, n=shape.n, k=shape.k, tiles=shape.tiles)
+        picked = picked.fit(shape.n, shape.k, shape.fmt)
+        unsplit = dataclasses.replace(picked, split_k=1)
+        row = {**dataclasses.asdict(shape), "bytes_per_call": nbytes, "picked": picked.__dict__, "configs": []}
+        out["shapes"].append(row)
+        ref = np.asarray(call(shape, x, sets[0], metas[0], rw, unsplit, interpret), np.float32)
+        got = np.asarray(call(shape, x, sets[0], metas[0], rw, picked, interpret), np.float32)
+        row["picked_vs_unsplit_max_rel"] = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+        row["unsplit"] = timed(unsplit)
+        row["picked_time"] = timed(picked) if picked != unsplit else row["unsplit"]
+        print(f"{shape.name:32s} {shape.fmt:8s} N {shape.n:6d} K {shape.k:6d} tiles {shape.tiles:3d} | "
+              f"unsplit {row['unsplit']['us']:7.1f} us {row['unsplit']['GBps'] or 0:6.0f} GB/s | picked split "
+              f"{picked.split_k:2d}: {row['picked_time']['us']:7.1f} us {row['picked_time']['GBps'] or 0:6.0f} GB/s | "
+              f"max rel diff {row['picked_vs_unsplit_max_rel']:.2e}", flush=True)
+        write_json("gemm_decode.json", out)
+        del x, sets
+
+    # 2. the sweep, shape after shape, until the budget is spent
+    for si, (shape, row) in enumerate(zip(shapes, out["shapes"])):
+        if args.no_sweep or time.time() - t0 > args.budget_s:
+            break
+        x, sets, metas, rw, nbytes, timed = setup(si, shape)
+        for cfg in candidates(shape, args.smoke):
+            if time.time() - t0 > args.budget_s:
+                print("budget exhausted", flush=True)
+                break
+            try:
+                r = timed(cfg)
+            except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
+                r = {"config": cfg.__dict__, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            row["configs"].append(r)
+        ok = [r for r in row["configs"] if "us" in r]
+        if ok:
+            row["best"] = min(ok, key=lambda r: r["us"])
+            print(f"{shape.name:32s} best of {len(ok)} {row['best']['config']}: {row['best']['us']:.1f} us "
+                  f"{row['best']['GBps'] or 0:.0f} GB/s", flush=True)
+        write_json("gemm_decode.json", out)
+        del x, sets
+    print("\n| shape | format | N | K | tiles | unsplit us (GB/s) | picked split | picked us (GB/s) "
+          "| best us (config) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in out["shapes"]:
+        b = r.get("best")
+        best = f"{b['us']:.1f} (bn {b['config']['block_n']}, split {b['config']['split_k']}, " \
+               f"st {b['config']['num_stages']})" if b else "-"
+        print(f"| {r['name']} | {r['fmt']} | {r['n']} | {r['k']} | {r['tiles']} | {r['unsplit']['us']:.1f} "
+              f"({r['unsplit']['GBps'] or 0:.0f}) | {r['picked']['split_k']} | {r['picked_time']['us']:.1f} "
+              f"({r['picked_time']['GBps'] or 0:.0f}) | {best} |")
+    write_json("gemm_decode.json", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
