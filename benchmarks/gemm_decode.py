@@ -6,13 +6,14 @@ each program walks all of K. This script times every FP8 / FP4 linear and expert
 Flash layer (and the drafter's input projection) at one token (rows padded to the 16-row tile),
 and the routed experts at a 6-token verify, for the configuration the library picks
 (``grouped_matmul.default_config``, which splits K), the same tiles without the split, and a
-sweep of column tiles x splits x pipeline stages.
+sweep of column tiles x step widths x splits.
 
 Device time per call: one jitted program runs the kernel on R distinct copies of the weights
 (together >= 256 MiB, more than the H200's 50 MiB L2, so no call reads another's weights from the
-cache; experts: a different random choice of experts per call), minus the dispatch of a trivial
-call, divided by R; median of 7. A split's partial-product sum (an XLA reduction) is included.
-Bytes = weights (values + scales) read + activations; GB/s against a device copy of the same run.
+cache; experts: a different random choice of experts per call); the program runs ``--calls``
+times under the profiler and the device time of its kernels (a split's partial-product sum, an
+XLA reduction, included) is divided by the calls and by R. Bytes = weights (values + scales) read
++ activations.
 Each picked configuration is also checked against the unsplit kernel on the device.
 
     PYTHONPATH=. OUT=out python benchmarks/gemm_decode.py --budget-s 300
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
+import json
+import tempfile
 import time
 
 import jax
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import ceilings, environment, write_json
-from benchmarks.device_time import DeviceTimer
+from benchmarks.hc_fused import compile_highest, device_times
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.group_metadata import dense_tiles
 
@@ -57,23 +61,22 @@ class Shape:
 
 def flash_shapes() -> list[Shape]:
     d, i, h, hd, q, og, orank = 4096, 2048, 64, 512, 1024, 8, 1024
-    return [
-        Shape("attn.wq_a", "fp8", q, d, 1, 1),
-        Shape("attn.wq_b", "fp8", h * hd, q, 1, 1),
-        Shape("attn.wkv", "fp8", hd, d, 1, 1),
-        Shape("attn.wo_a (8 groups)", "fp8", orank, h * hd // og, og, og),
-        Shape("attn.wo_b", "fp8", d, og * orank, 1, 1),
-        Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1),
-        Shape("shared w1 | w3", "fp8", i, d, 1, 1),
-        Shape("shared w1 + w3 swiglu", "fp8", i, d, 1, 1, swiglu=True),
-        Shape("shared w2", "fp8", d, i, 1, 1),
+    return [  # the largest per-layer costs first (a run stopped by its budget keeps them)
         Shape("routed swiglu, 1 token (fp8)", "fp8_k32", i, d, 256, 6, swiglu=True),
         Shape("routed w2, 1 token (fp8)", "fp8_k32", d, i, 256, 6),
+        Shape("attn.wq_b", "fp8", h * hd, q, 1, 1),
+        Shape("attn.wo_a (8 groups)", "fp8", orank, h * hd // og, og, og),
+        Shape("attn.wo_b", "fp8", d, og * orank, 1, 1),
+        Shape("shared w1 + w3 swiglu", "fp8", i, d, 1, 1, swiglu=True),
+        Shape("shared w2", "fp8", d, i, 1, 1),
+        Shape("attn.wq_a", "fp8", q, d, 1, 1),
+        Shape("attn.wkv", "fp8", hd, d, 1, 1),
+        Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1),
+        Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1),
         Shape("routed swiglu, 6 tokens (fp8)", "fp8_k32", i, d, 256, 36, swiglu=True),
         Shape("routed w2, 6 tokens (fp8)", "fp8_k32", d, i, 256, 36),
         Shape("routed swiglu, 1 token (fp4)", "fp4", i, d, 256, 6, swiglu=True),
         Shape("routed w2, 1 token (fp4)", "fp4", d, i, 256, 6),
-        Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1),
     ]
 
 
@@ -128,12 +131,12 @@ def call(shape: Shape, x, ws, meta, rw, cfg, interpret):
 def candidates(shape: Shape, smoke: bool) -> list[gm.GemmConfig]:
     base = gm.default_config(16, shape.fmt)
     if smoke:
-        return [dataclasses.replace(base, block_n=32, split_k=2)]
+        return [dataclasses.replace(base, block_n=32, split_k=2).fit(shape.n, shape.k, shape.fmt)]
     out = []
-    for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,)):
-        c = dataclasses.replace(base, block_n=bn, split_k=split, num_stages=stages)
+    for bn, bk, split in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8)):
+        c = dataclasses.replace(base, block_n=bn, block_k=bk, split_k=split)
         fit = c.fit(shape.n, shape.k, shape.fmt)
-        if fit.split_k == split and fit.block_n == bn and fit not in out:
+        if (fit.split_k, fit.block_n, fit.block_k) == (split, bn, bk) and fit not in out:
             out.append(fit)
     return out
 
@@ -142,6 +145,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-sweep", action="store_true", help="only the picked and the unsplit configuration")
+    ap.add_argument("--calls", type=int, default=3, help="traced executions of each program")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -149,77 +153,68 @@ def main(argv=None) -> int:
     env = environment()
     ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
     print(env, ceil, flush=True)
-    timer = DeviceTimer(reps=7)
     out = {"env": env, "ceilings": ceil, "method": __doc__.split("\n\n")[2], "shapes": []}
     shapes = smoke_shapes() if args.smoke else flash_shapes()
-
-    def setup(si: int, shape: Shape):
+    trace_root = tempfile.mkdtemp(prefix="dspark_gemm_decode_")
+    for si, shape in enumerate(shapes):
+        if time.time() - t0 > args.budget_s:
+            print("budget exhausted", flush=True)
+            break
         call_bytes = shape.weight_bytes_per_tile * shape.tiles
         copies = 2 if args.smoke else (1 if shape.groups > 1 else min(32, max(2, -(-(256 << 20) // call_bytes))))
         calls = copies if shape.groups == 1 or shape.groups == shape.tiles else 16
         x, sets, metas, rw = build(shape, copies, jax.random.key(si))
         metas = (metas * calls)[:calls]
-        fn = lambda cfg: jax.jit(lambda x, sets, metas, rw: [  # noqa: E731
-            call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)])
         nbytes = call_bytes + x.size * 2
-
-        def timed(cfg):
-            per = timer.per_call(fn(cfg), (x, sets, metas, rw), calls)
-            return {"config": cfg.__dict__, "us": per * 1e6, "GBps": nbytes / per / 1e9 if per > 0 else None}
-
-        return x, sets, metas, rw, nbytes, timed
-
-    # 1. every shape: the picked configuration against the same tiles unsplit (checked, timed)
-    for si, shape in enumerate(shapes):
-        x, sets, metas, rw, nbytes, timed = setup(si, shape)
         picked = gm.default_config(16, shape.fmt, n=shape.n, k=shape.k, tiles=shape.tiles)
         picked = picked.fit(shape.n, shape.k, shape.fmt)
         unsplit = dataclasses.replace(picked, split_k=1)
-        row = {**dataclasses.asdict(shape), "bytes_per_call": nbytes, "picked": picked.__dict__, "configs": []}
+        row = {**dataclasses.asdict(shape), "bytes_per_call": nbytes, "calls_per_program": calls,
+               "picked": picked.__dict__, "configs": []}
         out["shapes"].append(row)
         ref = np.asarray(call(shape, x, sets[0], metas[0], rw, unsplit, interpret), np.float32)
         got = np.asarray(call(shape, x, sets[0], metas[0], rw, picked, interpret), np.float32)
         row["picked_vs_unsplit_max_rel"] = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-        row["unsplit"] = timed(unsplit)
-        row["picked_time"] = timed(picked) if picked != unsplit else row["unsplit"]
-        print(f"{shape.name:32s} {shape.fmt:8s} N {shape.n:6d} K {shape.k:6d} tiles {shape.tiles:3d} | "
-              f"unsplit {row['unsplit']['us']:7.1f} us {row['unsplit']['GBps'] or 0:6.0f} GB/s | picked split "
-              f"{picked.split_k:2d}: {row['picked_time']['us']:7.1f} us {row['picked_time']['GBps'] or 0:6.0f} GB/s | "
-              f"max rel diff {row['picked_vs_unsplit_max_rel']:.2e}", flush=True)
-        write_json("gemm_decode.json", out)
-        del x, sets
-
-    # 2. the sweep, shape after shape, until the budget is spent
-    for si, (shape, row) in enumerate(zip(shapes, out["shapes"])):
-        if args.no_sweep or time.time() - t0 > args.budget_s:
-            break
-        x, sets, metas, rw, nbytes, timed = setup(si, shape)
-        for cfg in candidates(shape, args.smoke):
-            if time.time() - t0 > args.budget_s:
-                print("budget exhausted", flush=True)
-                break
+        configs = [unsplit, picked] + ([] if args.no_sweep else candidates(shape, args.smoke))
+        configs = list(dict.fromkeys(configs))
+        compiled = {}
+        for ci, cfg in enumerate(configs):
+            fn = functools.partial(lambda cfg, x, sets, metas, rw: [
+                call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)], cfg)
             try:
-                r = timed(cfg)
+                c, module, _, _ = compile_highest(fn, f"gemm_decode_{si}_{ci}", x, sets, metas, rw)
+                compiled[ci] = (c, module, (x, sets, metas, rw))
             except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
-                r = {"config": cfg.__dict__, "error": f"{type(e).__name__}: {str(e)[:160]}"}
-            row["configs"].append(r)
-        ok = [r for r in row["configs"] if "us" in r]
-        if ok:
-            row["best"] = min(ok, key=lambda r: r["us"])
-            print(f"{shape.name:32s} best of {len(ok)} {row['best']['config']}: {row['best']['us']:.1f} us "
-                  f"{row['best']['GBps'] or 0:.0f} GB/s", flush=True)
+                row["configs"].append({"config": cfg.__dict__, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+        for ci, t in device_times(compiled, args.calls, trace_root).items():
+            if "device_us" not in t:
+                row["configs"].append({"config": configs[ci].__dict__, **t})
+                continue
+            us = t["device_us"] / calls
+            row["configs"].append({"config": configs[ci].__dict__, "us": us, "GBps": nbytes / us / 1e3,
+                                   "launches_per_call": t["launches"] / calls})
+        timed = {json.dumps(r["config"], sort_keys=True): r for r in row["configs"] if "us" in r}
+        row["unsplit"] = timed.get(json.dumps(unsplit.__dict__, sort_keys=True))
+        row["picked_time"] = timed.get(json.dumps(picked.__dict__, sort_keys=True))
+        if timed:
+            row["best"] = min(timed.values(), key=lambda r: r["us"])
+        u, p_, b_ = row["unsplit"], row["picked_time"], row.get("best")
+        print(f"{shape.name:30s} {shape.fmt:7s} N {shape.n:5d} K {shape.k:5d} tiles {shape.tiles:2d} | unsplit "
+              f"{u['us'] if u else float('nan'):6.1f} us | picked (split {picked.split_k}) "
+              f"{p_['us'] if p_ else float('nan'):6.1f} us {p_['GBps'] if p_ else 0:5.0f} GB/s | best "
+              f"{b_['us'] if b_ else float('nan'):6.1f} us {b_['config'] if b_ else ''} | rel diff "
+              f"{row['picked_vs_unsplit_max_rel']:.1e}", flush=True)
         write_json("gemm_decode.json", out)
-        del x, sets
-    print("\n| shape | format | N | K | tiles | unsplit us (GB/s) | picked split | picked us (GB/s) "
-          "| best us (config) |")
+        del x, sets, compiled
+    print("\n| shape | format | N | K | tiles | unsplit us | picked split | picked us (GB/s) | best us (config) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out["shapes"]:
-        b = r.get("best")
-        best = f"{b['us']:.1f} (bn {b['config']['block_n']}, split {b['config']['split_k']}, " \
-               f"st {b['config']['num_stages']})" if b else "-"
-        print(f"| {r['name']} | {r['fmt']} | {r['n']} | {r['k']} | {r['tiles']} | {r['unsplit']['us']:.1f} "
-              f"({r['unsplit']['GBps'] or 0:.0f}) | {r['picked']['split_k']} | {r['picked_time']['us']:.1f} "
-              f"({r['picked_time']['GBps'] or 0:.0f}) | {best} |")
+        b, u, p_ = r.get("best"), r.get("unsplit"), r.get("picked_time")
+        best = (f"{b['us']:.1f} (bn {b['config']['block_n']}, bk {b['config']['block_k']}, split "
+                f"{b['config']['split_k']}, st {b['config']['num_stages']})") if b else "-"
+        print(f"| {r['name']} | {r['fmt']} | {r['n']} | {r['k']} | {r['tiles']} | {u['us'] if u else float('nan'):.1f} "
+              f"| {r['picked']['split_k']} | {p_['us'] if p_ else float('nan'):.1f} ({p_['GBps'] if p_ else 0:.0f}) "
+              f"| {best} |")
     write_json("gemm_decode.json", out)
     return 0
 

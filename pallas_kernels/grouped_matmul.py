@@ -182,7 +182,8 @@ def check_inputs(x: Array, w: Weights, tile_group: Array, block_m: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """Tiles of the kernel: ``block_n`` output columns per program and ``block_k`` inputs per loop
-    step (powers of two; fp8 weights need both <= 128 so a tile sits in one scale block, fp4 needs
+    step (powers of two; fp8 weights need block_n <= 128 so a tile sits in one row of scale blocks,
+    and a step wider than a 128-input scale block takes one product per block; fp4 needs
     block_k >= 32). The row tile ``block_m`` comes with the metadata. ``split_k`` (a power of two):
     programs per output tile, each over K / split_k of the inputs; their fp32 partial products are
     summed after the kernel (XLA), then rounded (and, fused SwiGLU, activated) as without the split.
@@ -203,8 +204,7 @@ class GemmConfig:
         """This config with tiles shrunk to divide N and K (and the format's scale blocks), and
         the split to divide K's loop steps."""
         bn = backend.largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
-        bk_cap = min(self.block_k, FP8_BLOCK) if fmt == "fp8" else self.block_k
-        bk = backend.largest_pow2_divisor(k, bk_cap)
+        bk = backend.largest_pow2_divisor(k, self.block_k)
         kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
         if bn < 16 or bk < kmin:
             raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
@@ -213,8 +213,11 @@ class GemmConfig:
 
 
 # Decode / verify (row tile 16): K is split until the kernel has at least this many programs
-# (output tiles x splits), keeping at least SPLIT_MIN_STEPS loop steps per program.
-SPLIT_TARGET_PROGRAMS = 512
+# (output tiles x splits), keeping at least SPLIT_MIN_STEPS loop steps per program. Chosen from
+# the device times of every Flash decode GEMM on an H200 (``benchmarks/gemm_decode.py``,
+# docs/benchmarks.md): 384 programs, 4 steps came closest to the best of the sweep (a kernel of
+# 384 programs or more, e.g. the routed experts' down projection at one token, is slower split).
+SPLIT_TARGET_PROGRAMS = 384
 SPLIT_MIN_STEPS = 4
 
 
@@ -250,7 +253,7 @@ def _tile_config(block_m: int, fmt: str) -> GemmConfig:
             return GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
         return GemmConfig(block_n=128, block_k=128 if block_m <= 32 else 64, num_warps=4, num_stages=3)
     if block_m <= 16:
-        return GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
+        return GemmConfig(block_n=64, block_k=128 if fmt == "fp8" else 256, num_warps=4, num_stages=4)
     if fmt == "fp4":
         return GemmConfig(block_n=64, block_k=256 if block_m <= 32 else 128, num_warps=4, num_stages=3)
     if fmt == "dense" and block_m >= 64:  # bf16 prefill: 256-column tiles, 46 % of the matmul peak at 8192
@@ -330,6 +333,10 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
     output columns n0 .. n0 + bn of group g."""
     if fmt == "fp4":
         xs = tuple(ref[pl.ds(r0, bm), pl.ds(k0 // 2, bk // 2)] for ref in x_refs)
+    elif fmt == "fp8" and bk > FP8_BLOCK:  # one product per 128-input scale block of the step
+        return functools.reduce(jnp.add, [
+            step_product((x_refs[0][pl.ds(r0, bm), pl.ds(k0 + c, FP8_BLOCK)],), w_refs, fmt, g, n, k, n0, k0 + c,
+                         bn, FP8_BLOCK, dt) for c in range(0, bk, FP8_BLOCK)])
     else:
         xs = (x_refs[0][pl.ds(r0, bm), pl.ds(k0, bk)],)
     return step_product(xs, w_refs, fmt, g, n, k, n0, k0, bn, bk, dt)

@@ -62,17 +62,16 @@ def _sinkhorn_lists(c: list[list], iters: int, eps: float) -> list[list]:
 
 
 def _weights_kernel(z_ref, o_ref, *, n: int, iters: int, eps: float):
-    z = z_ref[...].astype(jnp.float32)  # [M, BT]
-    rows = jax.lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    # row r of the tile as a [BT] vector (a masked sum with one nonzero term: exact)
-    row = [jnp.sum(jnp.where(rows == r, z, 0.0), axis=0) for r in range((2 + n) * n)]
+    k = (2 + n) * n
+    # row r of the tile as a [BT] vector: one row load each (no cross-lane work)
+    row = [z_ref[r, :].astype(jnp.float32) for r in range(k)]
     pre = [_sigmoid(x) + eps for x in row[:n]]
     post = [2.0 * _sigmoid(x) for x in row[n:2 * n]]
     comb = _sinkhorn_lists([row[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, eps)
-    out = jnp.zeros_like(z)
     for r, v in enumerate(pre + post + [x for c_i in comb for x in c_i]):
-        out = jnp.where(rows == r, v[None, :], out)
-    o_ref[...] = out
+        o_ref[r, :] = v
+    for r in range(k, o_ref.shape[0]):  # the padding rows
+        o_ref[r, :] = jnp.zeros_like(row[0])
 
 
 def padded_rows(n: int) -> int:
@@ -90,7 +89,7 @@ def _weights_pallas(z_t: Float[Array, "m t"], *, n: int, iters: int, eps: float,
             in_specs=[pl.BlockSpec((m, block_t), lambda i: (0, i))],
             out_specs=pl.BlockSpec((m, block_t), lambda i: (0, i)),
             out_shape=jax.ShapeDtypeStruct((m, t), jnp.float32),
-            compiler_params=backend.compiler_params(4, 1),
+            compiler_params=backend.compiler_params(1 if block_t <= 32 else 4, 1),
             interpret=interpret,
             name="hc_weights",
         )(z_t)

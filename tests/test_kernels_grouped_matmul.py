@@ -192,10 +192,12 @@ def test_kernel_matches_reference(fmt, routing):
     assert np.abs(np.asarray(gm.reference(x, w, *meta, block_m=16))).max() > 1.0
 
 
-@pytest.mark.parametrize("fmt,split", [("dense", 2), ("fp8", 4), ("fp4", 2), ("fp8_k32", 4)])
-def test_split_k_matches_the_reference(fmt, split):
+@pytest.mark.parametrize("fmt,split,bk", [("dense", 2, 64), ("fp8", 4, 64), ("fp4", 2, 128), ("fp8_k32", 4, 128),
+                                          ("fp8", 2, 256)])
+def test_split_k_matches_the_reference(fmt, split, bk):
     """K split over programs: fp32 partial products summed after the kernel, then rounded (and,
-    fused SwiGLU, activated) as by the unsplit kernel; unused tiles stay zero."""
+    fused SwiGLU, activated) as by the unsplit kernel; unused tiles stay zero. FP8 steps of 256
+    inputs span two scale blocks (one product each)."""
     rng = np.random.default_rng(11)
     g, n, k = 8, 64, 512
     w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
@@ -203,9 +205,8 @@ def test_split_k_matches_the_reference(fmt, split):
     pair = np.asarray(tiles.pair_of_row)
     x = jnp.asarray(np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0), jnp.bfloat16)
     meta = (tiles.tile_group, tiles.num_tiles)
-    bk = 64 if fmt in ("dense", "fp8") else 128
     cfg = gm.GemmConfig(block_n=32, block_k=bk, split_k=split)
-    assert cfg.fit(n, k, fmt).split_k == split
+    assert cfg.fit(n, k, fmt).split_k == split and cfg.fit(n, k, fmt).block_k == bk
     ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
     want = _oracle(x, w, tiles)
     assert np.isfinite(ker).all() and (ker[pair < 0] == 0).all()
@@ -230,8 +231,10 @@ def test_decode_configs_split_k_only_where_programs_are_few():
     # and 32 loop steps of 128: split 8 (4 steps each) is the most the minimum steps allow
     cfg = gm.default_config(16, "fp8", n=2048, k=4096, tiles=1)
     assert cfg.split_k == 8 and 4096 // 128 // cfg.split_k == gm.SPLIT_MIN_STEPS
-    # the routed experts' 6 pair tiles x 32 column tiles: split 4 reaches the target
-    assert gm.default_config(16, "fp8", n=2048, k=4096, tiles=6).split_k == 4
+    # the routed experts' 6 pair tiles x 32 column tiles: split 2 reaches the target; their down
+    # projection (6 x 64 column tiles) has enough programs already
+    assert gm.default_config(16, "fp8_k32", n=2048, k=4096, tiles=6).split_k == 2
+    assert gm.default_config(16, "fp8_k32", n=4096, k=2048, tiles=6).split_k == 1
     # the split keeps at least SPLIT_MIN_STEPS loop steps per program (K 1024: 8 steps of 128)
     assert gm.default_config(16, "fp8", n=512, k=1024, tiles=1).split_k == 2
     # enough programs already (wq_b: N 32768), prefill row tiles, and unknown shapes: no split
