@@ -526,6 +526,24 @@ def test_survival_history_freshness():
         h.record(6, owner=[5, 7, -1, 9], active=[True] * 4, surv=np.ones((4, 3)))
 
 
+def test_round_times_before_any_static_round_and_their_expiry():
+    """Ragged rounds timed before any static round are held against the latest static median;
+    after ``explore_after`` static rounds in a row the ragged times are dropped (measured again)."""
+    times = sch.RoundTimes(window=5, explore_after=4)
+    times.record("ragged", 0.01, 0.03)  # 3x the table, no static round yet
+    assert times.slowdown() == pytest.approx(3.0)
+    times.record("static", 0.02, 0.04)  # the static round runs 2x its entry
+    assert times.slowdown() == pytest.approx(1.5)
+    for _ in range(2):
+        times.record("static", 0.02, 0.04)
+    assert times.slowdown() == pytest.approx(1.5)  # 3 static rounds in a row: kept
+    times.record("static", 0.02, 0.04)  # the 4th: dropped, the next ragged rounds are timed afresh
+    assert times.ratios["ragged"] == [] and times.slowdown() == 1.0
+    times.record("ragged", 0.01, 0.05)
+    times.record("static", 0.02, 0.04)  # a ragged round in between restarts the count
+    assert times.slowdown() == pytest.approx(2.5)
+
+
 def test_round_times_scale_the_ragged_rates_by_their_slowdown_against_the_static_round():
     table = sch.SPSTable(tokens=(8, 16), steps_per_s=(100.0, 50.0), static_steps_per_s=40.0)
     times = sch.RoundTimes(window=3)
@@ -534,14 +552,20 @@ def test_round_times_scale_the_ragged_rates_by_their_slowdown_against_the_static
     assert times.slowdown() == 1.0  # no ragged round measured yet
     for measured in (0.04, 0.06, 0.08, 0.06):  # ragged rounds of 0.01 s predicted: 4x .. 8x, the last 3 kept
         times.record("ragged", 0.01, measured)
-    assert times.ratios["ragged"] == pytest.approx([6.0, 8.0, 6.0])
+    assert [r for r, _ in times.ratios["ragged"]] == pytest.approx([6.0, 8.0, 6.0])
     assert times.slowdown() == pytest.approx(3.0)  # median 6x against the static round's 2x
     fixed = times.corrected(table)
     assert fixed.steps_per_s == pytest.approx((100 / 3, 50 / 3)) and fixed.static_steps_per_s == 40.0
     assert times.corrected(table) is fixed  # built again only when the factor moves
-    times.record("static", 0.025, 0.4)  # the static round slower still: ragged rounds do no worse
-    times.record("static", 0.025, 0.4)
-    assert times.slowdown() == 1.0
+    # static rounds measured slower later: the ragged rounds were 3x slower than the static round
+    # of their time, and no newer ragged round says otherwise (comparing old ragged times with new
+    # static ones would call them no slower and retry them)
+    for _ in range(3):
+        times.record("static", 0.025, 0.4)
+    assert times.slowdown() == pytest.approx(3.0)
+    times.record("ragged", 0.01, 0.16)  # a ragged round as slow as the static rounds now
+    times.record("ragged", 0.01, 0.16)
+    assert times.slowdown() == 1.0  # median of 3, 1, 1
     with pytest.raises(ValueError, match="kind"):
         times.record("verify", 0.01, 0.01)
     with pytest.raises(ValueError, match="positive"):

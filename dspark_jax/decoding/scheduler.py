@@ -537,19 +537,26 @@ class RoundTimes:
     round can cost more there than its table entry says (on the H200 the shipped model's ragged
     rounds at 128 slots lost to the static round although the table had them faster). ``record``
     takes the ratio measured / predicted seconds of a round of each kind ("static" or
-    "ragged"); ``slowdown`` is how much slower the ragged rounds run than predicted relative to
-    the static round (medians of the last ``window`` ratios; the static ratio taken as 1 until
-    a static round is measured; 1 while no ragged round is, or when ragged rounds do no worse),
-    and ``corrected(table)`` divides the table's ragged rates by it. The choices then depend on
-    wall time, never on a round's drafts: lossless as before, but not reproducible from run to
-    run (``Engine(adapt_sps=False)`` turns it off).
+    "ragged"); a ragged ratio is kept with the static rounds' median ratio of its time (None
+    before any static round is measured: then the latest median stands in). ``slowdown`` is how
+    much slower the ragged rounds ran than predicted relative to the static round of their time
+    (median over the last ``window`` ragged rounds; 1 while none is measured, or when ragged
+    rounds do no worse), and ``corrected(table)`` divides the table's ragged rates by it. A
+    later change of the static rounds alone does not move it: comparing old ragged times with
+    new static ones made the lagged scheduler retry ragged rounds that were still slower (one
+    pass at 0.87x static on the H200, docs/benchmarks.md). After ``explore_after`` static
+    rounds in a row the ragged measurements are dropped, so ragged rounds are tried, and timed,
+    again. The choices then depend on wall time, never on a round's drafts: lossless as before,
+    but not reproducible from run to run (``Engine(adapt_sps=False)`` turns it off).
     The engine keeps one per pool, scheduler and table, so a later call starts from what the
     earlier ones measured (the first calls of each program compile and are not counted:
     ``programs``)."""
 
     window: int = 9
-    ratios: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"static": [], "ragged": []})
+    explore_after: int = 256
+    ratios: dict[str, list] = dataclasses.field(default_factory=lambda: {"static": [], "ragged": []})
     programs: set = dataclasses.field(default_factory=set)  # (kind, bucket) run before: their first call compiles
+    _static_run: int = dataclasses.field(default=0, repr=False)  # static rounds since the last ragged one
     _last: tuple | None = dataclasses.field(default=None, repr=False)  # (table, factor, corrected table)
 
     def record(self, kind: str, predicted_s: float, measured_s: float) -> None:
@@ -557,15 +564,26 @@ class RoundTimes:
             raise ValueError(f"round kind must be 'static' or 'ragged', got {kind!r}")
         if not (predicted_s > 0 and measured_s > 0):
             raise ValueError(f"round times must be positive, got predicted {predicted_s}, measured {measured_s}")
-        kept = self.ratios[kind]
-        kept.append(measured_s / predicted_s)
+        kept, ratio = self.ratios[kind], measured_s / predicted_s
+        if kind == "ragged":
+            kept.append((ratio, self._static_median()))
+            self._static_run = 0
+        else:
+            kept.append(ratio)
+            self._static_run += 1
+            if self._static_run >= self.explore_after:
+                self.ratios["ragged"].clear()
+                self._static_run = 0
         del kept[:-self.window]
+
+    def _static_median(self) -> float | None:
+        return statistics.median(self.ratios["static"]) if self.ratios["static"] else None
 
     def slowdown(self) -> float:
         if not self.ratios["ragged"]:
             return 1.0
-        static = statistics.median(self.ratios["static"]) if self.ratios["static"] else 1.0
-        return max(1.0, statistics.median(self.ratios["ragged"]) / static)
+        latest = self._static_median() or 1.0
+        return max(1.0, statistics.median(r / (s or latest) for r, s in self.ratios["ragged"]))
 
     def corrected(self, table: SPSTable) -> SPSTable:
         f = self.slowdown()
