@@ -271,10 +271,12 @@ def _flash_weights(fmt: str, n: int, k: int) -> gm.Weights:
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_k32", "fp8", "dense"])
-@pytest.mark.parametrize("pairs", [36, 12288])  # 6 verify tokens x top-6; 2048 prefill tokens x top-6
+@pytest.mark.parametrize("pairs", [6, 36, 12288])  # 1 decode token, 6 verify tokens, 2048 prefill tokens x top-6
 def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     bm = gm.block_m_for(pairs)
-    t = md.max_tiles(pairs, FLASH["e"], bm)
+    t = pairs if pairs <= 16 else md.max_tiles(pairs, FLASH["e"], bm)  # pair tiles at one token
+    split = gm.default_config(bm, fmt, n=FLASH["i"], k=FLASH["d"], tiles=t).split_k
+    assert (split > 1) == (pairs == 6)  # one token: K split (3-d grid, fp32 partial products)
     i32 = jnp.int32
     meta = (SD((t,), i32), SD((1,), i32))
     x = SD((t * bm, FLASH["d"]), jnp.bfloat16)
