@@ -12,9 +12,9 @@ Device time per call: one jitted program runs the kernel on R distinct copies of
 (together >= 256 MiB, more than the H200's 50 MiB L2, so no call reads another's weights from the
 cache; experts: a different random choice of experts per call); the program runs ``--calls``
 times under the profiler and the device time of its kernels (a split's partial-product sum, an
-XLA reduction, included) is divided by the calls and by R. Bytes = weights (values + scales) read
-+ activations.
-Each picked configuration is also checked against the unsplit kernel on the device.
+XLA reduction, included) is divided by the calls and by R. Bytes: the weights read (values and
+scales) and the activations. Each picked configuration is also checked against the unsplit
+kernel on the device.
 
     PYTHONPATH=. OUT=out python benchmarks/gemm_decode.py --budget-s 300
     PYTHONPATH=. python benchmarks/gemm_decode.py --smoke    # small shapes, interpret mode (CPU)
