@@ -14,14 +14,14 @@ Weight formats (``Weights``), stored as in the checkpoint and dequantised in reg
 - ``fp4``: e2m1 codes packed two per byte (element 2i in the low nibble, 2i + 1 in the high one),
   ``values uint8 [G, N, K / 2]``, one e8m0 scale byte per 32 inputs, ``scales [G, N, K / 32]``;
 - ``fp8_k32``: the same FP4 weights widened to one e4m3 code per byte (every e2m1 value is an e4m3
-  value) with the same per-32 scales: twice the bytes of ``fp4``, but decoded by the hardware's
-  fp8 conversion instead of integer arithmetic, which bounds ``fp4`` on GPUs.
+  value) with the same per-32 scales: twice the bytes of ``fp4``, no bit shuffling in registers.
 
 Dequantised weights are exactly the reference's values (an e4m3 / e2m1 value times a power of
 two is a bf16 number), and the kernel applies each scale to the fp32 partial product of its block
 instead of to every weight (exact: multiplying by a power of two commutes with fp32 rounding);
-FP4 weights are decoded with their per-32 scales (exact in bf16) before one dot per loop step.
-FP4 codes are not interleaved in registers: the kernel splits x into even and odd columns and
+FP4 weights are decoded with their per-32 scales (exact in bf16) before one dot per loop step: a
+few bit operations move each e2m1 code into an e4m3 byte, which the hardware's fp8 conversion
+decodes (``_fp4_as_e4m3``). FP4 codes are not interleaved in registers: the kernel splits x into even and odd columns and
 multiplies them by the low and high nibbles separately.
 
 ``grouped_swiglu`` fuses the expert's first half: ``h = swiglu(x W1^T, x W3^T) * row_weight``
@@ -267,20 +267,28 @@ def _scale_f32(b: Array) -> Array:
     return lax.bitcast_convert_type(jnp.where(bits == 0, 0x400000, bits << 23), jnp.float32)
 
 
-def _scale_bf16(b: Array) -> Array:
-    """e8m0 bytes -> bf16 powers of two from the exponent bits (byte 0 is the subnormal 2**-127)."""
+def _scale_bf16(b: Array, times: int = 1) -> Array:
+    """e8m0 bytes -> bf16 powers of two ``times * 2 ** (b - 127)`` from the exponent bits (byte 0
+    is the subnormal 2**-127). ``times`` = 64: exact for bytes up to 248 (weights below 2**122)."""
     bits = b.astype(jnp.int32)
-    return lax.bitcast_convert_type(jnp.where(bits == 0, 0x40, bits << 7).astype(jnp.int16), jnp.bfloat16)
+    if times == 1:
+        return lax.bitcast_convert_type(jnp.where(bits == 0, 0x40, bits << 7).astype(jnp.int16), jnp.bfloat16)
+    shift = times.bit_length() - 1
+    if times != 1 << shift:
+        raise ValueError(f"times must be a power of two, got {times}")
+    return lax.bitcast_convert_type(((bits + shift) << 7).astype(jnp.int16), jnp.bfloat16)
 
 
-def _fp4_decode(c: Array, dtype) -> Array:
-    """e2m1 codes (int32, 0..15) -> values, built from the bits of a bf16: for exponent field
-    e >= 1 the code (e, m) is 2**(e - 1) * (1 + m / 2), i.e. bf16 bits (c3 << 6) + 0x3F00;
-    code 1 is 0.5 and code 0 is 0."""
-    c3 = c & 7
-    mag = jnp.where(c3 >= 2, (c3 << 6) + 0x3F00, c3 * 0x3F00)
-    v = lax.bitcast_convert_type(mag.astype(jnp.int16), jnp.bfloat16)
-    return jnp.where((c & 8) != 0, -v, v).astype(dtype)
+def _fp4_as_e4m3(b: Array) -> tuple[Array, Array]:
+    """Packed e2m1 pairs (uint8) -> the e4m3 codes of their values / 64, low and high nibble.
+
+    An e2m1 code (s, e1 e0, m) placed in an e4m3 byte as sign bit 7, exponent bits 4..3 and
+    mantissa bit 2 is exactly its value / 64 (e4m3's bias 7 against e2m1's 1, and e2m1's
+    subnormal 0.5 lands on e4m3's subnormal 2**-7): the hardware's fp8 conversion then decodes
+    it, and the missing 64 goes into the block scale (``_scale_bf16(.., times=64)``)."""
+    lo = ((b & 0x07) << 2) | ((b & 0x08) << 4)
+    hi = ((b >> 2) & 0x1C) | (b & 0x80)
+    return (lax.bitcast_convert_type(lo, jnp.float8_e4m3fn), lax.bitcast_convert_type(hi, jnp.float8_e4m3fn))
 
 
 def _dot_t(a: Array, b: Array) -> Array:
@@ -310,11 +318,11 @@ def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
         return (w * s.astype(dt),), None
     w_ref, s_ref = w_refs
     half, nsb = bk // 2, bk // FP4_BLOCK  # packed bytes, scale blocks of this step
-    b = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // 2, half)].astype(jnp.int32)
+    b = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // 2, half)]
     sb = s_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // FP4_BLOCK, nsb)]
-    # one scale per 16 packed bytes, spread over them in registers, applied as a bf16 power of two
-    s = jnp.broadcast_to(_scale_bf16(sb)[:, :, None], (bn, nsb, FP4_BLOCK // 2)).reshape(bn, half).astype(dt)
-    return (_fp4_decode(b & 15, dt) * s, _fp4_decode(b >> 4, dt) * s), None
+    # one scale (times 64, see _fp4_as_e4m3) per 16 packed bytes, spread over them in registers
+    s = jnp.broadcast_to(_scale_bf16(sb, times=64)[:, :, None], (bn, nsb, FP4_BLOCK // 2)).reshape(bn, half)
+    return tuple(c.astype(dt) * s.astype(dt) for c in _fp4_as_e4m3(b)), None
 
 
 def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
