@@ -36,6 +36,7 @@ import numpy as np
 
 from benchmarks.common import ceilings, environment, write_json
 from benchmarks.hc_fused import compile_highest, device_times
+from dspark_jax.model.quant import fp8_quantize
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.group_metadata import dense_tiles
 
@@ -77,6 +78,8 @@ def flash_shapes() -> list[Shape]:
         Shape("routed w2, 6 tokens (fp8)", "fp8_k32", d, i, 256, 36),
         Shape("routed swiglu, 1 token (fp4)", "fp4", i, d, 256, 6, swiglu=True),
         Shape("routed w2, 1 token (fp4)", "fp4", d, i, 256, 6),
+        Shape("routed swiglu, 6 tokens (fp4)", "fp4", i, d, 256, 36, swiglu=True),
+        Shape("routed w2, 6 tokens (fp4)", "fp4", d, i, 256, 36),
     ]
 
 
@@ -121,6 +124,12 @@ def build(shape: Shape, copies: int, key):
     return x, sets, metas, rw
 
 
+def fp8_rows(x: jax.Array) -> gm.Fp8Rows:
+    """x as the reference quantises a GEMM's input (e4m3 codes, per-128 power-of-two scales)."""
+    codes, scales = fp8_quantize(x, 128)
+    return gm.Fp8Rows(codes, scales, x.dtype)
+
+
 def call(shape: Shape, x, ws, meta, rw, cfg, interpret):
     tg, nt = meta
     if shape.swiglu:
@@ -146,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-sweep", action="store_true", help="only the picked and the unsplit configuration")
     ap.add_argument("--calls", type=int, default=3, help="traced executions of each program")
+    ap.add_argument("--only", default="", help="comma-separated substrings of the shape names to run")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -155,6 +165,8 @@ def main(argv=None) -> int:
     print(env, ceil, flush=True)
     out = {"env": env, "ceilings": ceil, "method": __doc__.split("\n\n")[2], "shapes": []}
     shapes = smoke_shapes() if args.smoke else flash_shapes()
+    if args.only:
+        shapes = [s for s in shapes if any(o in s.name for o in args.only.split(","))]
     trace_root = tempfile.mkdtemp(prefix="dspark_gemm_decode_")
     for si, shape in enumerate(shapes):
         if time.time() - t0 > args.budget_s:
@@ -176,29 +188,48 @@ def main(argv=None) -> int:
         got = np.asarray(call(shape, x, sets[0], metas[0], rw, picked, interpret), np.float32)
         row["picked_vs_unsplit_max_rel"] = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
         configs = [unsplit, picked] + ([] if args.no_sweep else candidates(shape, args.smoke))
-        configs = list(dict.fromkeys(configs))
+        configs = [(c, "bf16") for c in dict.fromkeys(configs)]
+        a8 = shape.fmt in ("fp8", "fp8_k32")  # also with the rows as fp8 codes (e4m3 x e4m3 dots)
+        if a8:
+            x8 = fp8_rows(x)
+            got8 = np.asarray(call(shape, x8, sets[0], metas[0], rw, picked, interpret), np.float32)
+            ref8 = np.asarray(call(shape, x8.values(), sets[0], metas[0], rw, picked, interpret), np.float32)
+            row["a8_vs_rounded_rows_max_rel"] = float(np.max(np.abs(got8 - ref8)) / max(np.max(np.abs(ref8)), 1e-30))
+            configs += [(c, "fp8") for c in dict.fromkeys([picked, unsplit] + (
+                [] if args.no_sweep else candidates(shape, args.smoke)))]
         compiled = {}
-        for ci, cfg in enumerate(configs):
+        for ci, (cfg, rows) in enumerate(configs):
+            xi = x8 if rows == "fp8" else x
             fn = functools.partial(lambda cfg, x, sets, metas, rw: [
                 call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)], cfg)
             try:
-                c, module, _, _ = compile_highest(fn, f"gemm_decode_{si}_{ci}", x, sets, metas, rw)
-                compiled[ci] = (c, module, (x, sets, metas, rw))
+                c, module, _, _ = compile_highest(fn, f"gemm_decode_{si}_{ci}", xi, sets, metas, rw)
+                compiled[ci] = (c, module, (xi, sets, metas, rw))
             except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
-                row["configs"].append({"config": cfg.__dict__, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                row["configs"].append({"config": cfg.__dict__, "rows": rows,
+                                       "error": f"{type(e).__name__}: {str(e)[:160]}"})
         for ci, t in device_times(compiled, args.calls, trace_root).items():
+            cfg, rows = configs[ci]
             if "device_us" not in t:
-                row["configs"].append({"config": configs[ci].__dict__, **t})
+                row["configs"].append({"config": cfg.__dict__, "rows": rows, **t})
                 continue
             us = t["device_us"] / calls
-            row["configs"].append({"config": configs[ci].__dict__, "us": us, "GBps": nbytes / us / 1e3,
+            row["configs"].append({"config": cfg.__dict__, "rows": rows, "us": us, "GBps": nbytes / us / 1e3,
                                    "launches_per_call": t["launches"] / calls})
-        timed = {json.dumps(r["config"], sort_keys=True): r for r in row["configs"] if "us" in r}
-        row["unsplit"] = timed.get(json.dumps(unsplit.__dict__, sort_keys=True))
-        row["picked_time"] = timed.get(json.dumps(picked.__dict__, sort_keys=True))
-        if timed:
-            row["best"] = min(timed.values(), key=lambda r: r["us"])
+        key = lambda cfg, rows: json.dumps([cfg.__dict__, rows], sort_keys=True)  # noqa: E731
+        timed = {json.dumps([r["config"], r["rows"]], sort_keys=True): r for r in row["configs"] if "us" in r}
+        row["unsplit"] = timed.get(key(unsplit, "bf16"))
+        row["picked_time"] = timed.get(key(picked, "bf16"))
+        row["picked_a8"] = timed.get(key(picked, "fp8"))
+        for rows in ("bf16", "fp8"):
+            mine = [r for r in timed.values() if r["rows"] == rows]
+            if mine:
+                row["best" if rows == "bf16" else "best_a8"] = min(mine, key=lambda r: r["us"])
         u, p_, b_ = row["unsplit"], row["picked_time"], row.get("best")
+        if a8 and row["picked_a8"]:
+            a, ba = row["picked_a8"], row.get("best_a8")
+            print(f"  fp8 rows: picked {a['us']:6.1f} us {a['GBps']:5.0f} GB/s | best {ba['us']:6.1f} us "
+                  f"{ba['config']} | rel diff vs rounded rows {row['a8_vs_rounded_rows_max_rel']:.1e}", flush=True)
         print(f"{shape.name:30s} {shape.fmt:7s} N {shape.n:5d} K {shape.k:5d} tiles {shape.tiles:2d} | unsplit "
               f"{u['us'] if u else float('nan'):6.1f} us | picked (split {picked.split_k}) "
               f"{p_['us'] if p_ else float('nan'):6.1f} us {p_['GBps'] if p_ else 0:5.0f} GB/s | best "
@@ -206,15 +237,19 @@ def main(argv=None) -> int:
               f"{row['picked_vs_unsplit_max_rel']:.1e}", flush=True)
         write_json("gemm_decode.json", out)
         del x, sets, compiled
-    print("\n| shape | format | N | K | tiles | unsplit us | picked split | picked us (GB/s) | best us (config) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| shape | format | N | K | tiles | unsplit us | picked split | picked us (GB/s) | best us (config) "
+          "| fp8 rows: picked us (GB/s) | fp8 rows: best us (config) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out["shapes"]:
         b, u, p_ = r.get("best"), r.get("unsplit"), r.get("picked_time")
-        best = (f"{b['us']:.1f} (bn {b['config']['block_n']}, bk {b['config']['block_k']}, split "
-                f"{b['config']['split_k']}, st {b['config']['num_stages']})") if b else "-"
+        def best(b):
+            return (f"{b['us']:.1f} (bn {b['config']['block_n']}, bk {b['config']['block_k']}, split "
+                    f"{b['config']['split_k']}, st {b['config']['num_stages']})") if b else "-"
+        a = r.get("picked_a8")
+        a8 = f"{a['us']:.1f} ({a['GBps']:.0f})" if a else "-"
         print(f"| {r['name']} | {r['fmt']} | {r['n']} | {r['k']} | {r['tiles']} | {u['us'] if u else float('nan'):.1f} "
               f"| {r['picked']['split_k']} | {p_['us'] if p_ else float('nan'):.1f} ({p_['GBps'] if p_ else 0:.0f}) "
-              f"| {best} |")
+              f"| {best(b)} | {a8} | {best(r.get('best_a8'))} |")
     write_json("gemm_decode.json", out)
     return 0
 

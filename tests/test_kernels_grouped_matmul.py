@@ -18,6 +18,7 @@ from flax import nnx
 from dspark_jax import config
 from dspark_jax.checkpoint import codecs
 from dspark_jax.model.common import Numerics
+from dspark_jax.model import quant
 from dspark_jax.model.moe import Experts
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import group_metadata as md
@@ -245,6 +246,59 @@ def test_split_k_matches_the_reference(fmt, split, bk):
     assert (np.asarray(h_split, np.float32)[pair < 0] == 0).all()
 
 
+def _fp8_rows(x: jax.Array) -> gm.Fp8Rows:
+    codes, scales = quant.fp8_quantize(x, 128)
+    return gm.Fp8Rows(codes, scales, x.dtype)
+
+
+@pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8_k32", 1, 128, 16),
+                                             ("fp8_k32", 2, 256, 16), ("fp8_k32", 1, 64, 32), ("fp4", 1, 128, 16),
+                                             ("dense", 2, 64, 16)])
+def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
+    """Rows given as e4m3 codes with per-128 scales (``Fp8Rows``): against FP8 weights the kernel
+    multiplies codes by codes and scales the sums (per 128 inputs; fp8_k32 per 32 and output
+    column); the result is the product of the rows' values (``fp8_sim`` of x), which the other
+    formats and the reference multiply. A 64-input step widens to a whole scale block."""
+    rng = np.random.default_rng(5)
+    g, n, k = 8, 64, 512
+    w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
+    tiles = md.group_tiles(jnp.asarray(ROUTINGS["uneven"](rng).astype(np.int32)), g, bm)
+    pair = np.asarray(tiles.pair_of_row)
+    # rows of very different magnitudes per 128-block, so that the rows' scales matter
+    x = rng.standard_normal((pair.size, k)) * np.exp(rng.uniform(-4, 4, (pair.size, k // 128))).repeat(128, 1)
+    x = jnp.asarray(np.where(pair[:, None] >= 0, x, 0.0), jnp.bfloat16)
+    rows = _fp8_rows(x)
+    np.testing.assert_array_equal(np.asarray(rows.values(), np.float32), np.asarray(quant.fp8_sim(x, 128), np.float32))
+    meta = (tiles.tile_group, tiles.num_tiles)
+    cfg = gm.GemmConfig(block_n=32, block_k=bk, split_k=split)
+    ker = np.asarray(gm.kernel(rows, w, *meta, block_m=bm, out_dtype=jnp.float32, config=cfg, interpret=True))
+    want = _oracle(quant.fp8_sim(x, 128), w, tiles)
+    assert np.isfinite(ker).all() and (ker[pair < 0] == 0).all()
+    np.testing.assert_allclose(ker, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    ref = np.asarray(gm.reference(rows, w, *meta, block_m=bm, out_dtype=jnp.float32))
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    rw = jnp.asarray(np.where(pair >= 0, rng.random(pair.size), 0.0), jnp.float32)
+    h = gm.swiglu_kernel(rows, w, w3, rw, *meta, block_m=bm, limit=1.0, config=cfg, interpret=True)
+    h_ref = gm.swiglu_reference(quant.fp8_sim(x, 128), w, w3, rw, *meta, block_m=bm, limit=1.0)
+    assert h.dtype == x.dtype and np.isfinite(np.asarray(h, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
+    if fmt in ("fp8", "fp8_k32"):  # the fp8 x fp8 kernel, under its own name
+        jaxpr = jax.make_jaxpr(lambda r: gm.kernel(r, w, *meta, block_m=bm, config=cfg, interpret=False))(rows)
+        assert f"grouped_matmul_{fmt}_a8" in str(jaxpr)
+
+
+def test_fp8_rows_are_checked():
+    x = jnp.ones((16, 256), jnp.bfloat16)
+    rows = _fp8_rows(x)
+    w = _random_weights(np.random.default_rng(0), (1, 32, 256), "fp8")
+    meta = md.dense_tiles(16, 1, 16)
+    with pytest.raises(ValueError, match="scales must be float32"):
+        gm.kernel(gm.Fp8Rows(rows.codes, rows.scales[:, :1], x.dtype), w, *meta, block_m=16)
+    with pytest.raises(ValueError, match="codes must be float8_e4m3fn"):
+        gm.kernel(gm.Fp8Rows(x, rows.scales, x.dtype), w, *meta, block_m=16)
+
+
 def test_decode_configs_split_k_only_where_programs_are_few():
     # Flash decode at one token: the shared expert's w1 (N 2048, K 4096) has 32 column tiles of 64
     # and 32 loop steps of 128: split 8 (4 steps each) is the most the minimum steps allow
@@ -308,6 +362,12 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     text = lowering.lower(lambda h, w, tg, nt: gm.kernel(h, w, tg, nt, block_m=bm, interpret=False),
                           h, _flash_weights(fmt, FLASH["d"], FLASH["i"]), *meta)
     assert lowering.count_triton_calls(text) == 1
+    if fmt in ("fp8", "fp8_k32"):  # fp8 rows: e4m3 x e4m3 dots
+        rows = gm.Fp8Rows(SD((t * bm, FLASH["d"]), jnp.float8_e4m3fn), SD((t * bm, FLASH["d"] // 128), jnp.float32))
+        text = lowering.lower(lambda r, w, rw, tg, nt: gm.swiglu_kernel(r, w, w, rw, tg, nt, block_m=bm, limit=10.0,
+                                                                         interpret=False),
+                              rows, w13, SD((t * bm,), jnp.float32), *meta)
+        assert lowering.count_triton_calls(text) == 1 and "grouped_matmul_" + fmt + "_a8" in text
 
 
 def _flash_experts_temp_bytes(tokens: int) -> int:

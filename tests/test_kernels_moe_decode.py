@@ -140,7 +140,7 @@ def test_moe_decode_step_runs_as_four_kernels(hashed):
                        "pallas:pair_experts_down"], kernels
     assert not {"dot_general", "top_k", "sort", "scatter-add", "scatter_add"} & set(ops), ops
     assert ("gather" in ops) == hashed  # the hash table lookup
-    grouped = "pallas:grouped_matmul_fp8_k32_swiglu"
+    grouped = "pallas:grouped_matmul_fp8_k32_a8_swiglu"
     big = _ops(moe, 6)  # 18 pairs
     assert "pallas:router_logits" not in big and grouped in big
     moe.decode_max_pairs = 0
@@ -169,7 +169,7 @@ def test_shared_expert_runs_w1_and_w3_as_one_fused_kernel(rows):
     graphdef, state = nnx.split(shared)
     jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
     kernels = [o for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
-    assert kernels == ["pallas:grouped_matmul_fp8_swiglu_split2", "pallas:grouped_matmul_fp8"], kernels
+    assert kernels == ["pallas:grouped_matmul_fp8_a8_swiglu_split2", "pallas:grouped_matmul_fp8_a8"], kernels
     for mod in (shared.w1, shared.w2, shared.w3):
         mod.num = dataclasses.replace(num, kernels="xla")
     assert not shared.fused()
