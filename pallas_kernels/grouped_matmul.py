@@ -84,8 +84,8 @@ class Fp8Rows:
     codes ``[M, K]`` and fp32 power-of-two scales ``[M, K / 128]``; the rows' values are
     ``codes * scales`` (each block's scale repeated), activations of dtype ``dtype``. With FP8
     weights (``fp8``, ``fp8_k32``) the kernel multiplies codes by codes on the fp8 tensor cores
-    (products exact, fp32 sums) and applies both scales to the sums; with other weights it
-    multiplies the rows' values."""
+    (products exact, fp32 sums) and applies both scales to the sums (``fp8_dots``); with other
+    weights it multiplies the rows' values."""
 
     codes: Array
     scales: Array
@@ -125,8 +125,11 @@ def check_rows(x: Fp8Rows) -> None:
 
 
 def fp8_dots(x, w: Weights) -> bool:
-    """Whether the kernel multiplies fp8 codes by fp8 codes (FP8 rows against FP8 weights)."""
-    return isinstance(x, Fp8Rows) and w.fmt in ("fp8", "fp8_k32")
+    """Whether the kernel multiplies fp8 codes by fp8 codes: FP8 rows against ``fp8`` weights
+    (one dot per 128-input block). Against ``fp8_k32`` weights that would take one dot per 32
+    inputs, each scaled per output column, which measured slower on an H200 than multiplying the
+    rows' values (docs/benchmarks.md), so those (and the other formats) take the values."""
+    return isinstance(x, Fp8Rows) and w.fmt == "fp8"
 
 
 def check_weights(w: Weights) -> None:
@@ -395,32 +398,20 @@ def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0,
     return acc if scale is None else acc * scale
 
 
-def _fp8_rows_step(x_refs, w_refs, fmt: str, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int) -> Array:
-    """fp32 [bm, bn] product of one loop step of FP8 rows (codes, per-128 scales) against FP8
-    weights: per 128-input block, e4m3 x e4m3 dots (fp8: one per block, times its weight scale;
-    fp8_k32: one per 32 inputs, times each output column's scale), times the rows' scales."""
+def _fp8_rows_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int) -> Array:
+    """fp32 [bm, bn] product of one loop step of FP8 rows (codes, per-128 scales) against ``fp8``
+    weights: per 128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the weight
+    block's scale and each row's scale."""
     xq_ref, sx_ref = x_refs
     w_ref, s_ref = w_refs
     rows, cols = pl.ds(r0, bm), pl.ds(g * n + n0, bn)
+    nb = -(-n // FP8_BLOCK)
     total = None
     for c in range(0, bk, FP8_BLOCK):
         kb = k0 + c
         sx = sx_ref[rows, pl.ds(kb // FP8_BLOCK, 1)]  # [bm, 1]
-        if fmt == "fp8":
-            nb = -(-n // FP8_BLOCK)
-            p = _dot_t(xq_ref[rows, pl.ds(kb, FP8_BLOCK)], w_ref[cols, pl.ds(kb, FP8_BLOCK)])
-            p = p * (sx * _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
-        else:
-            per = FP8_BLOCK // FP4_BLOCK
-            sw = _scale_f32(s_ref[cols, pl.ds(kb // FP4_BLOCK, per)])  # [bn, 4]: one per 32 inputs
-            pick = lax.broadcasted_iota(jnp.int32, (bn, per), 1)
-            p = None
-            for j in range(per):
-                sj = jnp.sum(jnp.where(pick == j, sw, 0.0), axis=1)  # column j (no register slicing)
-                q = _dot_t(xq_ref[rows, pl.ds(kb + j * FP4_BLOCK, FP4_BLOCK)],
-                           w_ref[cols, pl.ds(kb + j * FP4_BLOCK, FP4_BLOCK)]) * sj[None, :]
-                p = q if p is None else p + q
-            p = p * sx
+        p = _dot_t(xq_ref[rows, pl.ds(kb, FP8_BLOCK)], w_ref[cols, pl.ds(kb, FP8_BLOCK)])
+        p = p * (sx * _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
         total = p if total is None else total + p
     return total
 
@@ -430,7 +421,7 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
     """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
     output columns n0 .. n0 + bn of group g."""
     if fp8_rows:
-        return _fp8_rows_step(x_refs, w_refs, fmt, g, n, r0, n0, k0, bm, bn, bk)
+        return _fp8_rows_step(x_refs, w_refs, g, n, r0, n0, k0, bm, bn, bk)
     if fmt == "fp4":
         xs = tuple(ref[pl.ds(r0, bm), pl.ds(k0 // 2, bk // 2)] for ref in x_refs)
     elif fmt == "fp8" and bk > FP8_BLOCK:  # one product per 128-input scale block of the step

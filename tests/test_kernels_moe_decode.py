@@ -140,7 +140,7 @@ def test_moe_decode_step_runs_as_four_kernels(hashed):
                        "pallas:pair_experts_down"], kernels
     assert not {"dot_general", "top_k", "sort", "scatter-add", "scatter_add"} & set(ops), ops
     assert ("gather" in ops) == hashed  # the hash table lookup
-    grouped = "pallas:grouped_matmul_fp8_k32_a8_swiglu"
+    grouped = "pallas:grouped_matmul_fp8_k32_swiglu"
     big = _ops(moe, 6)  # 18 pairs
     assert "pallas:router_logits" not in big and grouped in big
     moe.decode_max_pairs = 0
