@@ -36,7 +36,6 @@ import numpy as np
 
 from benchmarks.common import ceilings, environment, write_json
 from benchmarks.hc_fused import compile_highest, device_times
-from dspark_jax.model.quant import fp8_quantize
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.group_metadata import dense_tiles
 
@@ -124,12 +123,6 @@ def build(shape: Shape, copies: int, key):
     return x, sets, metas, rw
 
 
-def fp8_rows(x: jax.Array) -> gm.Fp8Rows:
-    """x as the reference quantises a GEMM's input (e4m3 codes, per-128 power-of-two scales)."""
-    codes, scales = fp8_quantize(x, 128)
-    return gm.Fp8Rows(codes, scales, x.dtype)
-
-
 def call(shape: Shape, x, ws, meta, rw, cfg, interpret):
     tg, nt = meta
     if shape.swiglu:
@@ -191,7 +184,7 @@ def main(argv=None) -> int:
         configs = [(c, "bf16") for c in dict.fromkeys(configs)]
         a8 = shape.fmt == "fp8"  # also with the rows as fp8 codes (e4m3 x e4m3 dots)
         if a8:
-            x8 = fp8_rows(x)
+            x8 = gm.ActQuant.of(x)
             got8 = np.asarray(call(shape, x8, sets[0], metas[0], rw, picked, interpret), np.float32)
             ref8 = np.asarray(call(shape, x8.values(), sets[0], metas[0], rw, picked, interpret), np.float32)
             row["a8_vs_rounded_rows_max_rel"] = float(np.max(np.abs(got8 - ref8)) / max(np.max(np.abs(ref8)), 1e-30))

@@ -24,6 +24,12 @@ few bit operations move each e2m1 code into an e4m3 byte, which the hardware's f
 decodes (``_fp4_as_e4m3``). FP4 codes are not interleaved in registers: the kernel splits x into even and odd columns and
 multiplies them by the low and high nibbles separately.
 
+Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and per-128
+scales): against ``fp8`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block,
+and scales their fp32 sums by the weight block's and the row's scales (exact products; only the
+fp32 summation order differs from multiplying the rows' values), reading half the activation
+bytes and converting no weights in registers.
+
 ``grouped_swiglu`` fuses the expert's first half: ``h = swiglu(x W1^T, x W3^T) * row_weight``
 with the reference's roundings (the products rounded to x's dtype, SwiGLU in fp32, result in x's
 dtype).
@@ -79,13 +85,13 @@ class Weights:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Fp8Rows:
+class ActQuant:
     """Rows quantised as the reference quantises a GEMM's input (``act_quant``, block 128): e4m3
     codes ``[M, K]`` and fp32 power-of-two scales ``[M, K / 128]``; the rows' values are
-    ``codes * scales`` (each block's scale repeated), activations of dtype ``dtype``. With FP8
-    weights (``fp8``, ``fp8_k32``) the kernel multiplies codes by codes on the fp8 tensor cores
-    (products exact, fp32 sums) and applies both scales to the sums (``fp8_dots``); with other
-    weights it multiplies the rows' values."""
+    ``codes * scales`` (each block's scale repeated), activations of dtype ``dtype``. Against
+    ``fp8`` weights the kernel multiplies codes by codes on the fp8 tensor cores (products exact,
+    fp32 sums) and applies both scales to the sums (``fp8_dots``); against other weights it
+    multiplies the rows' values."""
 
     codes: Array
     scales: Array
@@ -101,27 +107,26 @@ class Fp8Rows:
         v = self.codes.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK) * self.scales[..., None]
         return v.reshape(m, k).astype(self.dtype)
 
-    def take(self, rows: Array, keep: Array) -> "Fp8Rows":
-        """Rows ``rows`` (kept where ``keep``, else code 0 with scale 1)."""
-        return Fp8Rows(jnp.where(keep[:, None], self.codes[rows], jnp.zeros((), self.codes.dtype)),
-                       jnp.where(keep[:, None], self.scales[rows], 1.0), self.dtype)
+    @classmethod
+    def of(cls, x: Float[Array, "m k"]) -> "ActQuant":
+        """x quantised as the reference quantises a GEMM's input (``act_quant``, block 128; the
+        values are ``dspark_jax.model.quant.fp8_sim(x, 128)``)."""
+        from dspark_jax.model.quant import fp8_quantize
 
-    def pad(self, rows: int) -> "Fp8Rows":
-        """``rows`` more rows of code 0 (scale 1) at the end."""
-        return Fp8Rows(jnp.pad(self.codes, ((0, rows), (0, 0))), jnp.pad(self.scales, ((0, rows), (0, 0)),
-                                                                           constant_values=1.0), self.dtype)
+        codes, scales = fp8_quantize(x, FP8_BLOCK)
+        return cls(codes, scales, x.dtype)
 
 
-def check_rows(x: Fp8Rows) -> None:
+def check_act_quant(x: ActQuant) -> None:
     m, k = x.codes.shape if x.codes.ndim == 2 else (None, None)
     if m is None or x.codes.dtype != jnp.float8_e4m3fn or k % FP8_BLOCK:
-        raise ValueError(f"Fp8Rows codes must be float8_e4m3fn [M, K] with K a multiple of {FP8_BLOCK}, got "
+        raise ValueError(f"ActQuant codes must be float8_e4m3fn [M, K] with K a multiple of {FP8_BLOCK}, got "
                          f"{x.codes.dtype} {x.codes.shape}")
     if x.scales.dtype != jnp.float32 or x.scales.shape != (m, k // FP8_BLOCK):
-        raise ValueError(f"Fp8Rows scales must be float32 {(m, k // FP8_BLOCK)}, got {x.scales.dtype} "
+        raise ValueError(f"ActQuant scales must be float32 {(m, k // FP8_BLOCK)}, got {x.scales.dtype} "
                          f"{x.scales.shape}")
     if jnp.dtype(x.dtype) not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"Fp8Rows dtype must be bf16 / fp32, got {x.dtype}")
+        raise ValueError(f"ActQuant dtype must be bf16 / fp32, got {x.dtype}")
 
 
 def fp8_dots(x, w: Weights) -> bool:
@@ -129,7 +134,7 @@ def fp8_dots(x, w: Weights) -> bool:
     (one dot per 128-input block). Against ``fp8_k32`` weights that would take one dot per 32
     inputs, each scaled per output column, which measured slower on an H200 than multiplying the
     rows' values (docs/benchmarks.md), so those (and the other formats) take the values."""
-    return isinstance(x, Fp8Rows) and w.fmt == "fp8"
+    return isinstance(x, ActQuant) and w.fmt == "fp8"
 
 
 def check_weights(w: Weights) -> None:
@@ -201,22 +206,22 @@ def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, bl
     return jnp.where(used[:, None, None], out, 0.0)
 
 
-def reference(x: Float[Array, "m k"] | Fp8Rows, w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
+def reference(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
               block_m: int, out_dtype=None) -> Float[Array, "m n"]:
     """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups."""
     check_inputs(x, w, tile_group, block_m)
-    x = x.values() if isinstance(x, Fp8Rows) else x
+    x = x.values() if isinstance(x, ActQuant) else x
     y = _tile_products(x, w, tile_group, num_tiles, block_m)
     return y.reshape(x.shape[0], -1).astype(out_dtype or x.dtype)
 
 
-def swiglu_reference(x: Float[Array, "m k"] | Fp8Rows, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
+def swiglu_reference(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
                      tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int,
                      limit: float) -> Float[Array, "m n"]:
     """``swiglu(x W1^T, x W3^T) * row_weight`` per tile, in x's dtype (the reference's roundings)."""
     check_inputs(x, w1, tile_group, block_m)
     check_inputs(x, w3, tile_group, block_m)
-    x = x.values() if isinstance(x, Fp8Rows) else x
+    x = x.values() if isinstance(x, ActQuant) else x
     dt = x.dtype
     g = _tile_products(x, w1, tile_group, num_tiles, block_m).astype(dt)
     u = _tile_products(x, w3, tile_group, num_tiles, block_m).astype(dt)
@@ -224,10 +229,10 @@ def swiglu_reference(x: Float[Array, "m k"] | Fp8Rows, w1: Weights, w3: Weights,
     return h.astype(dt)
 
 
-def check_inputs(x: Array | Fp8Rows, w: Weights, tile_group: Array, block_m: int) -> None:
+def check_inputs(x: Array | ActQuant, w: Weights, tile_group: Array, block_m: int) -> None:
     check_weights(w)
-    if isinstance(x, Fp8Rows):
-        check_rows(x)
+    if isinstance(x, ActQuant):
+        check_act_quant(x)
     elif x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be a bf16 / fp32 [M, K] matrix, got {x.dtype} {x.shape}")
     g, n, k = w.shape
@@ -259,14 +264,14 @@ class GemmConfig:
         if not backend.is_power_of_2(self.split_k):
             raise ValueError(f"split_k must be a power of two, got {self.split_k}")
 
-    def fit(self, n: int, k: int, fmt: str, fp8_rows: bool = False) -> "GemmConfig":
+    def fit(self, n: int, k: int, fmt: str, code_dots: bool = False) -> "GemmConfig":
         """This config with tiles shrunk to divide N and K (and the format's scale blocks), and
-        the split to divide K's loop steps. ``fp8_rows`` (fp8 codes times fp8 codes): steps of
-        whole 128-input blocks of the rows' scales."""
+        the split to divide K's loop steps. ``code_dots`` (quantised rows: fp8 codes times fp8
+        codes): steps of whole 128-input blocks of the rows' scales."""
         bn = backend.largest_pow2_divisor(n, self.block_n if fmt != "fp8" else min(self.block_n, FP8_BLOCK))
-        bk = backend.largest_pow2_divisor(k, max(self.block_k, FP8_BLOCK) if fp8_rows else self.block_k)
-        if fp8_rows and bk < FP8_BLOCK:
-            raise ValueError(f"fp8 rows need K to be a multiple of {FP8_BLOCK}, got {k}")
+        bk = backend.largest_pow2_divisor(k, max(self.block_k, FP8_BLOCK) if code_dots else self.block_k)
+        if code_dots and bk < FP8_BLOCK:
+            raise ValueError(f"quantised rows need K to be a multiple of {FP8_BLOCK}, got {k}")
         kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
         if bn < 16 or bk < kmin:
             raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
@@ -398,7 +403,7 @@ def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0,
     return acc if scale is None else acc * scale
 
 
-def _fp8_rows_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int) -> Array:
+def _code_dots_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int) -> Array:
     """fp32 [bm, bn] product of one loop step of FP8 rows (codes, per-128 scales) against ``fp8``
     weights: per 128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the weight
     block's scale and each row's scale."""
@@ -417,11 +422,11 @@ def _fp8_rows_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: 
 
 
 def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: int, bn: int, bk: int, dt,
-                 fp8_rows: bool = False) -> Array:
+                 code_dots: bool = False) -> Array:
     """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
     output columns n0 .. n0 + bn of group g."""
-    if fp8_rows:
-        return _fp8_rows_step(x_refs, w_refs, g, n, r0, n0, k0, bm, bn, bk)
+    if code_dots:
+        return _code_dots_step(x_refs, w_refs, g, n, r0, n0, k0, bm, bn, bk)
     if fmt == "fp4":
         xs = tuple(ref[pl.ds(r0, bm), pl.ds(k0 // 2, bk // 2)] for ref in x_refs)
     elif fmt == "fp8" and bk > FP8_BLOCK:  # one product per 128-input scale block of the step
@@ -440,10 +445,10 @@ def _swiglu_rows(gate: Array, up: Array, row_weight: Array, limit: float, dt) ->
 
 
 def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n_weights: int,
-            limit: float | None, fp8_rows: bool, dt):
+            limit: float | None, code_dots: bool, dt):
     tile_group_ref, num_tiles_ref = refs[:2]
     refs = refs[2:]
-    n_x = 2 if fmt == "fp4" or fp8_rows else 1
+    n_x = 2 if fmt == "fp4" or code_dots else 1
     x_refs, refs = refs[:n_x], refs[n_x:]
     per_w = 1 if fmt == "dense" else 2
     w_sets = [refs[i * per_w:(i + 1) * per_w] for i in range(n_weights)]
@@ -472,7 +477,7 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
 
         def body(step, accs):
             k0 = k_base + step * bk
-            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, fp8_rows)
+            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots)
                          for a, w in zip(accs, w_sets))
 
         zero = jnp.zeros((bm, bn), jnp.float32)
@@ -492,8 +497,8 @@ def flat_operands(w: Weights) -> tuple[Array, ...]:
     return (vals,) if w.fmt == "dense" else (vals, w.scales.reshape(-1, w.scales.shape[-1]))
 
 
-def _x_operands(x: Array | Fp8Rows, fmt: str) -> tuple[Array, ...]:
-    if isinstance(x, Fp8Rows):
+def _x_operands(x: Array | ActQuant, fmt: str) -> tuple[Array, ...]:
+    if isinstance(x, ActQuant):
         return x.codes, x.scales
     return (x[:, 0::2], x[:, 1::2]) if fmt == "fp4" else (x,)
 
@@ -503,8 +508,8 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
             interpret: bool):
     fmt = ws[0].fmt
     _, n, k = ws[0].shape
-    fp8_rows = isinstance(x, Fp8Rows)
-    cfg = cfg.fit(n, k, fmt, fp8_rows)
+    code_dots = isinstance(x, ActQuant)
+    cfg = cfg.fit(n, k, fmt, code_dots)
     m, split = x.shape[0], cfg.split_k
     dt = jnp.dtype(x.dtype)
     args = [tile_group, num_tiles, *_x_operands(x, fmt)]
@@ -513,7 +518,7 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
     if limit is not None and split == 1:
         args.append(row_weight.astype(jnp.float32))
     kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, m=m, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit,
-                               fp8_rows=fp8_rows, dt=dt)
+                               code_dots=code_dots, dt=dt)
     grid = (tile_group.shape[0], n // cfg.block_n) + ((split,) if split > 1 else ())
     out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if split == 1
                  else jax.ShapeDtypeStruct((split * m, len(ws) * n), jnp.float32))
@@ -524,7 +529,7 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
             out_shape=out_shape,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
             interpret=interpret,
-            name=f"grouped_matmul_{fmt}" + ("_a8" if fp8_rows else "") + ("_swiglu" if limit is not None else "")
+            name=f"grouped_matmul_{fmt}" + ("_a8" if code_dots else "") + ("_swiglu" if limit is not None else "")
                  + (f"_split{split}" if split > 1 else ""),
         )(*args)
     if split == 1:
@@ -542,25 +547,25 @@ def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
         raise ValueError("fused weights must share their format and shape")
 
 
-def kernel(x: Float[Array, "m k"] | Fp8Rows, w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
+def kernel(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
            block_m: int, out_dtype=None, config: GemmConfig | None = None,
            interpret: bool | None = None) -> Float[Array, "m n"]:
     """The Pallas kernel (same contract as ``reference``)."""
     check_inputs(x, w, tile_group, block_m)
     _check_kernel_shapes(x, [w], block_m)
-    x = x if fp8_dots(x, w) or not isinstance(x, Fp8Rows) else x.values()
+    x = x if fp8_dots(x, w) or not isinstance(x, ActQuant) else x.values()
     cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
 
 
-def swiglu_kernel(x: Float[Array, "m k"] | Fp8Rows, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
+def swiglu_kernel(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
                   tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int, limit: float,
                   config: GemmConfig | None = None, interpret: bool | None = None) -> Float[Array, "m n"]:
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
-    x = x if fp8_dots(x, w1) or not isinstance(x, Fp8Rows) else x.values()
+    x = x if fp8_dots(x, w1) or not isinstance(x, ActQuant) else x.values()
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
@@ -589,35 +594,33 @@ def block_m_for(rows: int) -> int:
     return 16 if rows <= 256 else 32 if rows <= 2048 else 64
 
 
-def batched_matmul(x: Float[Array, "g m k"] | Fp8Rows, w: Weights, *, out_dtype=None, impl: str | None = None,
-                   **kernel_options) -> Float[Array, "g m n"]:
-    """``x[g] @ W[g]^T`` for every group (one group: a plain matmul, which also takes ``Fp8Rows``
-    [m, k]) through the grouped matmul: rows padded to the row tile, every tile in use."""
-    if isinstance(x, Fp8Rows):
-        g, (m, k) = 1, x.shape
-    else:
-        g, m, k = x.shape
+def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
+                   impl: str | None = None, **kernel_options) -> Float[Array, "g m n"]:
+    """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
+    rows padded to the row tile, every tile in use. ``act_quant``: the padded rows quantised first
+    (``ActQuant.of``: the reference's FP8 GEMM input)."""
+    g, m, k = x.shape
     bm = block_m_for(m)
     mp = -(-m // bm) * bm
-    if isinstance(x, Fp8Rows):
-        xp = x.pad(mp - m)
-    else:
-        xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
+    xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
+    xp = ActQuant.of(xp) if act_quant else xp
     tile_group, num_tiles = dense_tiles(mp, g, bm)
     y = grouped_matmul(xp, w, tile_group, num_tiles, block_m=bm, out_dtype=out_dtype, impl=impl, **kernel_options)
     return y.reshape(g, mp, -1)[:, :m]
 
 
-def batched_swiglu(x: Float[Array, "m k"] | Fp8Rows, w1: Weights, w3: Weights, *, limit: float,
+def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: float, act_quant: bool = False,
                    impl: str | None = None, **kernel_options) -> Float[Array, "m n"]:
     """``swiglu(x W1^T, x W3^T)`` of one group of weights (a shared expert's first half) through
-    the fused kernel: rows padded to the row tile, routing weight 1, result in x's dtype."""
+    the fused kernel: rows padded to the row tile (and quantised if ``act_quant``, as in
+    ``batched_matmul``), routing weight 1, result in x's dtype."""
     m, _ = x.shape
     bm = block_m_for(m)
     mp = -(-m // bm) * bm
     tile_group, num_tiles = dense_tiles(mp, 1, bm)
     ones = jnp.ones((mp,), jnp.float32)
-    xp = x.pad(mp - m) if isinstance(x, Fp8Rows) else jnp.pad(x, ((0, mp - m), (0, 0)))
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    xp = ActQuant.of(xp) if act_quant else xp
     return grouped_swiglu(xp, w1, w3, ones, tile_group, num_tiles, block_m=bm,
                           limit=limit, impl=impl, **kernel_options)[:m]
 

@@ -246,15 +246,10 @@ def test_split_k_matches_the_reference(fmt, split, bk):
     assert (np.asarray(h_split, np.float32)[pair < 0] == 0).all()
 
 
-def _fp8_rows(x: jax.Array) -> gm.Fp8Rows:
-    codes, scales = quant.fp8_quantize(x, 128)
-    return gm.Fp8Rows(codes, scales, x.dtype)
-
-
 @pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 32),
                                              ("fp8_k32", 2, 128, 16), ("fp4", 1, 128, 16), ("dense", 2, 64, 16)])
 def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
-    """Rows given as e4m3 codes with per-128 scales (``Fp8Rows``): against ``fp8`` weights the
+    """Rows given as e4m3 codes with per-128 scales (``ActQuant``): against ``fp8`` weights the
     kernel multiplies codes by codes and scales the sums per 128 inputs; the result is the product
     of the rows' values (``fp8_sim`` of x), which the other formats and the reference multiply. A
     64-input step widens to a whole scale block."""
@@ -266,7 +261,7 @@ def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     # rows of very different magnitudes per 128-block, so that the rows' scales matter
     x = rng.standard_normal((pair.size, k)) * np.exp(rng.uniform(-4, 4, (pair.size, k // 128))).repeat(128, 1)
     x = jnp.asarray(np.where(pair[:, None] >= 0, x, 0.0), jnp.bfloat16)
-    rows = _fp8_rows(x)
+    rows = gm.ActQuant.of(x)
     np.testing.assert_array_equal(np.asarray(rows.values(), np.float32), np.asarray(quant.fp8_sim(x, 128), np.float32))
     meta = (tiles.tile_group, tiles.num_tiles)
     cfg = gm.GemmConfig(block_n=32, block_k=bk, split_k=split)
@@ -288,13 +283,13 @@ def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
 
 def test_fp8_rows_are_checked():
     x = jnp.ones((16, 256), jnp.bfloat16)
-    rows = _fp8_rows(x)
+    rows = gm.ActQuant.of(x)
     w = _random_weights(np.random.default_rng(0), (1, 32, 256), "fp8")
     meta = md.dense_tiles(16, 1, 16)
-    with pytest.raises(ValueError, match="scales must be float32"):
-        gm.kernel(gm.Fp8Rows(rows.codes, rows.scales[:, :1], x.dtype), w, *meta, block_m=16)
-    with pytest.raises(ValueError, match="codes must be float8_e4m3fn"):
-        gm.kernel(gm.Fp8Rows(x, rows.scales, x.dtype), w, *meta, block_m=16)
+    with pytest.raises(ValueError, match="ActQuant scales must be float32"):
+        gm.kernel(gm.ActQuant(rows.codes, rows.scales[:, :1], x.dtype), w, *meta, block_m=16)
+    with pytest.raises(ValueError, match="ActQuant codes must be float8_e4m3fn"):
+        gm.kernel(gm.ActQuant(x, rows.scales, x.dtype), w, *meta, block_m=16)
 
 
 def test_decode_configs_split_k_only_where_programs_are_few():
@@ -325,6 +320,11 @@ def test_batched_matmul_is_a_plain_matmul_per_group():
     for impl in ("xla", "pallas"):
         got = np.asarray(gm.batched_matmul(x, w, out_dtype=jnp.float32, impl=impl))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # quantised rows (the reference's FP8 GEMM input): the product of the rounded rows
+    want8 = np.einsum("gmk,gnk->gmn", np.asarray(quant.fp8_sim(x, 128), np.float32),
+                      np.asarray(gm.dequantize(w, jnp.float32)))
+    got8 = np.asarray(gm.batched_matmul(x[:1], w.group(0), act_quant=True, out_dtype=jnp.float32, impl="pallas"))
+    np.testing.assert_allclose(got8, want8[:1], rtol=1e-5, atol=1e-4)
 
 
 FLASH = dict(e=256, d=4096, i=2048)
@@ -361,7 +361,7 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
                           h, _flash_weights(fmt, FLASH["d"], FLASH["i"]), *meta)
     assert lowering.count_triton_calls(text) == 1
     if fmt == "fp8":  # fp8 rows: e4m3 x e4m3 dots
-        rows = gm.Fp8Rows(SD((t * bm, FLASH["d"]), jnp.float8_e4m3fn), SD((t * bm, FLASH["d"] // 128), jnp.float32))
+        rows = gm.ActQuant(SD((t * bm, FLASH["d"]), jnp.float8_e4m3fn), SD((t * bm, FLASH["d"] // 128), jnp.float32))
         text = lowering.lower(lambda r, w, rw, tg, nt: gm.swiglu_kernel(r, w, w, rw, tg, nt, block_m=bm, limit=10.0,
                                                                          interpret=False),
                               rows, w13, SD((t * bm,), jnp.float32), *meta)

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from dspark_jax.model.quant import fp8_quantize, fp8_sim
+from dspark_jax.model.quant import fp8_sim
 from dspark_jax.sharding import batch_axes
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.attention_metadata import cu_from_lens, token_request
@@ -164,14 +164,6 @@ def bf16_parts(x: Float[Array, "..."]) -> tuple[Array, Array, Array]:
     return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def fp8_rows(x: Float[Array, "m i"]) -> gm.Fp8Rows:
-    """Rows quantised as the reference quantises an FP8 GEMM's input (``act_quant``, block 128):
-    e4m3 codes and power-of-two scales, for the grouped matmul's fp8 x fp8 dots (their values are
-    ``fp8_sim(x, 128)``)."""
-    codes, scales = fp8_quantize(x, 128)
-    return gm.Fp8Rows(codes, scales, x.dtype)
-
-
 class Linear(nnx.Module):
     """y = x @ W.T with W stored as ``weight [out, in]`` (the official layout and name).
 
@@ -260,10 +252,8 @@ class Linear(nnx.Module):
         if self.compute_dtype is not None:
             x = x.astype(self.compute_dtype)
         if self.quantized and self.num.kernel_impl() == "pallas":
-            rows = x.reshape(-1, x.shape[-1])
-            rows = fp8_rows(rows) if self.fp8_act else rows[None]
-            y = gm.batched_matmul(rows, self.grouped_weights(), out_dtype=jnp.float32,
-                                  impl="pallas").reshape(*x.shape[:-1], -1)
+            y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), act_quant=self.fp8_act,
+                                  out_dtype=jnp.float32, impl="pallas").reshape(*x.shape[:-1], -1)
             return y.astype(out_dtype or x.dtype)
         if self.fp8_act:
             x = fp8_sim(x, 128)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.common import Buffer, Linear, Numerics, fp8_rows, matmul_f32, normal_init, random_fp4
+from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal_init, random_fp4
 from dspark_jax.model.quant import fp8_sim
 from dspark_jax.sharding import batch_axes, mesh_axes, per_request
 from pallas_kernels import grouped_matmul as gm
@@ -68,9 +68,8 @@ class SharedExpert(nnx.Module):
 
     def __call__(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
         if self.fused():
-            rows = fp8_rows(x) if self.w1.fp8_act else x
-            h = gm.batched_swiglu(rows, self.w1.grouped_weights(), self.w3.grouped_weights(), limit=self.limit,
-                                  impl="pallas")
+            h = gm.batched_swiglu(x, self.w1.grouped_weights(), self.w3.grouped_weights(), limit=self.limit,
+                                  act_quant=self.w1.fp8_act, impl="pallas")
         else:
             h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
@@ -154,6 +153,7 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     pairs each pair gets its own tile (``pair_tiles``), otherwise pairs are sorted by expert (``group_tiles``).
     ``dropped``: pairs with ``idx`` = the number of experts contribute nothing and are not computed
     (sorted tiles: ``group_tiles(dropped=True)``)."""
+    act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
     n, k = idx.shape
     bm = block_m or gm.block_m_for(n * k)
     if n * k <= PAIR_TILES_MAX and not dropped:
@@ -162,12 +162,11 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
         tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped)
     pair = tiles.pair_of_row
     real = pair >= 0
-    src = jnp.maximum(pair, 0) // k
-    rows = fp8_rows(x).take(src, real) if quant_sim else jnp.where(real[:, None], x[src], 0)
+    rows = jnp.where(real[:, None], act_in(x)[jnp.maximum(pair, 0) // k], 0)
     row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
     meta = dict(tile_group=tiles.tile_group, num_tiles=tiles.num_tiles, block_m=bm, impl=impl, **kernel_options)
     h = gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)
-    y = gm.grouped_matmul(fp8_rows(h) if quant_sim else h, w2, **meta)
+    y = gm.grouped_matmul(act_in(h), w2, **meta)
     return jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
