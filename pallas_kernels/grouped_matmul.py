@@ -21,8 +21,8 @@ two is a bf16 number), and the kernel applies each scale to the fp32 partial pro
 instead of to every weight (exact: multiplying by a power of two commutes with fp32 rounding);
 FP4 weights are decoded with their per-32 scales (exact in bf16) before one dot per loop step: a
 few bit operations move each e2m1 code into an e4m3 byte, which the hardware's fp8 conversion
-decodes (``_fp4_as_e4m3``). FP4 codes are not interleaved in registers: the kernel splits x into even and odd columns and
-multiplies them by the low and high nibbles separately.
+decodes (``_fp4_as_e4m3``). FP4 codes are not interleaved in registers: the kernel splits x into
+even and odd columns and multiplies them by the low and high nibbles separately.
 
 Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and per-128
 scales): against ``fp8`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block,
@@ -206,8 +206,8 @@ def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, bl
     return jnp.where(used[:, None, None], out, 0.0)
 
 
-def reference(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
-              block_m: int, out_dtype=None) -> Float[Array, "m n"]:
+def reference(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"],
+              num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None) -> Float[Array, "m n"]:
     """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups."""
     check_inputs(x, w, tile_group, block_m)
     x = x.values() if isinstance(x, ActQuant) else x
@@ -303,11 +303,12 @@ def split_for(programs: int, k_steps: int, target: int | None = None, min_steps:
 def default_config(block_m: int, fmt: str, *, n: int | None = None, k: int | None = None,
                    tiles: int | None = None) -> GemmConfig:
     """Few rows (decode / verify): narrow column tiles, many programs streaming weights, and K split
-    (``split_for``) when the output's ``tiles`` x N give too few programs. Many rows (prefill):
+    (``split_for``) when the output's ``tiles`` x N give too few programs (not FP4, whose SwiGLU at
+    one token measured 98 us unsplit against 103 us split in two on an H200). Many rows (prefill):
     wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an H200 (the
     in-register decoding favours 64 columns); the others as first measured there."""
     cfg = _tile_config(block_m, fmt)
-    if block_m > 16 or None in (n, k, tiles):
+    if block_m > 16 or None in (n, k, tiles) or fmt == "fp4":  # FP4: bound by its decoding, faster unsplit
         return cfg
     fit = cfg.fit(n, k, fmt)
     split = split_for(tiles * (n // fit.block_n), k // fit.block_k)

@@ -301,6 +301,7 @@ def test_decode_configs_split_k_only_where_programs_are_few():
     # projection (6 x 64 column tiles) has enough programs already
     assert gm.default_config(16, "fp8_k32", n=2048, k=4096, tiles=6).split_k == 2
     assert gm.default_config(16, "fp8_k32", n=4096, k=2048, tiles=6).split_k == 1
+    assert gm.default_config(16, "fp4", n=2048, k=4096, tiles=6).split_k == 1  # FP4: faster unsplit
     # the split keeps at least SPLIT_MIN_STEPS loop steps per program (K 1024: 8 steps of 128)
     assert gm.default_config(16, "fp8", n=512, k=1024, tiles=1).split_k == 2
     # enough programs already (wq_b: N 32768), prefill row tiles, and unknown shapes: no split
@@ -347,7 +348,7 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     bm = gm.block_m_for(pairs)
     t = pairs if pairs <= 16 else md.max_tiles(pairs, FLASH["e"], bm)  # pair tiles at one token
     split = gm.default_config(bm, fmt, n=FLASH["i"], k=FLASH["d"], tiles=t).split_k
-    assert (split > 1) == (pairs == 6)  # one token: K split (3-d grid, fp32 partial products)
+    assert (split > 1) == (pairs == 6 and fmt != "fp4")  # one token: K split (3-d grid, fp32 partials); FP4 unsplit
     i32 = jnp.int32
     meta = (SD((t,), i32), SD((1,), i32))
     x = SD((t * bm, FLASH["d"]), jnp.bfloat16)
