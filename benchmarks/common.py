@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -45,12 +46,23 @@ def ceilings(copy_gib: float = 2.0, matmul_n: int = 8192) -> dict:
     return {"copy_GBps": 2 * n * 2 / t / 1e9, "bf16_matmul_TFLOPs": 2 * matmul_n**3 / tm / 1e12}
 
 
+def source_commit() -> str:
+    """The git commit of the working tree; ``<commit>+dirty.<hash of the diff>`` when tracked files
+    differ from it (a copied tree whose git metadata lags behind its files says so)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+        diff = git("diff", "HEAD")
+    except OSError:
+        return "unknown"
+    return f"{commit}+dirty.{hashlib.sha1(diff.encode()).hexdigest()[:8]}" if diff else commit
+
+
 def environment() -> dict:
     dev = jax.devices()[0]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = source_commit()
     return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d")}
 
