@@ -129,12 +129,14 @@ def check_act_quant(x: ActQuant) -> None:
         raise ValueError(f"ActQuant dtype must be bf16 / fp32, got {x.dtype}")
 
 
-def fp8_dots(x, w: Weights) -> bool:
-    """Whether the kernel multiplies fp8 codes by fp8 codes: FP8 rows against ``fp8`` weights
-    (one dot per 128-input block). Against ``fp8_k32`` weights that would take one dot per 32
-    inputs, each scaled per output column, which measured slower on an H200 than multiplying the
-    rows' values (docs/benchmarks.md), so those (and the other formats) take the values."""
-    return isinstance(x, ActQuant) and w.fmt == "fp8"
+def fp8_dots(x, w: Weights, block_m: int) -> bool:
+    """Whether the kernel multiplies fp8 codes by fp8 codes: quantised rows against ``fp8`` weights
+    (one dot per 128-input block) in decode / verify row tiles (16 rows). Against ``fp8_k32``
+    weights that would take one dot per 32 inputs, each scaled per output column, which measured
+    slower on an H200 than multiplying the rows' values (docs/benchmarks.md); prefill's larger row
+    tiles have not been measured with fp8 dots on a GPU. Those (and the other formats) take the
+    rows' values."""
+    return isinstance(x, ActQuant) and w.fmt == "fp8" and block_m <= 16
 
 
 def check_weights(w: Weights) -> None:
@@ -554,7 +556,7 @@ def kernel(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array,
     """The Pallas kernel (same contract as ``reference``)."""
     check_inputs(x, w, tile_group, block_m)
     _check_kernel_shapes(x, [w], block_m)
-    x = x if fp8_dots(x, w) or not isinstance(x, ActQuant) else x.values()
+    x = x if fp8_dots(x, w, block_m) or not isinstance(x, ActQuant) else x.values()
     cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
@@ -566,7 +568,7 @@ def swiglu_kernel(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights, r
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
-    x = x if fp8_dots(x, w1) or not isinstance(x, ActQuant) else x.values()
+    x = x if fp8_dots(x, w1, block_m) or not isinstance(x, ActQuant) else x.values()
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))

@@ -246,13 +246,14 @@ def test_split_k_matches_the_reference(fmt, split, bk):
     assert (np.asarray(h_split, np.float32)[pair < 0] == 0).all()
 
 
-@pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 32),
+@pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 16),
+                                             ("fp8", 1, 128, 32),
                                              ("fp8_k32", 2, 128, 16), ("fp4", 1, 128, 16), ("dense", 2, 64, 16)])
 def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     """Rows given as e4m3 codes with per-128 scales (``ActQuant``): against ``fp8`` weights the
     kernel multiplies codes by codes and scales the sums per 128 inputs; the result is the product
-    of the rows' values (``fp8_sim`` of x), which the other formats and the reference multiply. A
-    64-input step widens to a whole scale block."""
+    of the rows' values (``fp8_sim`` of x), which the other formats, prefill's row tiles and the
+    reference multiply. A 64-input step widens to a whole scale block."""
     rng = np.random.default_rng(5)
     g, n, k = 8, 64, 512
     w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
@@ -278,7 +279,8 @@ def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     assert h.dtype == x.dtype and np.isfinite(np.asarray(h, np.float32)).all()
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
     jaxpr = str(jax.make_jaxpr(lambda r: gm.kernel(r, w, *meta, block_m=bm, config=cfg, interpret=False))(rows))
-    assert ("grouped_matmul_fp8_a8" in jaxpr) == (fmt == "fp8")  # the fp8 x fp8 kernel, under its own name
+    # the fp8 x fp8 kernel, under its own name: fp8 weights in decode / verify row tiles
+    assert ("grouped_matmul_fp8_a8" in jaxpr) == (fmt == "fp8" and bm == 16)
 
 
 def test_fp8_rows_are_checked():
@@ -361,7 +363,7 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     text = lowering.lower(lambda h, w, tg, nt: gm.kernel(h, w, tg, nt, block_m=bm, interpret=False),
                           h, _flash_weights(fmt, FLASH["d"], FLASH["i"]), *meta)
     assert lowering.count_triton_calls(text) == 1
-    if fmt == "fp8":  # fp8 rows: e4m3 x e4m3 dots
+    if fmt == "fp8" and bm == 16:  # quantised rows at decode / verify: e4m3 x e4m3 dots
         rows = gm.ActQuant(SD((t * bm, FLASH["d"]), jnp.float8_e4m3fn), SD((t * bm, FLASH["d"] // 128), jnp.float32))
         text = lowering.lower(lambda r, w, rw, tg, nt: gm.swiglu_kernel(r, w, w, rw, tg, nt, block_m=bm, limit=10.0,
                                                                          interpret=False),
