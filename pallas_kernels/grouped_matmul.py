@@ -24,8 +24,8 @@ few bit operations move each e2m1 code into an e4m3 byte, which the hardware's f
 decodes (``_fp4_as_e4m3``). FP4 codes are not interleaved in registers: the kernel splits x into
 even and odd columns and multiplies them by the low and high nibbles separately.
 
-Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and per-128
-scales): against ``fp8`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block,
+Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and the
+per-128 amax that gives their power-of-two scales): in decode / verify row tiles, against ``fp8`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block,
 and scales their fp32 sums by the weight block's and the row's scales (exact products; only the
 fp32 summation order differs from multiplying the rows' values), reading half the activation
 bytes and converting no weights in registers.
@@ -83,38 +83,58 @@ class Weights:
         return Weights(pick(self.values), pick(self.scales), self.fmt)
 
 
+ACT_AMAX_FLOOR = 1e-4  # the reference's act_quant (dspark_jax.model.quant.FP8_AMAX_FLOOR, FP8_MAX)
+ACT_FP8_MAX = 448.0
+
+
+def act_scale(amax: Float[Array, "..."]) -> Float[Array, "..."]:
+    """The power-of-two scale of a block of quantised rows, ``2 ** ceil(log2(max(amax, 1e-4) /
+    448))``, from the exponent bits (no division; usable in a kernel). With ``a = m * 2**E``
+    (1 <= m < 2) and 448 = 1.75 * 2**8, a / 448 = (m / 1.75) * 2**(E - 8) with m / 1.75 in
+    (4/7, 8/7): the scale is 2**(E - 8), doubled when m > 1.75. The reference divides first, and
+    the correctly rounded quotient never crosses the power of two, so the scales are equal."""
+    bits = lax.bitcast_convert_type(jnp.maximum(amax.astype(jnp.float32), ACT_AMAX_FLOOR), jnp.int32)
+    up = ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)  # m > 1.75
+    return lax.bitcast_convert_type(((bits >> 23) - 8 + up) << 23, jnp.float32)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ActQuant:
     """Rows quantised as the reference quantises a GEMM's input (``act_quant``, block 128): e4m3
-    codes ``[M, K]`` and fp32 power-of-two scales ``[M, K / 128]``; the rows' values are
-    ``codes * scales`` (each block's scale repeated), activations of dtype ``dtype``. Against
-    ``fp8`` weights the kernel multiplies codes by codes on the fp8 tensor cores (products exact,
-    fp32 sums) and applies both scales to the sums (``fp8_dots``); against other weights it
-    multiplies the rows' values."""
+    codes ``[M, K]`` and each 128-input block's largest magnitude ``amax [M, K / 128]`` (fp32),
+    whose power-of-two ``act_scale`` the codes were divided by; the rows' values are ``codes *
+    scales`` (each block's scale repeated), activations of dtype ``dtype``. Against ``fp8`` weights
+    the kernel multiplies codes by codes on the fp8 tensor cores (products exact, fp32 sums) and
+    applies both scales to the sums (``fp8_dots``), computing the rows' scales from ``amax`` itself
+    (so no separate scale array is materialised); against other weights it multiplies the rows'
+    values."""
 
     codes: Array
-    scales: Array
+    amax: Array
     dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True), default=jnp.bfloat16)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape
 
+    def scales(self) -> Array:
+        return act_scale(self.amax)
+
     def values(self) -> Array:
         """``codes * scales`` in ``dtype`` (exact: an e4m3 value times a power of two)."""
         m, k = self.codes.shape
-        v = self.codes.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK) * self.scales[..., None]
+        v = self.codes.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK) * self.scales()[..., None]
         return v.reshape(m, k).astype(self.dtype)
 
     @classmethod
     def of(cls, x: Float[Array, "m k"]) -> "ActQuant":
         """x quantised as the reference quantises a GEMM's input (``act_quant``, block 128; the
         values are ``dspark_jax.model.quant.fp8_sim(x, 128)``)."""
-        from dspark_jax.model.quant import fp8_quantize
+        from dspark_jax.model.quant import fp8_block_amax, fp8_codes
 
-        codes, scales = fp8_quantize(x, FP8_BLOCK)
-        return cls(codes, scales, x.dtype)
+        amax = fp8_block_amax(x, FP8_BLOCK)
+        return cls(fp8_codes(x, act_scale(amax), FP8_BLOCK), amax, x.dtype)
 
 
 def check_act_quant(x: ActQuant) -> None:
@@ -122,9 +142,9 @@ def check_act_quant(x: ActQuant) -> None:
     if m is None or x.codes.dtype != jnp.float8_e4m3fn or k % FP8_BLOCK:
         raise ValueError(f"ActQuant codes must be float8_e4m3fn [M, K] with K a multiple of {FP8_BLOCK}, got "
                          f"{x.codes.dtype} {x.codes.shape}")
-    if x.scales.dtype != jnp.float32 or x.scales.shape != (m, k // FP8_BLOCK):
-        raise ValueError(f"ActQuant scales must be float32 {(m, k // FP8_BLOCK)}, got {x.scales.dtype} "
-                         f"{x.scales.shape}")
+    if x.amax.dtype != jnp.float32 or x.amax.shape != (m, k // FP8_BLOCK):
+        raise ValueError(f"ActQuant amax must be float32 {(m, k // FP8_BLOCK)}, got {x.amax.dtype} "
+                         f"{x.amax.shape}")
     if jnp.dtype(x.dtype) not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"ActQuant dtype must be bf16 / fp32, got {x.dtype}")
 
@@ -407,17 +427,17 @@ def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0,
 
 
 def _code_dots_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int) -> Array:
-    """fp32 [bm, bn] product of one loop step of FP8 rows (codes, per-128 scales) against ``fp8``
-    weights: per 128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the weight
-    block's scale and each row's scale."""
-    xq_ref, sx_ref = x_refs
+    """fp32 [bm, bn] product of one loop step of quantised rows (codes, per-128 amax) against
+    ``fp8`` weights: per 128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the
+    weight block's scale and each row's scale (``act_scale`` of its amax)."""
+    xq_ref, amax_ref = x_refs
     w_ref, s_ref = w_refs
     rows, cols = pl.ds(r0, bm), pl.ds(g * n + n0, bn)
     nb = -(-n // FP8_BLOCK)
     total = None
     for c in range(0, bk, FP8_BLOCK):
         kb = k0 + c
-        sx = sx_ref[rows, pl.ds(kb // FP8_BLOCK, 1)]  # [bm, 1]
+        sx = act_scale(amax_ref[rows, pl.ds(kb // FP8_BLOCK, 1)])  # [bm, 1]
         p = _dot_t(xq_ref[rows, pl.ds(kb, FP8_BLOCK)], w_ref[cols, pl.ds(kb, FP8_BLOCK)])
         p = p * (sx * _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
         total = p if total is None else total + p
@@ -502,7 +522,7 @@ def flat_operands(w: Weights) -> tuple[Array, ...]:
 
 def _x_operands(x: Array | ActQuant, fmt: str) -> tuple[Array, ...]:
     if isinstance(x, ActQuant):
-        return x.codes, x.scales
+        return x.codes, x.amax
     return (x[:, 0::2], x[:, 1::2]) if fmt == "fp4" else (x,)
 
 

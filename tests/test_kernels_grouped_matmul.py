@@ -288,10 +288,29 @@ def test_fp8_rows_are_checked():
     rows = gm.ActQuant.of(x)
     w = _random_weights(np.random.default_rng(0), (1, 32, 256), "fp8")
     meta = md.dense_tiles(16, 1, 16)
-    with pytest.raises(ValueError, match="ActQuant scales must be float32"):
-        gm.kernel(gm.ActQuant(rows.codes, rows.scales[:, :1], x.dtype), w, *meta, block_m=16)
+    with pytest.raises(ValueError, match="ActQuant amax must be float32"):
+        gm.kernel(gm.ActQuant(rows.codes, rows.amax[:, :1], x.dtype), w, *meta, block_m=16)
     with pytest.raises(ValueError, match="ActQuant codes must be float8_e4m3fn"):
-        gm.kernel(gm.ActQuant(x, rows.scales, x.dtype), w, *meta, block_m=16)
+        gm.kernel(gm.ActQuant(x, rows.amax, x.dtype), w, *meta, block_m=16)
+
+
+def test_act_scale_equals_the_reference_division():
+    """The kernel's scale of quantised rows from amax's exponent bits against the reference's
+    ``pow2_ceil(max(amax, 1e-4) / 448)``: random magnitudes over the whole fp32 range, every
+    multiple of 448 by a power of two and its float neighbours (where a rounded quotient could
+    cross the power of two), the floor and below."""
+    assert (gm.ACT_AMAX_FLOOR, gm.ACT_FP8_MAX) == (quant.FP8_AMAX_FLOOR, quant.FP8_MAX)
+    rng = np.random.default_rng(0)
+    edges = np.float32(448.0) * np.exp2(np.arange(-30, 100, dtype=np.float32))
+    near = np.concatenate([np.nextafter(edges, np.float32(0)), edges, np.nextafter(edges, np.float32(np.inf))])
+    tiny = np.asarray([0.0, 1e-30, 9.99e-5, 1e-4, 1.0001e-4], np.float32)
+    wide = np.exp2(rng.uniform(-30, 120, 200_000)).astype(np.float32)
+    fine = np.float32(448.0) * (1.75 + rng.uniform(-1e-5, 1e-5, 200_000)).astype(np.float32)  # m near 1.75
+    amax = jnp.asarray(np.concatenate([near, tiny, wide, fine]))
+    want = np.asarray(quant.fp8_scales_of_amax(amax))
+    got = np.asarray(gm.act_scale(amax))
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) > 100
 
 
 def test_decode_configs_split_k_only_where_programs_are_few():

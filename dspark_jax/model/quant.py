@@ -33,18 +33,31 @@ def _blocked(x: Array, block: int) -> Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def fp8_block_amax(x: Float[Array, "... n"], block: int) -> Float[Array, "... nb"]:
+    """Largest magnitude of every ``block`` contiguous elements of the last dim (fp32)."""
+    return jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=-1)
+
+
+def fp8_scales_of_amax(amax: Float[Array, "..."]) -> Float[Array, "..."]:
+    """The power-of-two (ue8m0) scale of a block with largest magnitude ``amax``."""
+    return pow2_scale_ceil(jnp.maximum(amax, FP8_AMAX_FLOOR) / FP8_MAX)
+
+
 def fp8_block_scales(x: Float[Array, "... n"], block: int) -> Float[Array, "... nb"]:
     """Power-of-two (ue8m0) scales, one per ``block`` contiguous elements of the last dim."""
-    amax = jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=-1)
-    return pow2_scale_ceil(jnp.maximum(amax, FP8_AMAX_FLOOR) / FP8_MAX)
+    return fp8_scales_of_amax(fp8_block_amax(x, block))
+
+
+def fp8_codes(x: Float[Array, "... n"], scales: Float[Array, "... nb"], block: int) -> Array:
+    """float8_e4m3fn codes of x under per-block ``scales``."""
+    xb = _blocked(x.astype(jnp.float32), block) / scales[..., None]
+    return jnp.clip(xb, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).reshape(x.shape)
 
 
 def fp8_quantize(x: Float[Array, "... n"], block: int) -> tuple[Array, Array]:
     """float8_e4m3fn codes and their per-block ue8m0 scales (``act_quant``)."""
     s = fp8_block_scales(x, block)
-    xb = _blocked(x.astype(jnp.float32), block) / s[..., None]
-    q = jnp.clip(xb, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q.reshape(x.shape), s
+    return fp8_codes(x, s, block), s
 
 
 def fp8_sim(x: Float[Array, "... n"], block: int) -> Float[Array, "... n"]:
