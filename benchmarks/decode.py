@@ -51,7 +51,9 @@ and indexer dot products) against the bf16 matmul rate of the same run.
 Writes decode.json (after every measurement, so a killed run keeps its results), decode.png and
 decode.md (tables) under $OUT. Batches run in the order given, each compiling its 4 programs
 (2 depths x 2 modes) at once; ``--budget-s`` skips a batch when the time spent plus the previous
-batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB of weights.
+batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB of weights;
+``--slices each`` builds and measures one depth at a time (the deepest slice's memory only), e.g.
+for deeper pairs, whose per-layer difference is less affected by host time at batch 1.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python benchmarks/decode.py --batch 1,32,8,64 --budget-s 470
     python benchmarks/decode.py --weights official --batch 1,32 --budget-s 470   # FP4 experts
@@ -474,6 +476,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=8, help="rounds per timed repeat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-threads", type=int, default=4, help="programs compiled at the same time")
+    ap.add_argument("--slices", default="together", choices=("together", "each"),
+                    help="together: every depth's slice in memory, each batch's programs compiled at once; each: "
+                         "one slice at a time (memory of the deepest slice only, e.g. for --depths 4,8)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining shapes once this is spent (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
@@ -529,34 +534,37 @@ def main(argv=None):
         if args.budget_s and time.perf_counter() - start + last_group_s > args.budget_s:
             meta["skipped"].append({"weights": w, "reason": "budget"})
             continue
-        models = {}
-        for depth in depths:
-            t0 = time.perf_counter()
-            models[depth] = dspark_jax.init(sliced(full, depth), 0, dtype=jnp.bfloat16, weight_format=w,
-                                            quant_sim=True)
-            print(f"{w}: {depth}-layer slice initialised in {time.perf_counter() - t0:.1f} s "
-                  f"({models[depth].weight_bytes / 2**30:.1f} GiB)", flush=True)
         groups = [(b, [max(contexts)], contexts) if args.alloc == "max" else (b, [c], [c])
                   for b in batches for c in (contexts if args.alloc == "each" else [None])]
-        for b, alloc_ctx, ctxs in groups:
-            alloc = alloc_ctx[0] + slack
-            elapsed = time.perf_counter() - start
-            if args.budget_s and elapsed + last_group_s > args.budget_s:
-                meta["skipped"].append({"weights": w, "batch": b, "contexts": ctxs, "reason": "budget"})
-                print(f"skipped {w} batch {b} contexts {ctxs}: budget", flush=True)
-                save()
-                continue
-            g0 = time.perf_counter()
-            try:
-                measure_group(models, w, b, alloc, ctxs, depths, gamma, profile, args, meta, save)
-            except Exception as e:  # e.g. out of memory at a large batch: keep the other shapes
-                meta["errors"].append({"weights": w, "batch": b, "contexts": ctxs, "error": repr(e)[:2000]})
-                print(f"failed {w} batch {b}: {e!r}"[:2000], flush=True)
-                save()
-            last_group_s = time.perf_counter() - g0
-        del models  # and what still points at them (compiled rounds), before the next format's weights
-        jax.clear_caches()
-        gc.collect()
+        for slice_depths in ([depths] if args.slices == "together" else [[d] for d in depths]):
+            models = {}
+            for depth in slice_depths:
+                t0 = time.perf_counter()
+                models[depth] = dspark_jax.init(sliced(full, depth), 0, dtype=jnp.bfloat16, weight_format=w,
+                                                quant_sim=True)
+                print(f"{w}: {depth}-layer slice initialised in {time.perf_counter() - t0:.1f} s "
+                      f"({models[depth].weight_bytes / 2**30:.1f} GiB)", flush=True)
+            for b, alloc_ctx, ctxs in groups:
+                alloc = alloc_ctx[0] + slack
+                elapsed = time.perf_counter() - start
+                if args.budget_s and elapsed + last_group_s > args.budget_s:
+                    meta["skipped"].append({"weights": w, "batch": b, "contexts": ctxs, "depths": slice_depths,
+                                            "reason": "budget"})
+                    print(f"skipped {w} batch {b} contexts {ctxs} depths {slice_depths}: budget", flush=True)
+                    save()
+                    continue
+                g0 = time.perf_counter()
+                try:
+                    measure_group(models, w, b, alloc, ctxs, slice_depths, gamma, profile, args, meta, save)
+                except Exception as e:  # e.g. out of memory at a large batch: keep the other shapes
+                    meta["errors"].append({"weights": w, "batch": b, "contexts": ctxs, "depths": slice_depths,
+                                           "error": repr(e)[:2000]})
+                    print(f"failed {w} batch {b} depths {slice_depths}: {e!r}"[:2000], flush=True)
+                    save()
+                last_group_s = time.perf_counter() - g0
+            del models  # and what still points at them (compiled rounds), before the next weights
+            jax.clear_caches()
+            gc.collect()
     rows = save()
     title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'}: depths {args.depths} -> "
              f"{full.num_hidden_layers} layers; {env['device']}, {env['date']}, {env['commit']}; "
