@@ -25,10 +25,11 @@ decodes (``_fp4_as_e4m3``). FP4 codes are not interleaved in registers: the kern
 even and odd columns and multiplies them by the low and high nibbles separately.
 
 Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and the
-per-128 amax that gives their power-of-two scales): in decode / verify row tiles, against ``fp8`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block,
-and scales their fp32 sums by the weight block's and the row's scales (exact products; only the
-fp32 summation order differs from multiplying the rows' values), reading half the activation
-bytes and converting no weights in registers.
+per-128 amax that gives their power-of-two scales): in decode / verify row tiles against ``fp8``
+weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block, and scales their fp32
+sums by the weight block's and the row's scales (exact products; only the fp32 summation order
+differs from multiplying the rows' values), reading half the activation bytes and converting no
+weights in registers.
 
 ``grouped_swiglu`` fuses the expert's first half: ``h = swiglu(x W1^T, x W3^T) * row_weight``
 with the reference's roundings (the products rounded to x's dtype, SwiGLU in fp32, result in x's
@@ -149,7 +150,7 @@ def check_act_quant(x: ActQuant) -> None:
         raise ValueError(f"ActQuant dtype must be bf16 / fp32, got {x.dtype}")
 
 
-def fp8_dots(x, w: Weights, block_m: int) -> bool:
+def fp8_dots(x: Array | ActQuant, w: Weights, block_m: int) -> bool:
     """Whether the kernel multiplies fp8 codes by fp8 codes: quantised rows against ``fp8`` weights
     (one dot per 128-input block) in decode / verify row tiles (16 rows). Against ``fp8_k32``
     weights that would take one dot per 32 inputs, each scaled per output column, which measured
@@ -157,6 +158,11 @@ def fp8_dots(x, w: Weights, block_m: int) -> bool:
     tiles have not been measured with fp8 dots on a GPU. Those (and the other formats) take the
     rows' values."""
     return isinstance(x, ActQuant) and w.fmt == "fp8" and block_m <= 16
+
+
+def _kernel_rows(x: Array | ActQuant, w: Weights, block_m: int) -> Array | ActQuant:
+    """What the kernel multiplies: quantised rows as codes where ``fp8_dots``, else their values."""
+    return x.values() if isinstance(x, ActQuant) and not fp8_dots(x, w, block_m) else x
 
 
 def check_weights(w: Weights) -> None:
@@ -570,13 +576,13 @@ def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
         raise ValueError("fused weights must share their format and shape")
 
 
-def kernel(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
-           block_m: int, out_dtype=None, config: GemmConfig | None = None,
+def kernel(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"],
+           num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None, config: GemmConfig | None = None,
            interpret: bool | None = None) -> Float[Array, "m n"]:
     """The Pallas kernel (same contract as ``reference``)."""
     check_inputs(x, w, tile_group, block_m)
     _check_kernel_shapes(x, [w], block_m)
-    x = x if fp8_dots(x, w, block_m) or not isinstance(x, ActQuant) else x.values()
+    x = _kernel_rows(x, w, block_m)
     cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
@@ -588,7 +594,7 @@ def swiglu_kernel(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights, r
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
-    x = x if fp8_dots(x, w1, block_m) or not isinstance(x, ActQuant) else x.values()
+    x = _kernel_rows(x, w1, block_m)
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
