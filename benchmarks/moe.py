@@ -12,7 +12,8 @@ loop, ``common.device_time``):
 - ``layer``: the whole MoE layer (router, routed experts, FP8 / bf16 shared expert).
 
 Bytes = the distinct chosen experts' weights as stored + activations; FLOPs = 2 x pairs x 3 x D x I.
-``--tune`` also times a few kernel configurations per regime. Writes moe.json and moe.png under
+``--tune`` also times a few kernel configurations per regime; ``--block-m 16,32,64`` the routed
+experts at other row tiles (each with its default configuration). Writes moe.json and moe.png under
 $OUT and prints a table as it goes.
 
     python benchmarks/moe.py --tokens 1,6,48,192,1024,8192 --tune
@@ -94,6 +95,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new size after this many seconds (400; --decode: 90)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--block-m", default="", help="also time the routed experts at these row tiles (e.g. 16,32,64; "
+                    "each with its default configuration), against the library's choice")
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU: checks the script runs")
     ap.add_argument("--decode", action="store_true",
                     help="decode path vs grouped path of a whole layer (tokens default 1,2; formats fp8,official)")
@@ -147,7 +150,7 @@ def main():
             nbytes = distinct * expert_bytes + tokens * d * 2 * 2 + pairs * (d + i) * 2 * 2
             flops = 2 * pairs * 3 * d * i
             r = {"format": fmt, "tokens": tokens, "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
-                 "block_m": gm.block_m_for(pairs)}
+                 "block_m": gm.block_m_for(pairs, cfg.n_routed_experts)}
             t0 = time.time()
             y = jax.jit(routed)(x, w, idx, ws)
             r["compile_s"] = time.time() - t0
@@ -160,6 +163,14 @@ def main():
             r["pct_copy_bw"] = 100 * nbytes / r["routed_s"] / (ceil["copy_GBps"] * 1e9)
             r["pct_matmul_peak"] = 100 * flops / r["routed_s"] / (ceil["bf16_matmul_TFLOPs"] * 1e12)
             r["layer_s"] = device_time(layer, x, state, reps=args.reps)
+            for bm in (int(b) for b in args.block_m.split(",") if b):
+                if bm == r["block_m"]:
+                    continue
+                tt = device_time(lambda x, w, idx, ws: routed(x, w, idx, ws, block_m=bm), x, w, idx, ws,
+                                 reps=args.reps)
+                r.setdefault("routed_s_by_block_m", {r["block_m"]: r["routed_s"]})[bm] = tt
+                print("block_m", fmt, tokens, bm, f"{tt * 1e6:.1f} us (library's {r['block_m']}: "
+                      f"{r['routed_s'] * 1e6:.1f} us)", flush=True)
             if fmt == "dense" and tokens <= 1024:
                 try:
                     r["xla_ragged_dot_s"] = device_time(
@@ -172,7 +183,7 @@ def main():
             print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             results.append(r)
             if args.tune and fmt != "dense" and tokens in (6, 192, 8192) and not over_budget():
-                for c in TUNE[gm.block_m_for(pairs)]:
+                for c in TUNE[gm.block_m_for(pairs, cfg.n_routed_experts)]:
                     try:
                         tt = device_time(lambda x, w, idx, ws: routed(x, w, idx, ws, config=c), x, w, idx, ws,
                                          reps=args.reps)

@@ -334,6 +334,18 @@ def test_decode_configs_split_k_only_where_programs_are_few():
         gm.GemmConfig(split_k=3)
 
 
+def test_row_tile_follows_rows_per_group():
+    # plain matmuls: by the rows alone
+    assert [gm.block_m_for(m) for m in (1, 256, 257, 2048, 2049)] == [16, 16, 32, 32, 64]
+    # Flash experts (256): 16 while they average <= 16 pairs each: a batch-32 verify's 192 tokens
+    # x top-6 (1152 pairs) and a batch-64 one's 2304 take 16-row tiles, a 2048-token prefill
+    # (12288 pairs, 48 per expert) the plain rule's 64
+    assert gm.block_m_for(1152, 256) == gm.block_m_for(2304, 256) == gm.block_m_for(4096, 256) == 16
+    assert gm.block_m_for(4097, 256) == gm.block_m_for(12288, 256) == 64
+    # few experts: the plain rule once they average more than 16 rows
+    assert gm.block_m_for(300, 8) == 32 and gm.block_m_for(128, 8) == 16
+
+
 def test_batched_matmul_is_a_plain_matmul_per_group():
     rng = np.random.default_rng(3)
     w = _random_weights(rng, (3, 128, 256), "fp8")
@@ -366,7 +378,7 @@ def _flash_weights(fmt: str, n: int, k: int) -> gm.Weights:
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_k32", "fp8", "dense"])
 @pytest.mark.parametrize("pairs", [6, 36, 12288])  # 1 decode token, 6 verify tokens, 2048 prefill tokens x top-6
 def test_flash_shapes_lower_for_gfx950(fmt, pairs):
-    bm = gm.block_m_for(pairs)
+    bm = gm.block_m_for(pairs, FLASH["e"])
     t = pairs if pairs <= 16 else md.max_tiles(pairs, FLASH["e"], bm)  # pair tiles at one token
     split = gm.default_config(bm, fmt, n=FLASH["i"], k=FLASH["d"], tiles=t).split_k
     assert (split > 1) == (pairs == 6 and fmt != "fp4")  # one token: K split (3-d grid, fp32 partials); FP4 unsplit
@@ -409,13 +421,15 @@ def test_flash_moe_layer_memory_grows_with_tokens_times_topk():
     """A DeepSeek-V4-Flash routed-expert layer (256 FP4 experts, top-6) compiled for the CPU path:
     temporaries stay under 2 GiB at 2048 tokens and grow by about rows x (D + I) bf16 values per
     extra routed row, not with experts x tokens (the dense-GEMM expansion needs 2048 x 256 x 2048
-    fp32 values = 4 GiB for one matrix)."""
-    t512, t2048 = _flash_experts_temp_bytes(512), _flash_experts_temp_bytes(2048)
+    fp32 values = 4 GiB for one matrix). Both sizes take the prefill row tile (64), whose padding
+    is part of the bound (fewer tokens take 16-row tiles and pad less)."""
+    assert gm.block_m_for(1024 * 6, 256) == gm.block_m_for(2048 * 6, 256) == 64
+    t1024, t2048 = _flash_experts_temp_bytes(1024), _flash_experts_temp_bytes(2048)
     assert t2048 < 2 * 2**30, t2048
     cfg = config.flash()
     per_row = (cfg.hidden_size + cfg.moe_intermediate_size) * 2  # bf16 x rows and h rows
-    extra_rows = (2048 - 512) * cfg.num_experts_per_tok
-    assert t2048 - t512 < 6 * extra_rows * per_row, (t512, t2048)
+    extra_rows = (2048 - 1024) * cfg.num_experts_per_tok
+    assert t2048 - t1024 < 6 * extra_rows * per_row, (t1024, t2048)
 
 
 def test_weight_bytes_of_the_official_formats():

@@ -3,6 +3,8 @@ routing by token id in the first layers), SwiGLU experts with clamps, one shared
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -155,7 +157,7 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     (sorted tiles: ``group_tiles(dropped=True)``)."""
     act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
     n, k = idx.shape
-    bm = block_m or gm.block_m_for(n * k)
+    bm = block_m or gm.block_m_for(n * k, w1.shape[0])
     if n * k <= PAIR_TILES_MAX and not dropped:
         tiles = pair_tiles(idx, bm)
     else:
@@ -193,6 +195,9 @@ def expert_parallel(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     rest = tuple(a for a in axes if a not in token_axes)
     spec = P(axes if len(axes) > 1 else axes[0])
     tok = P(token_axes) if token_axes else P()
+    # The row tile for one device's share of the pairs: its experts get about 1 / shards of them.
+    shards = math.prod(mesh.shape[a] for a in axes)
+    options["block_m"] = options.get("block_m") or gm.block_m_for(-(-idx.size // shards), w1.shape[0] // shards)
 
     def local(x, w, idx, w1, w2, w3):
         if token_axes:
