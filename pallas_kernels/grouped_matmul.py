@@ -620,13 +620,15 @@ def grouped_swiglu(x, w1: Weights, w3: Weights, row_weight, tile_group, num_tile
 def block_m_for(rows: int, groups: int = 1) -> int:
     """Row tile for ``rows`` rows (rows of a plain matmul, or the (token, expert) pairs of a routed
     layer over ``groups`` experts): 16 for decode / verify, where every tile streams its group's
-    weights, larger for prefill. Experts: 16 while they average <= 16 rows each, since each of an
-    expert's tiles reads its weights and a tile's rows cost compute whether used or not (Flash
-    routed experts on an H200 at 6-384 tokens, 1.5-9 rows per expert: 16-row tiles 21-45 % faster
-    than 32 or 64, docs/benchmarks.md)."""
-    if groups > 1 and rows <= 16 * groups:
-        return 16
-    return 16 if rows <= 256 else 32 if rows <= 2048 else 64
+    weights, larger for prefill. Experts: each of an expert's tiles reads its weights and a tile's
+    rows cost compute whether used or not, so the tile follows the rows per expert: 16 up to 16,
+    32 up to 32, then the plain rule (Flash routed experts, FP8, on an H200: 16-row tiles fastest at
+    1.5-9 pairs per expert, 21-45 % faster than 32 / 64; 32 at 18-24; 64 at 48; docs/benchmarks.md)."""
+    plain = 16 if rows <= 256 else 32 if rows <= 2048 else 64
+    if groups > 1:
+        per = rows / groups
+        return min(plain, 16 if per <= 16 else 32 if per <= 32 else 64)
+    return plain
 
 
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,

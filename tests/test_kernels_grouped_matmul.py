@@ -337,13 +337,14 @@ def test_decode_configs_split_k_only_where_programs_are_few():
 def test_row_tile_follows_rows_per_group():
     # plain matmuls: by the rows alone
     assert [gm.block_m_for(m) for m in (1, 256, 257, 2048, 2049)] == [16, 16, 32, 32, 64]
-    # Flash experts (256): 16 while they average <= 16 pairs each: a batch-32 verify's 192 tokens
-    # x top-6 (1152 pairs) and a batch-64 one's 2304 take 16-row tiles, a 2048-token prefill
-    # (12288 pairs, 48 per expert) the plain rule's 64
+    # Flash experts (256): 16 while they average <= 16 pairs each (a batch-32 verify's 192 tokens
+    # x top-6 = 1152 pairs, a batch-64 one's 2304), 32 up to 32 each (768 or 1024 tokens), then
+    # the plain rule (a 2048-token prefill: 12288 pairs, 48 per expert: 64)
     assert gm.block_m_for(1152, 256) == gm.block_m_for(2304, 256) == gm.block_m_for(4096, 256) == 16
-    assert gm.block_m_for(4097, 256) == gm.block_m_for(12288, 256) == 64
-    # few experts: the plain rule once they average more than 16 rows
-    assert gm.block_m_for(300, 8) == 32 and gm.block_m_for(128, 8) == 16
+    assert gm.block_m_for(4097, 256) == gm.block_m_for(6144, 256) == gm.block_m_for(8192, 256) == 32
+    assert gm.block_m_for(8193, 256) == gm.block_m_for(12288, 256) == 64
+    # few experts: never above the plain rule
+    assert gm.block_m_for(128, 8) == 16 and gm.block_m_for(200, 8) == 16 and gm.block_m_for(300, 8) == 32
 
 
 def test_batched_matmul_is_a_plain_matmul_per_group():
@@ -423,13 +424,13 @@ def test_flash_moe_layer_memory_grows_with_tokens_times_topk():
     extra routed row, not with experts x tokens (the dense-GEMM expansion needs 2048 x 256 x 2048
     fp32 values = 4 GiB for one matrix). Both sizes take the prefill row tile (64), whose padding
     is part of the bound (fewer tokens take 16-row tiles and pad less)."""
-    assert gm.block_m_for(1024 * 6, 256) == gm.block_m_for(2048 * 6, 256) == 64
-    t1024, t2048 = _flash_experts_temp_bytes(1024), _flash_experts_temp_bytes(2048)
+    assert gm.block_m_for(1536 * 6, 256) == gm.block_m_for(2048 * 6, 256) == 64
+    t1536, t2048 = _flash_experts_temp_bytes(1536), _flash_experts_temp_bytes(2048)
     assert t2048 < 2 * 2**30, t2048
     cfg = config.flash()
     per_row = (cfg.hidden_size + cfg.moe_intermediate_size) * 2  # bf16 x rows and h rows
-    extra_rows = (2048 - 1024) * cfg.num_experts_per_tok
-    assert t2048 - t1024 < 6 * extra_rows * per_row, (t1024, t2048)
+    extra_rows = (2048 - 1536) * cfg.num_experts_per_tok
+    assert t2048 - t1536 < 6 * extra_rows * per_row, (t1536, t2048)
 
 
 def test_weight_bytes_of_the_official_formats():
