@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from dspark_jax.train import corpus as corpus_lib
-from dspark_jax.train.generate import (GenerateConfig, decoding_metrics, drafter_windows, generate_data,
-                                       line_start_tokens, make_generate, prompt_ends, round_chains, row_temperatures,
-                                       sample_prompts)
+from dspark_jax.train.generate import (GenerateConfig, decoding_metrics, docstring_close_tokens, drafter_windows,
+                                       framed_prompts, framed_slices, generate_data, line_start_tokens, make_generate,
+                                       prompt_ends, round_chains, row_temperatures, sample_prompts)
 from dspark_jax.train.sts import calibrate_rounds, prefix_labels, sigmoid
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train.config import toy_model
@@ -48,11 +48,12 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     line_starts[3:8] = True
     frames = [(np.array([40, 41]), np.array([42])), (np.array([43]), np.array([], np.int32))]
     data = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, greedy_fraction=0.75,
-                                                              framed_fraction=0.3), train, held,
-                         line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames)
+                                                              framed_fraction=0.3, docstring_fraction=0.0),
+                         train, held, line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"),
+                         frames=frames)
     assert data["train"].shape == (8, 16) and data["heldout"].shape == (4, 16)
     framed = np.array([True, False, False, True] * 2)
-    assert data["stats"]["framed_fraction"] == 0.5
+    assert data["stats"]["framed_fraction"] == 0.5 and data["stats"]["docstring_prompts"] == 0
 
     def line_slices(stream, n):  # n-token slices of the stream whose next token starts a line
         w = np.lib.stride_tricks.sliding_window_view(stream, n + 1)
@@ -73,6 +74,17 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     with pytest.raises(ValueError, match="needs the request frames"):
         generate_data(generate, state, cfg, train, held, line_starts=line_starts, bos=0, eos=1, seed=0,
                       deadline=float("inf"))
+    with pytest.raises(ValueError, match="needs the docstring-closing tokens"):
+        generate_data(generate, state, cfg, train, held, line_starts=line_starts, bos=0, eos=1, seed=0,
+                      deadline=float("inf"), frames=frames)
+    # with docstring prompts: about half of the framed rows end their code at a closing token
+    doc_closers = np.zeros(model.cfg.vocab_size, bool)
+    doc_closers[8:] = True  # most tokens: slices of these short streams end at closing ones
+    docs = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, framed_fraction=1.0,
+                                                              docstring_fraction=0.5), train, held,
+                         line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames,
+                         doc_closers=doc_closers)
+    assert 1 <= docs["stats"]["docstring_prompts"] <= 7
     assert data["temperature"].tolist() == [1.0, 0.0, 0.0, 0.0] * 2 and data["stats"]["greedy_fraction"] == 0.75
 
 
@@ -229,3 +241,47 @@ def test_generated_continuations_must_leave_a_decoding_round():
     toy().replace(generate=dataclasses.replace(toy_generate(), new_tokens=gamma + 1))
     with pytest.raises(ValueError, match="must exceed the block size"):
         toy().replace(generate=dataclasses.replace(toy_generate(), new_tokens=gamma))
+
+
+def test_framed_prompts_end_where_a_docstring_closes():
+    # tokens 10..19 begin a line, token 30 ends with three double quotes (opens or closes a
+    # docstring: every second one since the file's BOS closes); BOS 0, EOS 1
+    rng = np.random.default_rng(0)
+    stream = rng.integers(10, 40, 3000)
+    stream[1500] = 0  # a second file begins
+    line_starts = np.zeros(48, bool)
+    line_starts[10:20] = True
+    doc_closers = np.zeros(48, bool)
+    doc_closers[30] = True
+    frames = [(np.array([40, 41]), np.array([42])), (np.array([43]), np.array([], np.int32))]
+    slices = framed_slices(stream, 8, line_starts, (0, 1), frames, doc_closers)
+    def closing(e):  # the quotes token before e is the 2nd, 4th, .. of its file
+        start = 1501 if e > 1500 else 0
+        return stream[e - 1] == 30 and np.sum(stream[start:e] == 30) % 2 == 0
+
+    for head, tail, ends, doc_ends in slices:
+        assert 0 < len(doc_ends) < len(ends) and set(doc_ends) <= set(ends)
+        assert line_starts[stream[doc_ends]].all()
+        assert doc_ends.tolist() == [e for e in ends if closing(e)]
+        assert len(doc_ends) < np.sum(stream[ends - 1] == 30)  # the opening quotes are not ends
+    rows, docs = framed_prompts(stream, 400, 8, slices, 0, rng, docstring_fraction=0.5)
+    last = np.where(rows[:, 1] == 40, rows[:, 7], rows[:, 8])  # the code's last token, before the tail
+    assert 150 < docs < 250 and np.sum(last == 30) >= docs
+    # line-end slices end at token 30 about 1 time in 30: the docstring rows are drawn on purpose
+    assert np.sum(last == 30) < docs + 40
+    _, none = framed_prompts(stream, 400, 8, slices, 0, rng, docstring_fraction=0.0)
+    plain = framed_slices(stream, 8, line_starts, (0, 1), frames)
+    assert none == 0 and all(len(sl[3]) == 0 for sl in plain)
+    assert framed_prompts(stream, 50, 8, plain, 0, rng, docstring_fraction=1.0)[1] == 0
+
+
+def test_docstring_close_tokens_of_the_shipped_tokenizer():
+    from dspark_jax.checkpoint.tokenizer import load_tokenizer
+    from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    closes = docstring_close_tokens(tok, tok.get_vocab_size())
+    ids = tok.encode('def f(x):\n    """Return x."""\n    return x\n', add_special_tokens=False).ids
+    text = [tok.decode([i]) for i in ids]
+    assert [t for t, c in zip(text, closes[ids]) if c] == [' """', '."""']  # the opening and the closing quotes
+    assert 0 < closes.sum() < 50

@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of corpus windows among the drafter's training windows (default 0.1)")
     g.add_argument("--gen-framed-fraction", type=float, default=None,
                    help="share of training prompts framed as chat requests around corpus code (default 0.5)")
+    g.add_argument("--gen-docstring-fraction", type=float, default=None,
+                   help="share of the framed prompts whose code ends where a docstring closes (default 0.5)")
     c = p.add_argument_group("corpus")
     c.add_argument("--packages", action=argparse.BooleanOptionalAction, default=None,
                    help="add the pinned packages' Python files (dspark_jax/train/corpus_packages.json) to the "
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     gen_flags = dict(share=args.gen_share, sequences=args.gen_sequences, prefix_tokens=args.gen_prefix,
                      new_tokens=args.gen_tokens, batch_size=args.gen_batch, corpus_fraction=args.gen_corpus_fraction,
                      heldout_sequences=args.gen_heldout, greedy_fraction=args.gen_greedy_fraction,
-                     framed_fraction=args.gen_framed_fraction)
+                     framed_fraction=args.gen_framed_fraction, docstring_fraction=args.gen_docstring_fraction)
     gen_flags = {k: v for k, v in gen_flags.items() if v is not None}
     if gen_flags and gen is None:
         p.error("--gen-* options need generation (--generate)")

@@ -19,6 +19,9 @@ line ends, then the fence closed (or left open). Users prompt a code model that 
 has no such text, so without them the drafter never sees how the target continues a request and
 drafts worse on such prompts (docs/tiny_model.md, "Why HumanEval is the harder set"). No
 benchmark prompt is used: the request lines are generic and the code comes from the train split.
+A ``docstring_fraction`` of the framed prompts end their code where a docstring closes (a line
+ending in three double quotes): the shape of the most common code request, a function's
+signature and docstring without its body.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class GenerateConfig:
     corpus_fraction: float = 0.1  # share of corpus windows in the drafter's training windows
     heldout_sequences: int = 512  # greedy held-out continuations replayed as decoding rounds (STS, accept length)
     framed_fraction: float = 0.5  # of the training prompts shaped as chat requests around corpus code (REQUEST_FRAMES)
+    docstring_fraction: float = 0.5  # of the framed prompts, those whose code ends where a docstring closes
 
     def __post_init__(self):
         if not 0 < self.share < 1:
@@ -67,6 +71,8 @@ class GenerateConfig:
             raise ValueError(f"corpus_fraction must lie in [0, 1), got {self.corpus_fraction}")
         if not 0 <= self.framed_fraction <= 1:
             raise ValueError(f"framed_fraction must lie in [0, 1], got {self.framed_fraction}")
+        if not 0 <= self.docstring_fraction <= 1:
+            raise ValueError(f"docstring_fraction must lie in [0, 1], got {self.docstring_fraction}")
 
     @property
     def length(self) -> int:
@@ -115,6 +121,15 @@ def line_start_tokens(tokenizer, vocab_size: int) -> np.ndarray:
     return starts
 
 
+def docstring_close_tokens(tokenizer, vocab_size: int) -> np.ndarray:
+    """[vocab_size] bool: the tokens whose text ends with three double quotes (they open or close
+    a docstring; ``framed_slices`` tells which by counting them)."""
+    closes = np.zeros(vocab_size, bool)
+    for i in range(min(tokenizer.get_vocab_size(), vocab_size)):
+        closes[i] = tokenizer.decode([i], skip_special_tokens=False).endswith('"""')
+    return closes
+
+
 def prompt_ends(stream: np.ndarray, length: int, line_starts: np.ndarray, specials: tuple[int, ...]) -> np.ndarray:
     """Positions e where the slice stream[e - length : e] ends a line (stream[e] begins with a
     newline) and holds no special token (BOS / EOS: no file boundary inside a prompt)."""
@@ -161,12 +176,22 @@ def encode_frames(tokenizer, frames=REQUEST_FRAMES) -> list[tuple[np.ndarray, np
 
 
 def framed_slices(stream: np.ndarray, length: int, line_starts: np.ndarray, specials: tuple[int, ...],
-                  frames: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                  frames: list[tuple[np.ndarray, np.ndarray]], doc_closers: np.ndarray | None = None
+                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """For each frame that leaves at least half of a ``length``-token prompt to the code: (head,
-    tail, ends), ends = the positions e where the slice of the length left before e begins with a
-    line-start token, ends where a line ends and holds no special token. One pass over the
-    stream per frame: computed once per phase, drawn from by ``framed_prompts``."""
+    tail, ends, doc_ends), ends = the positions e where the slice of the length left before e
+    begins with a line-start token, ends where a line ends and holds no special token; doc_ends =
+    those of them where the slice's last line closes a docstring (its last token is one of
+    ``doc_closers``, ``docstring_close_tokens``, and an even count of them since the file began;
+    none without them). One pass over the stream per frame: computed once per phase, drawn from
+    by ``framed_prompts``."""
     stream = np.asarray(stream)
+    closes = np.zeros(len(stream), bool)  # token i closes a docstring
+    if doc_closers is not None:
+        quotes = doc_closers[stream]
+        count = np.cumsum(quotes)
+        file_start = np.maximum.accumulate(np.where(np.isin(stream, specials), np.arange(len(stream)), 0))
+        closes = quotes & ((count - count[file_start]) % 2 == 0)
     out = []
     for head, tail in frames:
         code = length - len(head) - len(tail)
@@ -176,25 +201,33 @@ def framed_slices(stream: np.ndarray, length: int, line_starts: np.ndarray, spec
         ends = ends[line_starts[stream[ends - code]]]  # the slice begins a line as well
         if len(ends) == 0:
             raise ValueError(f"no slice of {code} tokens of the stream begins and ends at a line end")
-        out.append((head, tail, ends))
+        doc_ends = ends[closes[ends - 1]]
+        out.append((head, tail, ends, doc_ends))
     if not out:
         raise ValueError(f"no request frame leaves half of a {length}-token prompt to the code")
     return out
 
 
-def framed_prompts(stream: np.ndarray, n: int, length: int, slices: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                   bos: int, rng: np.random.Generator) -> np.ndarray:
+def framed_prompts(stream: np.ndarray, n: int, length: int,
+                   slices: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], bos: int,
+                   rng: np.random.Generator, docstring_fraction: float = 0.0) -> tuple[np.ndarray, int]:
     """``n`` prompts [n, 1 + length]: BOS + a frame's head + a slice of ``stream`` that begins
     with a line-start token and ends where a line ends + the frame's tail, the slice as long as
-    the prompt's length leaves (frames drawn uniformly from ``framed_slices`` for this length)."""
+    the prompt's length leaves (frames drawn uniformly from ``framed_slices`` for this length);
+    about a ``docstring_fraction`` of each frame's rows end the slice where a docstring closes
+    (where the frame has such slices). Returns the prompts and how many end at a docstring."""
     which = rng.integers(0, len(slices), n)
     rows = np.zeros((n, 1 + length), np.int32)
+    n_doc = 0
     for f in np.unique(which):
-        (head, tail, ends), count = slices[f], int(np.sum(which == f))
+        (head, tail, ends, doc_ends), count = slices[f], int(np.sum(which == f))
         code = length - len(head) - len(tail)
-        picks = rng.choice(ends, count, replace=len(ends) < count)
+        docs = int(rng.binomial(count, docstring_fraction)) if len(doc_ends) and docstring_fraction > 0 else 0
+        picks = np.concatenate([rng.choice(doc_ends, docs, replace=len(doc_ends) < docs) if docs else ends[:0],
+                                rng.choice(ends, count - docs, replace=len(ends) < count - docs)])
         rows[which == f] = [np.concatenate([[bos], head, stream[e - code:e], tail]) for e in picks]
-    return rows
+        n_doc += docs
+    return rows, n_doc
 
 
 def row_temperatures(batch_size: int, greedy_fraction: float) -> np.ndarray:
@@ -207,13 +240,16 @@ def row_temperatures(batch_size: int, greedy_fraction: float) -> np.ndarray:
 
 def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream: np.ndarray, held_stream: np.ndarray,
                   *, line_starts: np.ndarray, bos: int, eos: int, seed: int, deadline: float,
-                  frames: list[tuple[np.ndarray, np.ndarray]] = (), say=print) -> dict:
+                  frames: list[tuple[np.ndarray, np.ndarray]] = (), doc_closers: np.ndarray | None = None,
+                  say=print) -> dict:
     """The held-out batch (greedy) and training batches (``row_temperatures``) until
     ``cfg.sequences`` or until the next batch would end after ``deadline``. ``generate`` is
     ``make_generate(graphdef, cfg)`` (or its executable) and ``state`` the model's whole state
     (``nnx.split(model)``); prompts end at line ends (``line_start_tokens``); a
     ``cfg.framed_fraction`` of each training batch's rows (spread evenly) are ``framed_prompts``
-    in ``frames`` (``encode_frames``; needed when the fraction is not 0)."""
+    in ``frames`` (``encode_frames``; needed when the fraction is not 0), a
+    ``cfg.docstring_fraction`` of those ending where a docstring closes (``doc_closers``:
+    ``docstring_close_tokens``; needed when both fractions are not 0)."""
     rng = np.random.default_rng([seed, 7])
     key = jax.random.key(seed + 7)
     b, p = cfg.batch_size, cfg.prefix_tokens
@@ -221,21 +257,27 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     framed = row_temperatures(b, 1 - cfg.framed_fraction) > 0  # rows spread evenly, as the sampled ones
     if framed.any() and not frames:
         raise ValueError("framed_fraction > 0 needs the request frames (encode_frames)")
-    slices = framed_slices(train_stream, p - 1, line_starts, (bos, eos), frames) if framed.any() else []
+    if framed.any() and cfg.docstring_fraction > 0 and doc_closers is None:
+        raise ValueError("docstring_fraction > 0 needs the docstring-closing tokens (docstring_close_tokens)")
+    slices = framed_slices(train_stream, p - 1, line_starts, (bos, eos), frames, doc_closers) if framed.any() else []
+    if framed.any() and cfg.docstring_fraction > 0 and not any(len(sl[3]) for sl in slices):
+        raise ValueError("no slice of the train split ends where a docstring closes (docstring_fraction > 0)")
     train_ends = prompt_ends(train_stream, p - 1, line_starts, (bos, eos))
     held_ends = prompt_ends(held_stream, p - 1, line_starts, (bos, eos))
     t0 = time.time()
     held = np.asarray(generate(state, jnp.asarray(sample_prompts(held_stream, held_ends, b, p - 1, bos, rng)),
                                jnp.zeros((b,), jnp.float32), jax.random.fold_in(key, 0)))
     first_s = time.time() - t0  # one batch (and the compilation unless compiled ahead)
-    batches, batch_s = [], []
+    batches, batch_s, doc_prompts = [], [], 0
     while len(batches) * b < cfg.sequences:
         t1 = time.time()
         if batches and t1 + max(batch_s) > deadline:
             break
         prefixes = sample_prompts(train_stream, train_ends, b, p - 1, bos, rng)
         if framed.any():
-            prefixes[framed] = framed_prompts(train_stream, int(framed.sum()), p - 1, slices, bos, rng)
+            prefixes[framed], docs = framed_prompts(train_stream, int(framed.sum()), p - 1, slices, bos, rng,
+                                                    cfg.docstring_fraction)
+            doc_prompts += docs
         batches.append(np.asarray(generate(state, jnp.asarray(prefixes), jnp.asarray(temps),
                                            jax.random.fold_in(key, len(batches) + 1))))
         batch_s.append(time.time() - t1)
@@ -243,7 +285,8 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     held = held[:cfg.heldout_sequences]
     new = len(batches) * b * cfg.new_tokens
     stats = dict(sequences=len(train), heldout_sequences=len(held), prefix_tokens=p, new_tokens=cfg.new_tokens,
-                 greedy_fraction=float(np.mean(temps == 0)), framed_fraction=float(np.mean(framed)), batch_size=b,
+                 greedy_fraction=float(np.mean(temps == 0)), framed_fraction=float(np.mean(framed)),
+                 docstring_prompts=doc_prompts, batch_size=b,
                  first_batch_s=first_s, batch_s=float(np.median(batch_s)), generated_tokens=new,
                  tokens_per_s=new / max(sum(batch_s), 1e-9), total_s=time.time() - t0,
                  prompt_ends=dict(train=int(len(train_ends)), heldout=int(len(held_ends))))
