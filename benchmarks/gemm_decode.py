@@ -188,11 +188,16 @@ def main(argv=None) -> int:
             got8 = np.asarray(call(shape, x8, sets[0], metas[0], rw, picked, interpret), np.float32)
             ref8 = np.asarray(call(shape, x8.values(), sets[0], metas[0], rw, picked, interpret), np.float32)
             row["a8_vs_rounded_rows_max_rel"] = float(np.max(np.abs(got8 - ref8)) / max(np.max(np.abs(ref8)), 1e-30))
+            # rows the kernel quantises itself: the same codes, so the same bits
+            xq = gm.QuantRows(x)
+            got8q = np.asarray(call(shape, xq, sets[0], metas[0], rw, picked, interpret), np.float32)
+            row["a8q_vs_a8_max_abs"] = float(np.max(np.abs(got8q - got8)))
             configs += [(c, "fp8") for c in dict.fromkeys([picked, unsplit] + (
                 [] if args.no_sweep else candidates(shape, args.smoke)))]
+            configs += [(picked, "fp8q")]
         compiled = {}
         for ci, (cfg, rows) in enumerate(configs):
-            xi = x8 if rows == "fp8" else x
+            xi = {"fp8": x8 if a8 else None, "fp8q": gm.QuantRows(x) if a8 else None}.get(rows, x)
             fn = functools.partial(lambda cfg, x, sets, metas, rw: [
                 call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)], cfg)
             try:
@@ -214,6 +219,7 @@ def main(argv=None) -> int:
         row["unsplit"] = timed.get(key(unsplit, "bf16"))
         row["picked_time"] = timed.get(key(picked, "bf16"))
         row["picked_a8"] = timed.get(key(picked, "fp8"))
+        row["picked_a8q"] = timed.get(key(picked, "fp8q"))
         for rows in ("bf16", "fp8"):
             mine = [r for r in timed.values() if r["rows"] == rows]
             if mine:
@@ -223,6 +229,9 @@ def main(argv=None) -> int:
             a, ba = row["picked_a8"], row.get("best_a8")
             print(f"  fp8 rows: picked {a['us']:6.1f} us {a['GBps']:5.0f} GB/s | best {ba['us']:6.1f} us "
                   f"{ba['config']} | rel diff vs rounded rows {row['a8_vs_rounded_rows_max_rel']:.1e}", flush=True)
+            q = row["picked_a8q"]
+            print(f"  rows quantised in the kernel: {q['us'] if q else float('nan'):6.1f} us | max abs diff vs "
+                  f"codes given {row['a8q_vs_a8_max_abs']:.1e}", flush=True)
         print(f"{shape.name:30s} {shape.fmt:7s} N {shape.n:5d} K {shape.k:5d} tiles {shape.tiles:2d} | unsplit "
               f"{u['us'] if u else float('nan'):6.1f} us | picked (split {picked.split_k}) "
               f"{p_['us'] if p_ else float('nan'):6.1f} us {p_['GBps'] if p_ else 0:5.0f} GB/s | best "

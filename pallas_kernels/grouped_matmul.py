@@ -29,7 +29,9 @@ per-128 amax that gives their power-of-two scales): in decode / verify row tiles
 weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block, and scales their fp32
 sums by the weight block's and the row's scales (exact products; only the fp32 summation order
 differs from multiplying the rows' values), reading half the activation bytes and converting no
-weights in registers.
+weights in registers. Rows may also come to be quantised (``QuantRows``): the kernel then
+quantises each 128-input block itself (amax, scale, codes in registers, as ``ActQuant.of``), so
+no codes or amax array is computed by separate kernels before it.
 
 ``grouped_swiglu`` fuses the expert's first half: ``h = swiglu(x W1^T, x W3^T) * row_weight``
 with the reference's roundings (the products rounded to x's dtype, SwiGLU in fp32, result in x's
@@ -88,15 +90,26 @@ ACT_AMAX_FLOOR = 1e-4  # the reference's act_quant (dspark_jax.model.quant.FP8_A
 ACT_FP8_MAX = 448.0
 
 
+def _act_scale_exponent(amax: Array) -> Array:
+    """The biased fp32 exponent of ``act_scale(amax)`` (int32; see there)."""
+    bits = lax.bitcast_convert_type(jnp.maximum(amax.astype(jnp.float32), ACT_AMAX_FLOOR), jnp.int32)
+    up = ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)  # m > 1.75
+    return (bits >> 23) - 8 + up
+
+
+def act_scale_inverse(amax: Float[Array, "..."]) -> Float[Array, "..."]:
+    """``1 / act_scale(amax)``, exactly (a power of two: the exponent negated; 105 <= the scale's
+    biased exponent <= 247 for amax between the floor and the fp32 maximum)."""
+    return lax.bitcast_convert_type((254 - _act_scale_exponent(amax)) << 23, jnp.float32)
+
+
 def act_scale(amax: Float[Array, "..."]) -> Float[Array, "..."]:
     """The power-of-two scale of a block of quantised rows, ``2 ** ceil(log2(max(amax, 1e-4) /
     448))``, from the exponent bits (no division; usable in a kernel). With ``a = m * 2**E``
     (1 <= m < 2) and 448 = 1.75 * 2**8, a / 448 = (m / 1.75) * 2**(E - 8) with m / 1.75 in
     (4/7, 8/7): the scale is 2**(E - 8), doubled when m > 1.75. The reference divides first, and
     the correctly rounded quotient never crosses the power of two, so the scales are equal."""
-    bits = lax.bitcast_convert_type(jnp.maximum(amax.astype(jnp.float32), ACT_AMAX_FLOOR), jnp.int32)
-    up = ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)  # m > 1.75
-    return lax.bitcast_convert_type(((bits >> 23) - 8 + up) << 23, jnp.float32)
+    return lax.bitcast_convert_type(_act_scale_exponent(amax) << 23, jnp.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -138,6 +151,33 @@ class ActQuant:
         return cls(fp8_codes(x, act_scale(amax), FP8_BLOCK), amax, x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantRows:
+    """Rows [M, K] to be quantised as the reference quantises a GEMM's input (``ActQuant.of``) by
+    whoever multiplies them: where ``fp8_dots`` holds the kernel quantises each 128-input block in
+    registers (amax, ``act_scale``, e4m3 codes) before its e4m3 x e4m3 dot, so nothing runs between
+    the rows' producer and the kernel; elsewhere the rows' rounded values are multiplied
+    (``ActQuant.of(rows).values()``)."""
+
+    rows: Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.shape
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+
+def _values(x: Array | ActQuant | QuantRows) -> Array:
+    """The values rows of any kind stand for (quantised rows: their rounded values)."""
+    if isinstance(x, QuantRows):
+        return ActQuant.of(x.rows).values()
+    return x.values() if isinstance(x, ActQuant) else x
+
+
 def check_act_quant(x: ActQuant) -> None:
     m, k = x.codes.shape if x.codes.ndim == 2 else (None, None)
     if m is None or x.codes.dtype != jnp.float8_e4m3fn or k % FP8_BLOCK:
@@ -150,19 +190,19 @@ def check_act_quant(x: ActQuant) -> None:
         raise ValueError(f"ActQuant dtype must be bf16 / fp32, got {x.dtype}")
 
 
-def fp8_dots(x: Array | ActQuant, w: Weights, block_m: int) -> bool:
+def fp8_dots(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> bool:
     """Whether the kernel multiplies fp8 codes by fp8 codes: quantised rows against ``fp8`` weights
     (one dot per 128-input block) in decode / verify row tiles (16 rows). Against ``fp8_k32``
     weights that would take one dot per 32 inputs, each scaled per output column, which measured
     slower on an H200 than multiplying the rows' values (docs/benchmarks.md); prefill's larger row
     tiles have not been measured with fp8 dots on a GPU. Those (and the other formats) take the
     rows' values."""
-    return isinstance(x, ActQuant) and w.fmt == "fp8" and block_m <= 16
+    return isinstance(x, (ActQuant, QuantRows)) and w.fmt == "fp8" and block_m <= 16
 
 
-def _kernel_rows(x: Array | ActQuant, w: Weights, block_m: int) -> Array | ActQuant:
+def _kernel_rows(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> Array | ActQuant | QuantRows:
     """What the kernel multiplies: quantised rows as codes where ``fp8_dots``, else their values."""
-    return x.values() if isinstance(x, ActQuant) and not fp8_dots(x, w, block_m) else x
+    return x if fp8_dots(x, w, block_m) else _values(x)
 
 
 def check_weights(w: Weights) -> None:
@@ -238,7 +278,7 @@ def reference(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Arr
               num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None) -> Float[Array, "m n"]:
     """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups."""
     check_inputs(x, w, tile_group, block_m)
-    x = x.values() if isinstance(x, ActQuant) else x
+    x = _values(x)
     y = _tile_products(x, w, tile_group, num_tiles, block_m)
     return y.reshape(x.shape[0], -1).astype(out_dtype or x.dtype)
 
@@ -249,7 +289,7 @@ def swiglu_reference(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights
     """``swiglu(x W1^T, x W3^T) * row_weight`` per tile, in x's dtype (the reference's roundings)."""
     check_inputs(x, w1, tile_group, block_m)
     check_inputs(x, w3, tile_group, block_m)
-    x = x.values() if isinstance(x, ActQuant) else x
+    x = _values(x)
     dt = x.dtype
     g = _tile_products(x, w1, tile_group, num_tiles, block_m).astype(dt)
     u = _tile_products(x, w3, tile_group, num_tiles, block_m).astype(dt)
@@ -257,12 +297,14 @@ def swiglu_reference(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights
     return h.astype(dt)
 
 
-def check_inputs(x: Array | ActQuant, w: Weights, tile_group: Array, block_m: int) -> None:
+def check_inputs(x: Array | ActQuant | QuantRows, w: Weights, tile_group: Array, block_m: int) -> None:
     check_weights(w)
     if isinstance(x, ActQuant):
         check_act_quant(x)
-    elif x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
+    elif len(x.shape) != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be a bf16 / fp32 [M, K] matrix, got {x.dtype} {x.shape}")
+    elif isinstance(x, QuantRows) and x.shape[1] % FP8_BLOCK:
+        raise ValueError(f"rows to quantise need K to be a multiple of {FP8_BLOCK}, got {x.shape[1]}")
     g, n, k = w.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns but the weights take K = {k}")
@@ -432,30 +474,42 @@ def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0,
     return acc if scale is None else acc * scale
 
 
-def _code_dots_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int) -> Array:
-    """fp32 [bm, bn] product of one loop step of quantised rows (codes, per-128 amax) against
-    ``fp8`` weights: per 128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the
-    weight block's scale and each row's scale (``act_scale`` of its amax)."""
-    xq_ref, amax_ref = x_refs
+def _quantise_block(xb: Array) -> tuple[Array, Array]:
+    """One 128-input block of rows [bm, 128] as ``ActQuant.of`` quantises it: e4m3 codes and the
+    rows' scales [bm, 1] (division by a power of two = multiplication by its exact inverse)."""
+    xb = xb.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xb), axis=1, keepdims=True)
+    codes = jnp.clip(xb * act_scale_inverse(amax), -ACT_FP8_MAX, ACT_FP8_MAX).astype(jnp.float8_e4m3fn)
+    return codes, act_scale(amax)
+
+
+def _code_dots_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int, quantise: bool) -> Array:
+    """fp32 [bm, bn] product of one loop step of quantised rows (codes and per-128 amax, or rows
+    that ``quantise`` here: ``_quantise_block``) against ``fp8`` weights: per 128-input block an
+    e4m3 x e4m3 dot (exact products, fp32 sums) times the weight block's scale and each row's
+    scale (``act_scale`` of its amax)."""
     w_ref, s_ref = w_refs
     rows, cols = pl.ds(r0, bm), pl.ds(g * n + n0, bn)
     nb = -(-n // FP8_BLOCK)
     total = None
     for c in range(0, bk, FP8_BLOCK):
         kb = k0 + c
-        sx = act_scale(amax_ref[rows, pl.ds(kb // FP8_BLOCK, 1)])  # [bm, 1]
-        p = _dot_t(xq_ref[rows, pl.ds(kb, FP8_BLOCK)], w_ref[cols, pl.ds(kb, FP8_BLOCK)])
+        if quantise:
+            xq, sx = _quantise_block(x_refs[0][rows, pl.ds(kb, FP8_BLOCK)])
+        else:
+            xq, sx = x_refs[0][rows, pl.ds(kb, FP8_BLOCK)], act_scale(x_refs[1][rows, pl.ds(kb // FP8_BLOCK, 1)])
+        p = _dot_t(xq, w_ref[cols, pl.ds(kb, FP8_BLOCK)])
         p = p * (sx * _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
         total = p if total is None else total + p
     return total
 
 
 def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: int, bn: int, bk: int, dt,
-                 code_dots: bool = False) -> Array:
+                 code_dots: bool = False, quantise: bool = False) -> Array:
     """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
     output columns n0 .. n0 + bn of group g."""
     if code_dots:
-        return _code_dots_step(x_refs, w_refs, g, n, r0, n0, k0, bm, bn, bk)
+        return _code_dots_step(x_refs, w_refs, g, n, r0, n0, k0, bm, bn, bk, quantise)
     if fmt == "fp4":
         xs = tuple(ref[pl.ds(r0, bm), pl.ds(k0 // 2, bk // 2)] for ref in x_refs)
     elif fmt == "fp8" and bk > FP8_BLOCK:  # one product per 128-input scale block of the step
@@ -474,10 +528,10 @@ def _swiglu_rows(gate: Array, up: Array, row_weight: Array, limit: float, dt) ->
 
 
 def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n_weights: int,
-            limit: float | None, code_dots: bool, dt):
+            limit: float | None, code_dots: bool, quantise: bool, dt):
     tile_group_ref, num_tiles_ref = refs[:2]
     refs = refs[2:]
-    n_x = 2 if fmt == "fp4" or code_dots else 1
+    n_x = 2 if fmt == "fp4" or (code_dots and not quantise) else 1
     x_refs, refs = refs[:n_x], refs[n_x:]
     per_w = 1 if fmt == "dense" else 2
     w_sets = [refs[i * per_w:(i + 1) * per_w] for i in range(n_weights)]
@@ -506,7 +560,7 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
 
         def body(step, accs):
             k0 = k_base + step * bk
-            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots)
+            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots, quantise)
                          for a, w in zip(accs, w_sets))
 
         zero = jnp.zeros((bm, bn), jnp.float32)
@@ -526,9 +580,11 @@ def flat_operands(w: Weights) -> tuple[Array, ...]:
     return (vals,) if w.fmt == "dense" else (vals, w.scales.reshape(-1, w.scales.shape[-1]))
 
 
-def _x_operands(x: Array | ActQuant, fmt: str) -> tuple[Array, ...]:
+def _x_operands(x: Array | ActQuant | QuantRows, fmt: str) -> tuple[Array, ...]:
     if isinstance(x, ActQuant):
         return x.codes, x.amax
+    if isinstance(x, QuantRows):
+        return (x.rows,)
     return (x[:, 0::2], x[:, 1::2]) if fmt == "fp4" else (x,)
 
 
@@ -537,7 +593,7 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
             interpret: bool):
     fmt = ws[0].fmt
     _, n, k = ws[0].shape
-    code_dots = isinstance(x, ActQuant)
+    code_dots, quantise = isinstance(x, (ActQuant, QuantRows)), isinstance(x, QuantRows)
     cfg = cfg.fit(n, k, fmt, code_dots)
     m, split = x.shape[0], cfg.split_k
     dt = jnp.dtype(x.dtype)
@@ -547,7 +603,7 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
     if limit is not None and split == 1:
         args.append(row_weight.astype(jnp.float32))
     kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, m=m, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit,
-                               code_dots=code_dots, dt=dt)
+                               code_dots=code_dots, quantise=quantise, dt=dt)
     grid = (tile_group.shape[0], n // cfg.block_n) + ((split,) if split > 1 else ())
     out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if split == 1
                  else jax.ShapeDtypeStruct((split * m, len(ws) * n), jnp.float32))
@@ -558,7 +614,8 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
             out_shape=out_shape,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
             interpret=interpret,
-            name=f"grouped_matmul_{fmt}" + ("_a8" if code_dots else "") + ("_swiglu" if limit is not None else "")
+            name=f"grouped_matmul_{fmt}" + ("_a8q" if quantise else "_a8" if code_dots else "")
+                 + ("_swiglu" if limit is not None else "")
                  + (f"_split{split}" if split > 1 else ""),
         )(*args)
     if split == 1:
@@ -576,7 +633,7 @@ def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
         raise ValueError("fused weights must share their format and shape")
 
 
-def kernel(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"],
+def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group: Int[Array, " t"],
            num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None, config: GemmConfig | None = None,
            interpret: bool | None = None) -> Float[Array, "m n"]:
     """The Pallas kernel (same contract as ``reference``)."""
@@ -588,7 +645,7 @@ def kernel(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
 
 
-def swiglu_kernel(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
+def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
                   tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int, limit: float,
                   config: GemmConfig | None = None, interpret: bool | None = None) -> Float[Array, "m n"]:
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
@@ -634,13 +691,13 @@ def block_m_for(rows: int, groups: int = 1) -> int:
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
                    impl: str | None = None, **kernel_options) -> Float[Array, "g m n"]:
     """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
-    rows padded to the row tile, every tile in use. ``act_quant``: the padded rows quantised first
-    (``ActQuant.of``: the reference's FP8 GEMM input)."""
+    rows padded to the row tile, every tile in use. ``act_quant``: the padded rows quantised as the
+    reference's FP8 GEMM input (``QuantRows``: in the kernel where ``fp8_dots``)."""
     g, m, k = x.shape
     bm = block_m_for(m)
     mp = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
-    xp = ActQuant.of(xp) if act_quant else xp
+    xp = QuantRows(xp) if act_quant else xp
     tile_group, num_tiles = dense_tiles(mp, g, bm)
     y = grouped_matmul(xp, w, tile_group, num_tiles, block_m=bm, out_dtype=out_dtype, impl=impl, **kernel_options)
     return y.reshape(g, mp, -1)[:, :m]
@@ -657,7 +714,7 @@ def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: f
     tile_group, num_tiles = dense_tiles(mp, 1, bm)
     ones = jnp.ones((mp,), jnp.float32)
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
-    xp = ActQuant.of(xp) if act_quant else xp
+    xp = QuantRows(xp) if act_quant else xp
     return grouped_swiglu(xp, w1, w3, ones, tile_group, num_tiles, block_m=bm,
                           limit=limit, impl=impl, **kernel_options)[:m]
 

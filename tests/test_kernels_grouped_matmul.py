@@ -282,6 +282,57 @@ def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     # the fp8 x fp8 kernel, under its own name: fp8 weights in decode / verify row tiles
     assert ("grouped_matmul_fp8_a8" in jaxpr) == (fmt == "fp8" and bm == 16)
 
+    # rows the kernel quantises itself (QuantRows): the same codes and scales, the same result
+    raw = gm.QuantRows(x)
+    got = np.asarray(gm.kernel(raw, w, *meta, block_m=bm, out_dtype=jnp.float32, config=cfg, interpret=True))
+    np.testing.assert_array_equal(got, ker)
+    h_raw = gm.swiglu_kernel(raw, w, w3, rw, *meta, block_m=bm, limit=1.0, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(h_raw, np.float32), np.asarray(h, np.float32))
+    np.testing.assert_array_equal(np.asarray(gm.reference(raw, w, *meta, block_m=bm, out_dtype=jnp.float32)), ref)
+    closed = jax.make_jaxpr(lambda r: gm.kernel(r, w, *meta, block_m=bm, config=cfg, interpret=False))(raw)
+    assert ("grouped_matmul_fp8_a8q" in str(closed)) == (fmt == "fp8" and bm == 16)
+    # with fp8 dots nothing quantises the rows outside the kernel; elsewhere XLA rounds them first
+    outside = _outside_kernels(closed.jaxpr)
+    assert "pallas_call" in outside and ("reduce_max" in outside) == (fmt != "fp8" or bm != 16)
+
+
+def _outside_kernels(jaxpr) -> set[str]:
+    """The primitives of a jaxpr and its sub-jaxprs, not looking inside pallas_call kernels."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if hasattr(sub, "eqns"):
+                    names |= _outside_kernels(sub)
+                elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                    names |= _outside_kernels(sub.jaxpr)
+    return names
+
+
+def test_kernel_quantises_blocks_as_the_reference():
+    """``_quantise_block`` (the kernel's act_quant of one 128-input block) against ``ActQuant.of``:
+    identical codes and scales, with blocks at every power-of-two boundary of the scale (amax =
+    448 * 2**e and its bf16 neighbours), tiny and zero blocks and the bf16 extremes."""
+    rng = np.random.default_rng(3)
+    amaxes = [448.0 * 2.0**e for e in range(-40, 40, 3)]
+    amaxes = amaxes + [float(np.nextafter(np.float32(a), np.float32(np.inf))) for a in amaxes] + [1e-5, 1e-4, 0.0]
+    blocks = []
+    for a in amaxes:
+        b = rng.uniform(-1, 1, 128) * a
+        b[rng.integers(128)] = a  # the block's largest magnitude is a itself
+        blocks.append(b)
+    blocks.append(np.full(128, 3.3895e38))  # near bf16's largest value
+    x = jnp.asarray(np.stack(blocks), jnp.bfloat16)
+    want = gm.ActQuant.of(x)
+    codes, scales = gm._quantise_block(x)
+    np.testing.assert_array_equal(np.asarray(codes).view(np.uint8), np.asarray(want.codes).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scales)[:, 0], np.asarray(want.scales())[:, 0])
+    assert len(np.unique(np.asarray(scales))) > 20
+    np.testing.assert_array_equal(np.asarray(gm.act_scale_inverse(want.amax)) * np.asarray(want.scales()), 1.0)
+
 
 def test_fp8_rows_are_checked():
     x = jnp.ones((16, 256), jnp.bfloat16)
@@ -401,6 +452,10 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
                                                                          interpret=False),
                               rows, w13, SD((t * bm,), jnp.float32), *meta)
         assert lowering.count_triton_calls(text) == 1 and "grouped_matmul_" + fmt + "_a8" in text
+        text = lowering.lower(lambda x, w, rw, tg, nt: gm.swiglu_kernel(gm.QuantRows(x), w, w, rw, tg, nt, block_m=bm,
+                                                                         limit=10.0, interpret=False),
+                              x, w13, SD((t * bm,), jnp.float32), *meta)  # rows quantised in the kernel
+        assert lowering.count_triton_calls(text) == 1 and "grouped_matmul_" + fmt + "_a8q" in text
 
 
 def _flash_experts_temp_bytes(tokens: int) -> int:
