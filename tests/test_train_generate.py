@@ -75,8 +75,8 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
         generate_data(generate, state, cfg, train, held, line_starts=line_starts, bos=0, eos=1, seed=0,
                       deadline=float("inf"))
     with pytest.raises(ValueError, match="needs the docstring-closing tokens"):
-        generate_data(generate, state, cfg, train, held, line_starts=line_starts, bos=0, eos=1, seed=0,
-                      deadline=float("inf"), frames=frames)
+        generate_data(generate, state, dataclasses.replace(cfg, docstring_fraction=0.5), train, held,
+                      line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames)
     # with docstring prompts: about half of the framed rows end their code at a closing token
     doc_closers = np.zeros(model.cfg.vocab_size, bool)
     doc_closers[8:] = True  # most tokens: slices of these short streams end at closing ones
