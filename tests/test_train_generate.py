@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 from dspark_jax.train import corpus as corpus_lib
-from dspark_jax.train.generate import (GenerateConfig, decoding_metrics, docstring_close_tokens, drafter_windows,
+from dspark_jax.train.generate import (GenerateConfig, decoding_metrics, drafter_windows,
                                        framed_prompts, framed_slices, generate_data, line_start_tokens, make_generate,
-                                       prompt_ends, round_chains, row_temperatures, sample_prompts)
+                                       prompt_ends, round_chains, row_temperatures, sample_prompts,
+                                       triple_quote_tokens, TripleQuotes)
 from dspark_jax.train.sts import calibrate_rounds, prefix_labels, sigmoid
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.train.config import toy_model
@@ -74,16 +75,16 @@ def test_greedy_rows_follow_the_target_argmax_and_sampled_rows_do_not():
     with pytest.raises(ValueError, match="needs the request frames"):
         generate_data(generate, state, cfg, train, held, line_starts=line_starts, bos=0, eos=1, seed=0,
                       deadline=float("inf"))
-    with pytest.raises(ValueError, match="needs the docstring-closing tokens"):
+    with pytest.raises(ValueError, match="needs the vocabulary.s triple quotes"):
         generate_data(generate, state, dataclasses.replace(cfg, docstring_fraction=0.5), train, held,
                       line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames)
     # with docstring prompts: about half of the framed rows end their code at a closing token
-    doc_closers = np.zeros(model.cfg.vocab_size, bool)
-    doc_closers[8:] = True  # most tokens: slices of these short streams end at closing ones
+    v = model.cfg.vocab_size  # most tokens hold one triple quote: slices of these short streams end at closing ones
+    quotes = TripleQuotes(np.where(np.arange(v) >= 8, 1, 0), np.arange(v) >= 8)
     docs = generate_data(generate, state, dataclasses.replace(cfg, sequences=8, framed_fraction=1.0,
                                                               docstring_fraction=0.5), train, held,
                          line_starts=line_starts, bos=0, eos=1, seed=0, deadline=float("inf"), frames=frames,
-                         doc_closers=doc_closers)
+                         quotes=quotes)
     assert 1 <= docs["stats"]["docstring_prompts"] <= 7
     assert data["temperature"].tolist() == [1.0, 0.0, 0.0, 0.0] * 2 and data["stats"]["greedy_fraction"] == 0.75
 
@@ -245,19 +246,22 @@ def test_generated_continuations_must_leave_a_decoding_round():
 
 def test_framed_prompts_end_where_a_docstring_closes():
     # tokens 10..19 begin a line, token 30 ends with three double quotes (opens or closes a
-    # docstring: every second one since the file's BOS closes); BOS 0, EOS 1
+    # docstring: a closing one is preceded by an odd number since the file's BOS), token 31 holds
+    # one in the middle (counted, never an end); BOS 0, EOS 1
     rng = np.random.default_rng(0)
     stream = rng.integers(10, 40, 3000)
     stream[1500] = 0  # a second file begins
     line_starts = np.zeros(48, bool)
     line_starts[10:20] = True
-    doc_closers = np.zeros(48, bool)
-    doc_closers[30] = True
+    count, ends = np.zeros(48, np.int32), np.zeros(48, bool)
+    count[30] = count[31] = 1
+    ends[30] = True
     frames = [(np.array([40, 41]), np.array([42])), (np.array([43]), np.array([], np.int32))]
-    slices = framed_slices(stream, 8, line_starts, (0, 1), frames, doc_closers)
-    def closing(e):  # the quotes token before e is the 2nd, 4th, .. of its file
+    slices = framed_slices(stream, 8, line_starts, (0, 1), frames, TripleQuotes(count, ends))
+
+    def closing(e):  # the token before e ends with quotes and is the 2nd, 4th, .. of its file
         start = 1501 if e > 1500 else 0
-        return stream[e - 1] == 30 and np.sum(stream[start:e] == 30) % 2 == 0
+        return stream[e - 1] == 30 and np.sum(np.isin(stream[start:e], (30, 31))) % 2 == 0
 
     for head, tail, ends, doc_ends in slices:
         assert 0 < len(doc_ends) < len(ends) and set(doc_ends) <= set(ends)
@@ -275,13 +279,15 @@ def test_framed_prompts_end_where_a_docstring_closes():
     assert framed_prompts(stream, 50, 8, plain, 0, rng, docstring_fraction=1.0)[1] == 0
 
 
-def test_docstring_close_tokens_of_the_shipped_tokenizer():
+def test_triple_quote_tokens_of_the_shipped_tokenizer():
     from dspark_jax.checkpoint.tokenizer import load_tokenizer
     from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR
 
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
-    closes = docstring_close_tokens(tok, tok.get_vocab_size())
+    quotes = triple_quote_tokens(tok, tok.get_vocab_size())
     ids = tok.encode('def f(x):\n    """Return x."""\n    return x\n', add_special_tokens=False).ids
     text = [tok.decode([i]) for i in ids]
-    assert [t for t, c in zip(text, closes[ids]) if c] == [' """', '."""']  # the opening and the closing quotes
-    assert 0 < closes.sum() < 50
+    assert [t for t, c in zip(text, quotes.ends[ids]) if c] == [' """', '."""']  # the opening and the closing quotes
+    assert quotes.count[ids].sum() == 2 and 0 < quotes.ends.sum() <= quotes.count.sum() < 50
+    inner = [i for i in range(tok.get_vocab_size()) if quotes.count[i] and not quotes.ends[i]]
+    assert all('"""' in tok.decode([i]) for i in inner)  # e.g. ' """),': counted, never a docstring's end

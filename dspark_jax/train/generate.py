@@ -122,13 +122,22 @@ def line_start_tokens(tokenizer, vocab_size: int) -> np.ndarray:
     return starts
 
 
-def docstring_close_tokens(tokenizer, vocab_size: int) -> np.ndarray:
-    """[vocab_size] bool: the tokens whose text ends with three double quotes (they open or close
-    a docstring; ``framed_slices`` tells which by counting them)."""
-    closes = np.zeros(vocab_size, bool)
+@dataclass(frozen=True)
+class TripleQuotes:
+    """Per token of the vocabulary: how many three-double-quote runs its text holds (``count``) and
+    whether it ends with one (``ends``); from ``triple_quote_tokens``."""
+    count: np.ndarray  # [vocab] int
+    ends: np.ndarray  # [vocab] bool
+
+
+def triple_quote_tokens(tokenizer, vocab_size: int) -> TripleQuotes:
+    """The vocabulary's triple quotes (docstrings open and close with them; ``framed_slices`` tells
+    an opening from a closing one by their count since the file began)."""
+    count, ends = np.zeros(vocab_size, np.int32), np.zeros(vocab_size, bool)
     for i in range(min(tokenizer.get_vocab_size(), vocab_size)):
-        closes[i] = tokenizer.decode([i], skip_special_tokens=False).endswith('"""')
-    return closes
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        count[i], ends[i] = text.count('"""'), text.endswith('"""')
+    return TripleQuotes(count, ends)
 
 
 def prompt_ends(stream: np.ndarray, length: int, line_starts: np.ndarray, specials: tuple[int, ...]) -> np.ndarray:
@@ -177,22 +186,21 @@ def encode_frames(tokenizer, frames=REQUEST_FRAMES) -> list[tuple[np.ndarray, np
 
 
 def framed_slices(stream: np.ndarray, length: int, line_starts: np.ndarray, specials: tuple[int, ...],
-                  frames: list[tuple[np.ndarray, np.ndarray]], doc_closers: np.ndarray | None = None
+                  frames: list[tuple[np.ndarray, np.ndarray]], quotes: TripleQuotes | None = None
                   ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """For each frame that leaves at least half of a ``length``-token prompt to the code: (head,
     tail, ends, doc_ends), ends = the positions e where the slice of the length left before e
     begins with a line-start token, ends where a line ends and holds no special token; doc_ends =
-    those of them where the slice's last line closes a docstring (its last token is one of
-    ``doc_closers``, ``docstring_close_tokens``, and an even count of them since the file began;
-    none without them). One pass over the stream per frame: computed once per phase, drawn from
-    by ``framed_prompts``."""
+    those of them where the slice's last line closes a docstring (its last token ends with triple
+    quotes, and an even number of them has appeared since the file began: ``quotes``,
+    ``triple_quote_tokens``; none without them). One pass over the stream per frame: computed
+    once per phase, drawn from by ``framed_prompts``."""
     stream = np.asarray(stream)
     closes = np.zeros(len(stream), bool)  # token i closes a docstring
-    if doc_closers is not None:
-        quotes = doc_closers[stream]
-        count = np.cumsum(quotes)
+    if quotes is not None:
+        count = np.cumsum(quotes.count[stream])
         file_start = np.maximum.accumulate(np.where(np.isin(stream, specials), np.arange(len(stream)), 0))
-        closes = quotes & ((count - count[file_start]) % 2 == 0)
+        closes = quotes.ends[stream] & ((count - count[file_start]) % 2 == 0)
     out = []
     for head, tail in frames:
         code = length - len(head) - len(tail)
@@ -241,7 +249,7 @@ def row_temperatures(batch_size: int, greedy_fraction: float) -> np.ndarray:
 
 def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream: np.ndarray, held_stream: np.ndarray,
                   *, line_starts: np.ndarray, bos: int, eos: int, seed: int, deadline: float,
-                  frames: list[tuple[np.ndarray, np.ndarray]] = (), doc_closers: np.ndarray | None = None,
+                  frames: list[tuple[np.ndarray, np.ndarray]] = (), quotes: TripleQuotes | None = None,
                   say=print) -> dict:
     """The held-out batch (greedy) and training batches (``row_temperatures``) until
     ``cfg.sequences`` or until the next batch would end after ``deadline``. ``generate`` is
@@ -249,8 +257,8 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     (``nnx.split(model)``); prompts end at line ends (``line_start_tokens``); a
     ``cfg.framed_fraction`` of each training batch's rows (spread evenly) are ``framed_prompts``
     in ``frames`` (``encode_frames``; needed when the fraction is not 0), a
-    ``cfg.docstring_fraction`` of those ending where a docstring closes (``doc_closers``:
-    ``docstring_close_tokens``; needed when both fractions are not 0)."""
+    ``cfg.docstring_fraction`` of those ending where a docstring closes (``quotes``:
+    ``triple_quote_tokens``; needed when both fractions are not 0)."""
     rng = np.random.default_rng([seed, 7])
     key = jax.random.key(seed + 7)
     b, p = cfg.batch_size, cfg.prefix_tokens
@@ -258,9 +266,9 @@ def generate_data(generate, state: nnx.State, cfg: GenerateConfig, train_stream:
     framed = row_temperatures(b, 1 - cfg.framed_fraction) > 0  # rows spread evenly, as the sampled ones
     if framed.any() and not frames:
         raise ValueError("framed_fraction > 0 needs the request frames (encode_frames)")
-    if framed.any() and cfg.docstring_fraction > 0 and doc_closers is None:
-        raise ValueError("docstring_fraction > 0 needs the docstring-closing tokens (docstring_close_tokens)")
-    slices = framed_slices(train_stream, p - 1, line_starts, (bos, eos), frames, doc_closers) if framed.any() else []
+    if framed.any() and cfg.docstring_fraction > 0 and quotes is None:
+        raise ValueError("docstring_fraction > 0 needs the vocabulary's triple quotes (triple_quote_tokens)")
+    slices = framed_slices(train_stream, p - 1, line_starts, (bos, eos), frames, quotes) if framed.any() else []
     if framed.any() and cfg.docstring_fraction > 0 and not any(len(sl[3]) for sl in slices):
         raise ValueError("no slice of the train split ends where a docstring closes (docstring_fraction > 0)")
     train_ends = prompt_ends(train_stream, p - 1, line_starts, (bos, eos))

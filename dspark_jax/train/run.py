@@ -258,7 +258,7 @@ def generate_phase(model: DeepSeekV4, cfg: RunConfig, programs: Programs, tok: T
                                       held_w.reshape(-1), line_starts=gen_lib.line_start_tokens(tok, m.vocab_size),
                                       bos=m.bos_token_id, eos=m.eos_token_id, seed=cfg.seed, deadline=deadline,
                                       frames=gen_lib.encode_frames(tok),
-                                      doc_closers=gen_lib.docstring_close_tokens(tok, m.vocab_size), say=_say),
+                                      quotes=gen_lib.triple_quote_tokens(tok, m.vocab_size), say=_say),
         resume=resume)
     windows_, mix = gen_lib.drafter_windows(data["train"], train_w.reshape(-1), gcfg.corpus_fraction, m.bos_token_id,
                                             cfg.seed)
