@@ -274,7 +274,7 @@ def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, bl
     return jnp.where(used[:, None, None], out, 0.0)
 
 
-def reference(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Array, " t"],
+def reference(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group: Int[Array, " t"],
               num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None) -> Float[Array, "m n"]:
     """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups."""
     check_inputs(x, w, tile_group, block_m)
@@ -283,9 +283,9 @@ def reference(x: Float[Array, "m k"] | ActQuant, w: Weights, tile_group: Int[Arr
     return y.reshape(x.shape[0], -1).astype(out_dtype or x.dtype)
 
 
-def swiglu_reference(x: Float[Array, "m k"] | ActQuant, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
-                     tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int,
-                     limit: float) -> Float[Array, "m n"]:
+def swiglu_reference(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
+                     row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"],
+                     *, block_m: int, limit: float) -> Float[Array, "m n"]:
     """``swiglu(x W1^T, x W3^T) * row_weight`` per tile, in x's dtype (the reference's roundings)."""
     check_inputs(x, w1, tile_group, block_m)
     check_inputs(x, w3, tile_group, block_m)
@@ -645,8 +645,9 @@ def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
 
 
-def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights, row_weight: Float[Array, " m"],
-                  tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *, block_m: int, limit: float,
+def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
+                  row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
+                  block_m: int, limit: float,
                   config: GemmConfig | None = None, interpret: bool | None = None) -> Float[Array, "m n"]:
     """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
     check_inputs(x, w1, tile_group, block_m)
