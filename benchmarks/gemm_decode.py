@@ -4,7 +4,8 @@ At one token a DeepSeek-V4-Flash linear is a matrix-vector product: its few outp
 32 column tiles for the shared expert's 2048 outputs) leave most of the GPU's cores idle while
 each program walks all of K. This script times every FP8 / FP4 linear and expert kernel of one
 Flash layer (and the drafter's input projection) at one token (rows padded to the 16-row tile),
-and the routed experts at a 6-token verify, for the configuration the library picks
+and the routed experts at a 6-token verify and a batch-32 verify (192 tokens: every expert one
+row tile), for the configuration the library picks
 (``grouped_matmul.default_config``, which splits K), the same tiles without the split, and a
 sweep of column tiles x step widths x splits.
 
@@ -54,7 +55,7 @@ class Shape:
     def weight_bytes_per_tile(self) -> int:
         per = self.n * self.k if self.fmt != "fp4" else self.n * self.k // 2
         scales = {"fp8": (self.n // 128) * (self.k // 128), "fp4": self.n * self.k // 32,
-                  "fp8_k32": self.n * self.k // 32, "dense": 0}[self.fmt]
+                  "fp8_k128": self.n * self.k // 128, "dense": 0}[self.fmt]
         mult = 2 if self.fmt == "dense" else 1
         return (per * mult + scales) * (2 if self.swiglu else 1)
 
@@ -62,8 +63,8 @@ class Shape:
 def flash_shapes() -> list[Shape]:
     d, i, h, hd, q, og, orank = 4096, 2048, 64, 512, 1024, 8, 1024
     return [  # the largest per-layer costs first (a run stopped by its budget keeps them)
-        Shape("routed swiglu, 1 token (fp8)", "fp8_k32", i, d, 256, 6, swiglu=True),
-        Shape("routed w2, 1 token (fp8)", "fp8_k32", d, i, 256, 6),
+        Shape("routed swiglu, 1 token (fp8)", "fp8_k128", i, d, 256, 6, swiglu=True),
+        Shape("routed w2, 1 token (fp8)", "fp8_k128", d, i, 256, 6),
         Shape("attn.wq_b", "fp8", h * hd, q, 1, 1),
         Shape("attn.wo_a (8 groups)", "fp8", orank, h * hd // og, og, og),
         Shape("attn.wo_b", "fp8", d, og * orank, 1, 1),
@@ -73,17 +74,20 @@ def flash_shapes() -> list[Shape]:
         Shape("attn.wkv", "fp8", hd, d, 1, 1),
         Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1),
         Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1),
-        Shape("routed swiglu, 6 tokens (fp8)", "fp8_k32", i, d, 256, 36, swiglu=True),
-        Shape("routed w2, 6 tokens (fp8)", "fp8_k32", d, i, 256, 36),
+        Shape("routed swiglu, 6 tokens (fp8)", "fp8_k128", i, d, 256, 36, swiglu=True),
+        Shape("routed w2, 6 tokens (fp8)", "fp8_k128", d, i, 256, 36),
         Shape("routed swiglu, 1 token (fp4)", "fp4", i, d, 256, 6, swiglu=True),
         Shape("routed w2, 1 token (fp4)", "fp4", d, i, 256, 6),
         Shape("routed swiglu, 6 tokens (fp4)", "fp4", i, d, 256, 36, swiglu=True),
         Shape("routed w2, 6 tokens (fp4)", "fp4", d, i, 256, 36),
+        # a batch-32 verify (192 tokens, ~4.5 pairs per expert): every expert one 16-row tile
+        Shape("routed swiglu, 192 tokens (fp8)", "fp8_k128", i, d, 256, 256, swiglu=True),
+        Shape("routed w2, 192 tokens (fp8)", "fp8_k128", d, i, 256, 256),
     ]
 
 
 def smoke_shapes() -> list[Shape]:
-    return [Shape("linear", "fp8", 256, 1024, 1, 1), Shape("experts swiglu", "fp8_k32", 128, 512, 8, 3, swiglu=True),
+    return [Shape("linear", "fp8", 256, 1024, 1, 1), Shape("experts swiglu", "fp8_k128", 128, 512, 8, 3, swiglu=True),
             Shape("experts w2", "fp4", 256, 256, 8, 3)]
 
 
@@ -96,7 +100,7 @@ def random_weights(key, shape: Shape) -> gm.Weights:
         vals = jax.random.randint(kv, (g, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
         return gm.Weights(vals, jax.random.randint(ks, (g, n, k // 32), 118, 124, jnp.int32).astype(jnp.uint8), "fp4")
     vals = (jax.random.normal(kv, (g, n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-    sshape = (g, n // 128, k // 128) if shape.fmt == "fp8" else (g, n, k // 32)
+    sshape = (g, n // 128, k // 128) if shape.fmt == "fp8" else (g, n, k // 128)
     return gm.Weights(vals, jax.random.randint(ks, sshape, 118, 124, jnp.int32).astype(jnp.uint8), shape.fmt)
 
 
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
         row["picked_vs_unsplit_max_rel"] = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
         configs = [unsplit, picked] + ([] if args.no_sweep else candidates(shape, args.smoke))
         configs = [(c, "bf16") for c in dict.fromkeys(configs)]
-        a8 = shape.fmt == "fp8"  # also with the rows as fp8 codes (e4m3 x e4m3 dots)
+        a8 = shape.fmt in ("fp8", "fp8_k128")  # also with the rows as fp8 codes (e4m3 x e4m3 dots)
         if a8:
             x8 = gm.ActQuant.of(x)
             got8 = np.asarray(call(shape, x8, sets[0], metas[0], rw, picked, interpret), np.float32)

@@ -97,7 +97,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 # Scale path -> its weight's path: FP8 linears ``x.weight`` / ``x.scale`` (128 x 128 blocks),
-# FP4 or widened-FP4 routed experts ``w1`` / ``w1_scale`` (per 32 inputs).
+# FP4 routed experts ``w1`` / ``w1_scale`` (per 32 inputs; widened to e4m3: per 128).
 SCALE_RULES: tuple[tuple[str, str], ...] = (
     (r"^(.*)\.scale$", r"\1.weight"),
     (r"^(.*\.experts\.w[123])_scale$", r"\1"),

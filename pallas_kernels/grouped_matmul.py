@@ -13,8 +13,11 @@ Weight formats (``Weights``), stored as in the checkpoint and dequantised in reg
   ``scales [G, ceil(N / 128), ceil(K / 128)]``;
 - ``fp4``: e2m1 codes packed two per byte (element 2i in the low nibble, 2i + 1 in the high one),
   ``values uint8 [G, N, K / 2]``, one e8m0 scale byte per 32 inputs, ``scales [G, N, K / 32]``;
-- ``fp8_k32``: the same FP4 weights widened to one e4m3 code per byte (every e2m1 value is an e4m3
-  value) with the same per-32 scales: twice the bytes of ``fp4``, no bit shuffling in registers.
+- ``fp8_k128``: float8_e4m3fn values ``[G, N, K]`` with one e8m0 scale byte per output row and
+  128 inputs, ``scales [G, N, K / 128]``: the FP4 experts widened to one e4m3 code per byte, each
+  row's four per-32 scales of a 128-input block merged into one (``dspark_jax.checkpoint.codecs.
+  fp4_to_e4m3_k128``; the same values): twice the bytes of ``fp4``, no bit shuffling in registers,
+  and one fp8 dot per 128 inputs for quantised rows.
 
 Dequantised weights are exactly the reference's values (an e4m3 / e2m1 value times a power of
 two is a bf16 number), and the kernel applies each scale to the fp32 partial product of its block
@@ -26,8 +29,8 @@ even and odd columns and multiplies them by the low and high nibbles separately.
 
 Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and the
 per-128 amax that gives their power-of-two scales): in decode / verify row tiles against ``fp8``
-weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block, and scales their fp32
-sums by the weight block's and the row's scales (exact products; only the fp32 summation order
+or ``fp8_k128`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block, and
+scales their fp32 sums by the weight block's (or each output column's) and the row's scales (exact products; only the fp32 summation order
 differs from multiplying the rows' values), reading half the activation bytes and converting no
 weights in registers. Rows may also come to be quantised (``QuantRows``): the kernel then
 quantises each 128-input block itself (amax, scale, codes in registers, as ``ActQuant.of``), so
@@ -55,7 +58,7 @@ from pallas_kernels.group_metadata import dense_tiles
 if TYPE_CHECKING:
     from jaxtyping import Array, Float, Int
 
-FORMATS = ("dense", "fp8", "fp4", "fp8_k32")
+FORMATS = ("dense", "fp8", "fp4", "fp8_k128")
 FP8_BLOCK = 128
 FP4_BLOCK = 32
 # e2m1 code -> value (bit 3 = sign, bits 2..1 = exponent, bit 0 = mantissa)
@@ -191,13 +194,19 @@ def check_act_quant(x: ActQuant) -> None:
 
 
 def fp8_dots(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> bool:
-    """Whether the kernel multiplies fp8 codes by fp8 codes: quantised rows against ``fp8`` weights
-    (one dot per 128-input block) in decode / verify row tiles (16 rows). Against ``fp8_k32``
-    weights that would take one dot per 32 inputs, each scaled per output column, which measured
-    slower on an H200 than multiplying the rows' values (docs/benchmarks.md); prefill's larger row
-    tiles have not been measured with fp8 dots on a GPU. Those (and the other formats) take the
-    rows' values."""
-    return isinstance(x, (ActQuant, QuantRows)) and w.fmt == "fp8" and block_m <= 16
+    """Whether the kernel multiplies fp8 codes by fp8 codes: quantised rows against ``fp8`` or
+    ``fp8_k128`` weights (one dot per 128-input block) in decode / verify row tiles (16 rows).
+    (Against FP4 widened with its per-32 scales that took one dot per 32 inputs, which measured
+    slower on an H200 than multiplying the rows' values: hence ``fp8_k128``, docs/benchmarks.md.)
+    Prefill's larger row tiles have not been measured with fp8 dots on a GPU; those (and the other
+    formats) take the rows' values."""
+    return isinstance(x, (ActQuant, QuantRows)) and takes_codes(w.fmt, block_m)
+
+
+def takes_codes(fmt: str, block_m: int) -> bool:
+    """Whether quantised rows are multiplied as fp8 codes against ``fmt`` weights in ``block_m``-row
+    tiles (``fp8_dots``)."""
+    return fmt in ("fp8", "fp8_k128") and block_m <= 16
 
 
 def _kernel_rows(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> Array | ActQuant | QuantRows:
@@ -217,13 +226,15 @@ def check_weights(w: Weights) -> None:
         return
     want = {"fp8": (jnp.float8_e4m3fn, (g, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))),
             "fp4": (jnp.uint8, (g, n, k // FP4_BLOCK)),
-            "fp8_k32": (jnp.float8_e4m3fn, (g, n, k // FP4_BLOCK))}[w.fmt]
+            "fp8_k128": (jnp.float8_e4m3fn, (g, n, k // FP8_BLOCK))}[w.fmt]
     if w.values.dtype != want[0] or w.scales is None or w.scales.dtype != jnp.uint8 or w.scales.shape != want[1]:
         raise ValueError(f"{w.fmt} weights need values {jnp.dtype(want[0]).name} and uint8 scales of shape "
                          f"{want[1]}, got {w.values.dtype} {w.values.shape} and "
                          f"{None if w.scales is None else (w.scales.dtype, w.scales.shape)}")
-    if w.fmt in ("fp4", "fp8_k32") and k % FP4_BLOCK:
+    if w.fmt == "fp4" and k % FP4_BLOCK:
         raise ValueError(f"fp4 weights need K to be a multiple of {FP4_BLOCK}, got {k}")
+    if w.fmt == "fp8_k128" and k % FP8_BLOCK:
+        raise ValueError(f"fp8_k128 weights need K to be a multiple of {FP8_BLOCK}, got {k}")
 
 
 # ------------------------------------------------------------------------------ pure-JAX reference
@@ -242,9 +253,9 @@ def dequantize(w: Weights, dtype) -> Array:
         s = e8m0_to_float(w.scales)
         s = jnp.repeat(jnp.repeat(s, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :n, :k]
         return (w.values.astype(jnp.float32) * s).astype(dtype)
+    if w.fmt == "fp8_k128":
+        return (w.values.astype(jnp.float32) * jnp.repeat(e8m0_to_float(w.scales), FP8_BLOCK, axis=2)).astype(dtype)
     s = jnp.repeat(e8m0_to_float(w.scales), FP4_BLOCK, axis=2)
-    if w.fmt == "fp8_k32":
-        return (w.values.astype(jnp.float32) * s).astype(dtype)
     table = jnp.asarray(FP4_VALUES, jnp.float32)
     b = w.values.astype(jnp.int32)
     vals = jnp.stack([table[b & 15], table[b >> 4]], axis=-1).reshape(g, n, k)
@@ -342,7 +353,7 @@ class GemmConfig:
         bk = backend.largest_pow2_divisor(k, max(self.block_k, FP8_BLOCK) if code_dots else self.block_k)
         if code_dots and bk < FP8_BLOCK:
             raise ValueError(f"quantised rows need K to be a multiple of {FP8_BLOCK}, got {k}")
-        kmin = FP4_BLOCK if fmt in ("fp4", "fp8_k32") else 16
+        kmin = FP4_BLOCK if fmt == "fp4" else 16
         if bn < 16 or bk < kmin:
             raise ValueError(f"no legal tiles for N = {n}, K = {k} ({fmt}): need N % 16 == 0 and K % {kmin} == 0")
         split = backend.largest_pow2_divisor(k // bk, self.split_k)
@@ -386,7 +397,7 @@ def default_config(block_m: int, fmt: str, *, n: int | None = None, k: int | Non
 
 
 def _tile_config(block_m: int, fmt: str) -> GemmConfig:
-    if fmt == "fp8_k32":
+    if fmt == "fp8_k128":
         if block_m <= 16:
             return GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
         return GemmConfig(block_n=128, block_k=128 if block_m <= 32 else 64, num_warps=4, num_stages=3)
@@ -439,7 +450,7 @@ def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
     """The weights of one loop step decoded in registers: output columns n0 .. n0 + bn of group g
     against inputs k0 .. k0 + bk, as ``dt`` tiles [bn, bk] (fp4: the low and high nibbles
     [bn, bk / 2], which multiply the even and odd inputs), and the fp32 scale of their product
-    (fp8: one per 128 x 128 block) or None."""
+    (fp8: one per 128 x 128 block; fp8_k128: one per output column [1, bn], bk <= 128) or None."""
     if fmt == "dense":
         (w_ref,) = w_refs
         return (w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt),), None
@@ -448,12 +459,10 @@ def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
         w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
         nb = -(-n // FP8_BLOCK)
         return (w,), _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
-    if fmt == "fp8_k32":
+    if fmt == "fp8_k128":
         w_ref, s_ref = w_refs
         w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
-        sb = s_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // FP4_BLOCK, bk // FP4_BLOCK)]
-        s = jnp.broadcast_to(_scale_bf16(sb)[:, :, None], (bn, bk // FP4_BLOCK, FP4_BLOCK)).reshape(bn, bk)
-        return (w * s.astype(dt),), None
+        return (w,), _column_scales(s_ref, g, n, n0, k0, bn)
     w_ref, s_ref = w_refs
     half, nsb = bk // 2, bk // FP4_BLOCK  # packed bytes, scale blocks of this step
     b = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // 2, half)]
@@ -461,6 +470,12 @@ def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
     # one scale (times 64, see _fp4_as_e4m3) per 16 packed bytes, spread over them in registers
     s = jnp.broadcast_to(_scale_bf16(sb, times=64)[:, :, None], (bn, nsb, FP4_BLOCK // 2)).reshape(bn, half)
     return tuple(c.astype(dt) * s.astype(dt) for c in _fp4_as_e4m3(b)), None
+
+
+def _column_scales(s_ref, g, n: int, n0, k0, bn: int) -> Array:
+    """fp32 [1, bn]: the ``fp8_k128`` scales of output columns n0 .. n0 + bn of group g in the
+    128-input block holding input k0."""
+    return _scale_f32(s_ref[pl.ds(g * n + n0, bn), k0 // FP8_BLOCK])[None, :]
 
 
 def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
@@ -483,11 +498,12 @@ def _quantise_block(xb: Array) -> tuple[Array, Array]:
     return codes, act_scale(amax)
 
 
-def _code_dots_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int, quantise: bool) -> Array:
+def _code_dots_step(x_refs, w_refs, fmt: str, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int,
+                    quantise: bool) -> Array:
     """fp32 [bm, bn] product of one loop step of quantised rows (codes and per-128 amax, or rows
-    that ``quantise`` here: ``_quantise_block``) against ``fp8`` weights: per 128-input block an
-    e4m3 x e4m3 dot (exact products, fp32 sums) times the weight block's scale and each row's
-    scale (``act_scale`` of its amax)."""
+    that ``quantise`` here: ``_quantise_block``) against ``fp8`` / ``fp8_k128`` weights: per
+    128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the weight block's scale
+    (``fp8_k128``: each output column's) and each row's scale (``act_scale`` of its amax)."""
     w_ref, s_ref = w_refs
     rows, cols = pl.ds(r0, bm), pl.ds(g * n + n0, bn)
     nb = -(-n // FP8_BLOCK)
@@ -499,7 +515,10 @@ def _code_dots_step(x_refs, w_refs, g, n: int, r0, n0, k0, bm: int, bn: int, bk:
         else:
             xq, sx = x_refs[0][rows, pl.ds(kb, FP8_BLOCK)], act_scale(x_refs[1][rows, pl.ds(kb // FP8_BLOCK, 1)])
         p = _dot_t(xq, w_ref[cols, pl.ds(kb, FP8_BLOCK)])
-        p = p * (sx * _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
+        if fmt == "fp8":
+            p = p * (sx * _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
+        else:
+            p = p * (sx * _column_scales(s_ref, g, n, n0, kb, bn))
         total = p if total is None else total + p
     return total
 
@@ -509,10 +528,10 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
     """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
     output columns n0 .. n0 + bn of group g."""
     if code_dots:
-        return _code_dots_step(x_refs, w_refs, g, n, r0, n0, k0, bm, bn, bk, quantise)
+        return _code_dots_step(x_refs, w_refs, fmt, g, n, r0, n0, k0, bm, bn, bk, quantise)
     if fmt == "fp4":
         xs = tuple(ref[pl.ds(r0, bm), pl.ds(k0 // 2, bk // 2)] for ref in x_refs)
-    elif fmt == "fp8" and bk > FP8_BLOCK:  # one product per 128-input scale block of the step
+    elif fmt in ("fp8", "fp8_k128") and bk > FP8_BLOCK:  # one product per 128-input scale block of the step
         return functools.reduce(jnp.add, [
             step_product((x_refs[0][pl.ds(r0, bm), pl.ds(k0 + c, FP8_BLOCK)],), w_refs, fmt, g, n, k, n0, k0 + c,
                          bn, FP8_BLOCK, dt) for c in range(0, bk, FP8_BLOCK)])

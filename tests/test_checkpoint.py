@@ -147,11 +147,14 @@ def test_round_trip_official_encoding(tiny_model, tmp_path):
         assert have_w.tobytes() == stored[name + ".weight"][1].tobytes(), name
         assert have_s.tobytes() == stored[name + ".scale"][1].tobytes(), name
     assert kept["embed.weight"].dtype == np.float32  # bf16 tensors are unaffected
-    # "fp8": the FP4 experts widened to e4m3 codes, scale bytes as stored
+    # "fp8": the FP4 experts widened to e4m3 codes with scales per 128 inputs, the same values
     wide = flat_params(dspark_jax.load(path, dtype=jnp.float32, weight_format="fp8", progress=False))
     packed = stored["layers.3.ffn.experts.5.w2.weight"][1].reshape(kept["layers.3.ffn.experts.w2"].shape[1:])
-    assert wide["layers.3.ffn.experts.w2"][5].tobytes() == codecs.fp4_to_e4m3(packed).tobytes()
-    assert wide["layers.3.ffn.experts.w2_scale"][5].tobytes() == stored["layers.3.ffn.experts.5.w2.scale"][1].tobytes()
+    scale32 = stored["layers.3.ffn.experts.5.w2.scale"][1].reshape(packed.shape[0], -1)
+    codes, scale128 = codecs.fp4_to_e4m3_k128(packed, scale32)
+    assert wide["layers.3.ffn.experts.w2"][5].tobytes() == codes.tobytes()
+    assert wide["layers.3.ffn.experts.w2_scale"][5].tobytes() == scale128.tobytes()
+    np.testing.assert_array_equal(codecs.decode_fp8_k128(codes, scale128), codecs.decode_fp4(packed, scale32))
     assert wide["layers.0.attn.wq_a.weight"].tobytes() == kept["layers.0.attn.wq_a.weight"].tobytes()
 
     m = dspark_jax.load(path, dtype=jnp.float32, weight_format="dense", progress=False)

@@ -33,9 +33,9 @@ def _quantize(w: np.ndarray, fmt: str) -> gm.Weights:
         return gm.Weights(jnp.asarray(w, jnp.bfloat16), None, "dense")
     enc = codecs.encode_fp8 if fmt == "fp8" else codecs.encode_fp4
     pairs = [enc(x) for x in w]
+    if fmt == "fp8_k128":  # the FP4 codes widened to e4m3, scales per row and 128 inputs
+        pairs = [codecs.fp4_to_e4m3_k128(c, s) for c, s in pairs]
     codes = np.stack([c for c, _ in pairs])
-    if fmt == "fp8_k32":  # the FP4 codes widened to e4m3
-        codes = np.stack([codecs.fp4_to_e4m3(c) for c in codes])
     codes = codes.view(np.uint8) if fmt == "fp4" else codes
     return gm.Weights(jnp.asarray(codes), jnp.asarray(np.stack([s for _, s in pairs]).view(np.uint8)), fmt)
 
@@ -62,10 +62,24 @@ def test_dequantize_matches_the_checkpoint_codecs_exactly():
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 kept
     # and the bf16 values are the same numbers (exactly representable)
     np.testing.assert_array_equal(np.asarray(gm.dequantize(w4, jnp.bfloat16), np.float32)[0], want)
-    # widened to e4m3 codes: the same values
-    w8k = gm.Weights(jnp.asarray(codecs.fp4_to_e4m3(packed[0]))[None], jnp.asarray(scales), "fp8_k32")
+    # widened to e4m3 codes with scales per 128 inputs: the same values, the four per-32 scales of
+    # a 128-input block up to FP4_TO_K128_SPAN (14) binades apart
+    span = codecs.FP4_TO_K128_SPAN
+    scales = (rng.integers(100, 150, (1, 3, 4, 1)) - rng.integers(0, span + 1, (1, 3, 4, 4))).reshape(1, 3, 16)
+    scales[0, :, :4] = [[120, 120 - span, 119, 100]]  # the span exactly, and a block of zero codes below it
+    packed[0, :, 48:64] = 0x80  # (+0 and -0)
+    scales = scales.astype(np.uint8)
+    want = codecs.decode_fp4(packed[0].view(np.int8), scales[0])
+    codes, s128 = codecs.fp4_to_e4m3_k128(packed[0], scales[0])
+    assert len(np.unique(s128)) > 1
+    w8k = gm.Weights(jnp.asarray(codes)[None], jnp.asarray(s128)[None], "fp8_k128")
     np.testing.assert_array_equal(np.asarray(gm.dequantize(w8k, jnp.float32))[0], want)
-    np.testing.assert_array_equal(codecs.decode_fp8_k32(np.asarray(w8k.values[0]), scales[0]), want)
+    np.testing.assert_array_equal(codecs.decode_fp8_k128(codes, s128), want)
+    np.testing.assert_array_equal(np.signbit(codecs.decode_fp8_k128(codes, s128)), np.signbit(want))
+    # one binade more cannot be held exactly: a clear error naming the tensor and the block
+    scales[0, 1, 4:8] = [130, 130 - span - 1, 125, 130]
+    with pytest.raises(codecs.CodecError, match=r"experts\.w1: row 1, inputs 128\.\.255"):
+        codecs.fp4_to_e4m3_k128(packed[0], scales[0], "experts.w1")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -178,7 +192,7 @@ ROUTINGS = {
 
 
 @pytest.mark.parametrize("fmt,routing", [("dense", "uneven"), ("fp8", "uneven"), ("fp4", "uneven"),
-                                         ("fp8_k32", "uneven"), ("fp4", "one_group"), ("fp8_k32", "one_group"),
+                                         ("fp8_k128", "uneven"), ("fp4", "one_group"), ("fp8_k128", "one_group"),
                                          ("fp4", "pairs")])
 def test_kernel_matches_reference(fmt, routing):
     rng = np.random.default_rng(7)
@@ -212,8 +226,8 @@ def test_kernel_matches_reference(fmt, routing):
     assert np.abs(np.asarray(gm.reference(x, w, *meta, block_m=16))).max() > 1.0
 
 
-@pytest.mark.parametrize("fmt,split,bk", [("dense", 2, 64), ("fp8", 4, 64), ("fp4", 2, 128), ("fp8_k32", 4, 128),
-                                          ("fp8", 2, 256)])
+@pytest.mark.parametrize("fmt,split,bk", [("dense", 2, 64), ("fp8", 4, 64), ("fp4", 2, 128), ("fp8_k128", 4, 128),
+                                          ("fp8", 2, 256), ("fp8_k128", 2, 256), ("fp8_k128", 2, 64)])
 def test_split_k_matches_the_reference(fmt, split, bk):
     """K split over programs: fp32 partial products summed after the kernel, then rounded (and,
     fused SwiGLU, activated) as by the unsplit kernel; unused tiles stay zero. FP8 steps of 256
@@ -248,10 +262,12 @@ def test_split_k_matches_the_reference(fmt, split, bk):
 
 @pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 16),
                                              ("fp8", 1, 128, 32),
-                                             ("fp8_k32", 2, 128, 16), ("fp4", 1, 128, 16), ("dense", 2, 64, 16)])
+                                             ("fp8_k128", 2, 128, 16), ("fp8_k128", 1, 256, 16), ("fp8_k128", 1, 128, 32),
+                                             ("fp4", 1, 128, 16), ("dense", 2, 64, 16)])
 def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
-    """Rows given as e4m3 codes with per-128 scales (``ActQuant``): against ``fp8`` weights the
-    kernel multiplies codes by codes and scales the sums per 128 inputs; the result is the product
+    """Rows given as e4m3 codes with per-128 scales (``ActQuant``): against ``fp8`` / ``fp8_k128``
+    weights the kernel multiplies codes by codes and scales the sums per 128 inputs (and per
+    weight block or output column); the result is the product
     of the rows' values (``fp8_sim`` of x), which the other formats, prefill's row tiles and the
     reference multiply. A 64-input step widens to a whole scale block."""
     rng = np.random.default_rng(5)
@@ -280,7 +296,8 @@ def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
     jaxpr = str(jax.make_jaxpr(lambda r: gm.kernel(r, w, *meta, block_m=bm, config=cfg, interpret=False))(rows))
     # the fp8 x fp8 kernel, under its own name: fp8 weights in decode / verify row tiles
-    assert ("grouped_matmul_fp8_a8" in jaxpr) == (fmt == "fp8" and bm == 16)
+    codes = fmt in ("fp8", "fp8_k128") and bm == 16
+    assert (f"grouped_matmul_{fmt}_a8" in jaxpr) == codes
 
     # rows the kernel quantises itself (QuantRows): the same codes and scales, the same result
     raw = gm.QuantRows(x)
@@ -290,10 +307,10 @@ def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     np.testing.assert_array_equal(np.asarray(h_raw, np.float32), np.asarray(h, np.float32))
     np.testing.assert_array_equal(np.asarray(gm.reference(raw, w, *meta, block_m=bm, out_dtype=jnp.float32)), ref)
     closed = jax.make_jaxpr(lambda r: gm.kernel(r, w, *meta, block_m=bm, config=cfg, interpret=False))(raw)
-    assert ("grouped_matmul_fp8_a8q" in str(closed)) == (fmt == "fp8" and bm == 16)
+    assert (f"grouped_matmul_{fmt}_a8q" in str(closed)) == codes
     # with fp8 dots nothing quantises the rows outside the kernel; elsewhere XLA rounds them first
     outside = _outside_kernels(closed.jaxpr)
-    assert "pallas_call" in outside and ("reduce_max" in outside) == (fmt != "fp8" or bm != 16)
+    assert "pallas_call" in outside and ("reduce_max" in outside) == (not codes)
 
 
 def _outside_kernels(jaxpr) -> set[str]:
@@ -371,8 +388,8 @@ def test_decode_configs_split_k_only_where_programs_are_few():
     assert cfg.split_k == 8 and 4096 // 128 // cfg.split_k == gm.SPLIT_MIN_STEPS
     # the routed experts' 6 pair tiles x 32 column tiles: split 2 reaches the target; their down
     # projection (6 x 64 column tiles) has enough programs already
-    assert gm.default_config(16, "fp8_k32", n=2048, k=4096, tiles=6).split_k == 2
-    assert gm.default_config(16, "fp8_k32", n=4096, k=2048, tiles=6).split_k == 1
+    assert gm.default_config(16, "fp8_k128", n=2048, k=4096, tiles=6).split_k == 2
+    assert gm.default_config(16, "fp8_k128", n=4096, k=2048, tiles=6).split_k == 1
     assert gm.default_config(16, "fp4", n=2048, k=4096, tiles=6).split_k == 1  # FP4: faster unsplit
     # the split keeps at least SPLIT_MIN_STEPS loop steps per program (K 1024: 8 steps of 128)
     assert gm.default_config(16, "fp8", n=512, k=1024, tiles=1).split_k == 2
@@ -430,12 +447,12 @@ def _flash_weights(fmt: str, n: int, k: int) -> gm.Weights:
         return gm.Weights(SD((e, n, k // 2), jnp.uint8), SD((e, n, k // 32), jnp.uint8), "fp4")
     if fmt == "fp8":
         return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n // 128, k // 128), jnp.uint8), "fp8")
-    if fmt == "fp8_k32":
-        return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n, k // 32), jnp.uint8), "fp8_k32")
+    if fmt == "fp8_k128":
+        return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n, k // 128), jnp.uint8), "fp8_k128")
     return gm.Weights(SD((e, n, k), jnp.bfloat16), None, "dense")
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "fp8_k32", "fp8", "dense"])
+@pytest.mark.parametrize("fmt", ["fp4", "fp8_k128", "fp8", "dense"])
 @pytest.mark.parametrize("pairs", [6, 36, 12288])  # 1 decode token, 6 verify tokens, 2048 prefill tokens x top-6
 def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     bm = gm.block_m_for(pairs, FLASH["e"])
@@ -454,7 +471,7 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
     text = lowering.lower(lambda h, w, tg, nt: gm.kernel(h, w, tg, nt, block_m=bm, interpret=False),
                           h, _flash_weights(fmt, FLASH["d"], FLASH["i"]), *meta)
     assert lowering.count_triton_calls(text) == 1
-    if fmt == "fp8" and bm == 16:  # quantised rows at decode / verify: e4m3 x e4m3 dots
+    if gm.takes_codes(fmt, bm):  # quantised rows at decode / verify: e4m3 x e4m3 dots
         rows = gm.ActQuant(SD((t * bm, FLASH["d"]), jnp.float8_e4m3fn), SD((t * bm, FLASH["d"] // 128), jnp.float32))
         text = lowering.lower(lambda r, w, rw, tg, nt: gm.swiglu_kernel(r, w, w, rw, tg, nt, block_m=bm, limit=10.0,
                                                                          interpret=False),

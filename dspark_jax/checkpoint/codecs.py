@@ -171,18 +171,50 @@ def decode_fp4(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.nd
     return out
 
 
-# ---------------------------------------------------------------------------- fp4 widened to e4m3
-def fp4_to_e4m3(packed: np.ndarray) -> np.ndarray:
-    """Packed e2m1 pairs [rows, in / 2] -> one float8_e4m3fn code per value [rows, in] (exact:
-    every e2m1 value is an e4m3 value); the per-32 scales stay as they are."""
-    b = packed.view(np.uint8)
-    vals = np.empty((b.shape[0], 2 * b.shape[1]), np.float32)
+# ------------------------------------------------------- fp4 widened to e4m3, scales per 128
+# Largest span of per-32 scale exponents, within one row's 128-input block, that e4m3 holds
+# exactly: a code of the block's largest scale S is stored times 2**6 (6 * 64 = 384 <= 448), one of
+# scale S - d times 2**(6 - d); e2m1's smallest magnitude 0.5 stays an e4m3 value (2**-9 is
+# e4m3's smallest subnormal, and 1.5 * 2**-8 = 3 * 2**-9 is one too) while 6 - d >= -8.
+FP4_TO_K128_SPAN = 14
+
+
+def fp4_to_e4m3_k128(packed: np.ndarray, scale: np.ndarray, name: str = "fp4 weight") -> tuple[np.ndarray, np.ndarray]:
+    """Packed e2m1 pairs [rows, in / 2] with e8m0 scales per 32 inputs [rows, in / 32] -> one
+    float8_e4m3fn code per value [rows, in] with one e8m0 scale byte per row and 128 inputs
+    [rows, in / 128], the same values exactly: a 128-input block's scale is ``S - 6`` (S its
+    largest per-32 scale among sub-blocks with a nonzero code) and each code is its e2m1 value
+    times ``2 ** (s - S + 6)``. Raises CodecError naming ``name`` where that is not exact (a
+    nonzero sub-block whose scale is more than ``FP4_TO_K128_SPAN`` binades below S)."""
+    b = np.asarray(packed).view(np.uint8)
+    sb = np.asarray(scale)
+    sb = sb.view(np.uint8) if sb.dtype.itemsize == 1 else float_to_e8m0(sb).view(np.uint8)
+    rows, half = b.shape
+    k = 2 * half
+    if k % FP8_BLOCK or sb.shape != (rows, k // FP4_BLOCK):
+        raise CodecError(f"{name}: fp4 {b.shape} (packed) with scales {sb.shape} cannot take scales per "
+                         f"{FP8_BLOCK} inputs (needs in % {FP8_BLOCK} == 0 and scales [rows, in / {FP4_BLOCK}])")
+    if np.any(sb == 255):
+        raise CodecError(f"{name}: NaN scale byte (255)")
+    s = sb.astype(np.int32).reshape(rows, k // FP8_BLOCK, FP8_BLOCK // FP4_BLOCK)
+    nonzero = ((b & 0x77) != 0).reshape(rows, k // FP8_BLOCK, FP8_BLOCK // FP4_BLOCK, FP4_BLOCK // 2).any(-1)
+    top = np.where(nonzero, s, -1).max(-1)  # -1: a block without a nonzero code
+    lost = nonzero & (s < top[..., None] - FP4_TO_K128_SPAN)
+    if lost.any():
+        r, blk, sub = (int(v[0]) for v in np.nonzero(lost))
+        raise CodecError(f"{name}: row {r}, inputs {blk * FP8_BLOCK}..{(blk + 1) * FP8_BLOCK - 1}: per-32 scale "
+                         f"bytes {s[r, blk].tolist()} span more than {FP4_TO_K128_SPAN} binades, which e4m3 codes "
+                         f"under one scale cannot hold exactly; keep the experts in FP4 (weight_format='official')")
+    block = np.maximum(top - 6, 0)
+    vals = np.empty((rows, k), np.float32)
     vals[:, 0::2] = FP4_VALUES[b & 0x0F]
     vals[:, 1::2] = FP4_VALUES[b >> 4]
-    return vals.astype(ml_dtypes.float8_e4m3fn)
+    shift = np.repeat(np.where(nonzero, s - block[..., None], 0).reshape(rows, -1), FP4_BLOCK, axis=1)
+    codes = np.ldexp(vals, shift).astype(ml_dtypes.float8_e4m3fn)
+    return codes, block.astype(np.uint8)
 
 
-def decode_fp8_k32(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
-    """e4m3 codes [rows, in] with e8m0 scales per 32 inputs [rows, in / 32] -> values."""
-    s = np.repeat(scale_to_float(scale), FP4_BLOCK, axis=-1)
+def decode_fp8_k128(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """e4m3 codes [rows, in] with e8m0 scales per row and 128 inputs [rows, in / 128] -> values."""
+    s = np.repeat(scale_to_float(scale), FP8_BLOCK, axis=-1)
     return (codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * s).astype(dtype)

@@ -89,13 +89,13 @@ def scale_path(path: str) -> str:
 
 
 def stored_format(flat: dict[str, nnx.Variable], path: str) -> str:
-    """How the model holds a weight: "fp8" (128 x 128 scale blocks), "fp4", "fp8_k32" (FP4 values
-    widened to e4m3; codes + scale bytes per 32 inputs) or "dense"."""
+    """How the model holds a weight: "fp8" (128 x 128 scale blocks), "fp4", "fp8_k128" (FP4 values
+    widened to e4m3; codes + scale bytes per row and 128 inputs) or "dense"."""
     if scale_path(path) not in flat or path == scale_path(path):
         return "dense"
     if flat[path].dtype != jnp.float8_e4m3fn:
         return "fp4"
-    return "fp8_k32" if path.endswith(_STACKED) else "fp8"
+    return "fp8_k128" if path.endswith(_STACKED) else "fp8"
 
 
 def _flat_vars(state: nnx.State) -> dict[str, nnx.Variable]:
@@ -316,9 +316,9 @@ def read_stored(reader: files.TensorReader, src: Source, shape: tuple[int, ...],
     format, else quantised from the decoded values."""
     if fmt == "dense":
         return (read_source(reader, src, shape, dtype),)
-    if fmt == "fp8_k32":
+    if fmt == "fp8_k128":
         packed, scales = read_stored(reader, src, shape, "fp4", dtype)
-        return codecs.fp4_to_e4m3(packed), scales
+        return codecs.fp4_to_e4m3_k128(packed, scales, src.weight.name)
     if src.fmt == fmt:
         codes = reader.read(src.weight)
         codes = codes.view(np.uint8) if fmt == "fp4" else codes.astype(ml_dtypes.float8_e4m3fn, copy=False)
@@ -392,7 +392,7 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
 
     quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights.
     weight_format: "official" (FP8 / FP4 kept as stored), "fp8" (FP4 experts widened to e4m3
-        codes, same values) or "dense"; None = "official" iff the checkpoint stores FP8 / FP4 weights.
+        codes with scales per 128 inputs, same values; ``codecs.fp4_to_e4m3_k128``) or "dense"; None = "official" iff the checkpoint stores FP8 / FP4 weights.
     dspark: None = load the DSpark drafter if the checkpoint has one; True = require it (error
         for a DSpark-less checkpoint); False = target model only (``mtp.*`` tensors ignored).
     """
@@ -451,7 +451,7 @@ def official_tensors(model: nnx.Module):
             scale = np.asarray(flat[scale_path(path)][...])
             if expert is not None:
                 value, scale = value[expert], scale[expert]
-            decode = {"fp8": codecs.decode_fp8, "fp4": codecs.decode_fp4, "fp8_k32": codecs.decode_fp8_k32}[fmt]
+            decode = {"fp8": codecs.decode_fp8, "fp4": codecs.decode_fp4, "fp8_k128": codecs.decode_fp8_k128}[fmt]
             yield name, decode(value.view(np.int8) if fmt == "fp4" else value, scale)
             continue
         if expert is not None:

@@ -37,8 +37,9 @@ class Numerics:
     weight_format: "dense" (every matrix in ``param_dtype``), "official" (FP8 linears and FP4
         routed experts kept as the official checkpoints store them, dequantised inside the matmuls
         to exactly the checkpoint's values: 2-4x fewer bytes to hold and to read) or "fp8" (the
-        same, with the FP4 experts widened to one e4m3 code per value and their per-32 scales:
-        the same values, twice FP4's bytes, faster on GPUs without FP4 arithmetic).
+        same, with the FP4 experts widened to one e4m3 code per value and one scale per row and
+        128 inputs (``fp8_k128``): the same values, twice FP4's bytes, faster on GPUs without FP4
+        arithmetic, and multiplied as fp8 x fp8 codes at decode / verify).
     kernels: attention / fp8-cache-write implementation for decode and verify chunks: "pallas"
         (the Pallas kernels: Triton on a GPU, interpret mode on CPU), "xla" (their pure-JAX
         references) or "auto" (pallas on a GPU, xla elsewhere).
@@ -134,12 +135,15 @@ def random_fp8(rngs: nnx.Rngs, shape: tuple[int, int], std: float = 0.02) -> tup
 def random_fp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = 0.02, *, widened: bool = False
                ) -> tuple[Array, Array]:
     """Random fp4 weights [..., out, in] of about ``std``: (packed e2m1 code pairs [..., out, in / 2],
-    e8m0 scale bytes per 32 inputs [..., out, in / 32]); ``widened``: the codes as e4m3 [..., out, in]."""
+    e8m0 scale bytes per 32 inputs [..., out, in / 32]); ``widened``: the same kind of values as
+    ``fp8_k128`` weights, e4m3 codes [..., out, in] (e2m1 values times 64) and one scale byte per
+    128 inputs [..., out, in / 128]."""
     e = round(math.log2(std / _FP4_RMS))
-    scales = jnp.full((*shape[:-1], shape[-1] // gm.FP4_BLOCK), 127 + e, jnp.uint8)
     if widened:
         codes = jax.random.randint(rngs.params(), shape, 0, 16)
-        return jnp.asarray(gm.FP4_VALUES, jnp.float32)[codes].astype(jnp.float8_e4m3fn), scales
+        scales = jnp.full((*shape[:-1], shape[-1] // gm.FP8_BLOCK), 127 + e - 6, jnp.uint8)
+        return (jnp.asarray(gm.FP4_VALUES, jnp.float32)[codes] * 64).astype(jnp.float8_e4m3fn), scales
+    scales = jnp.full((*shape[:-1], shape[-1] // gm.FP4_BLOCK), 127 + e, jnp.uint8)
     return jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8), scales
 
 

@@ -87,14 +87,15 @@ class Experts(nnx.Module):
     "official"`` they stay FP4 as in the checkpoint: ``w{1,2,3}`` hold packed e2m1 code pairs
     [E, out, in / 2] (uint8) and ``w{1,2,3}_scale`` one e8m0 byte per 32 inputs [E, out, in / 32]
     (official ``experts.{e}.w{1,2,3}.scale``); with "fp8" the codes are widened to e4m3
-    [E, out, in] (same values, same scales)."""
+    [E, out, in] with one scale byte per row and 128 inputs [E, out, in / 128] (``fp8_k128``:
+    the same values, ``dspark_jax.checkpoint.codecs.fp4_to_e4m3_k128``)."""
 
     def __init__(self, cfg: ModelConfig, num: Numerics, *, rngs: nnx.Rngs):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.fmt = {"official": "fp4", "fp8": "fp8_k32"}.get(num.weight_format, "dense")
+        self.fmt = {"official": "fp4", "fp8": "fp8_k128"}.get(num.weight_format, "dense")
         for name, shape in (("w1", (e, i, d)), ("w2", (e, d, i)), ("w3", (e, i, d))):
             if self.fmt != "dense":
-                packed, scale = random_fp4(rngs, shape, widened=self.fmt == "fp8_k32")
+                packed, scale = random_fp4(rngs, shape, widened=self.fmt == "fp8_k128")
                 setattr(self, name, nnx.Param(packed))
                 setattr(self, f"{name}_scale", Buffer(scale))
             else:
@@ -155,7 +156,6 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     pairs each pair gets its own tile (``pair_tiles``), otherwise pairs are sorted by expert (``group_tiles``).
     ``dropped``: pairs with ``idx`` = the number of experts contribute nothing and are not computed
     (sorted tiles: ``group_tiles(dropped=True)``)."""
-    act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
     n, k = idx.shape
     bm = block_m or gm.block_m_for(n * k, w1.shape[0])
     if n * k <= PAIR_TILES_MAX and not dropped:
@@ -164,7 +164,17 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
         tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped)
     pair = tiles.pair_of_row
     real = pair >= 0
-    rows = jnp.where(real[:, None], act_in(x)[jnp.maximum(pair, 0) // k], 0)
+    gathered = lambda a: jnp.where(real[:, None], a[jnp.maximum(pair, 0) // k], 0)  # noqa: E731
+    # The reference quantises each expert GEMM's input (act_quant, block 128). Where the weights and
+    # the row tile take fp8 x fp8 dots the rows go in quantised (after the gather), elsewhere as
+    # their rounded values (before it): the same values either way.
+    codes = quant_sim and gm.takes_codes(w1.fmt, bm)
+    if codes:
+        act_in = lambda a: gm.quantised_rows(a, bm)  # noqa: E731
+        rows = act_in(gathered(x))
+    else:
+        act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
+        rows = gathered(act_in(x))
     row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
     meta = dict(tile_group=tiles.tile_group, num_tiles=tiles.num_tiles, block_m=bm, impl=impl, **kernel_options)
     h = gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)
