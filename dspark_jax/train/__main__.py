@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gen-framed-fraction", type=float, default=None,
                    help="share of training prompts framed as chat requests around corpus code (default 0.5)")
     g.add_argument("--gen-docstring-fraction", type=float, default=None,
-                   help="share of the framed prompts whose code ends where a docstring closes (default 0)")
+                   help="share of the framed prompts whose code ends where a docstring closes (default 0.5)")
     c = p.add_argument_group("corpus")
     c.add_argument("--packages", action=argparse.BooleanOptionalAction, default=None,
                    help="add the pinned packages' Python files (dspark_jax/train/corpus_packages.json) to the "

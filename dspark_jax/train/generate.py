@@ -52,8 +52,7 @@ class GenerateConfig:
     corpus_fraction: float = 0.1  # share of corpus windows in the drafter's training windows
     heldout_sequences: int = 512  # greedy held-out continuations replayed as decoding rounds (STS, accept length)
     framed_fraction: float = 0.5  # of the training prompts shaped as chat requests around corpus code (REQUEST_FRAMES)
-    docstring_fraction: float = 0.0  # of the framed prompts, those whose code ends where a docstring closes (not yet
-    # trained with: the shipped pair's recipe has none)
+    docstring_fraction: float = 0.5  # of the framed prompts, those whose code ends where a docstring closes
 
     def __post_init__(self):
         if not 0 < self.share < 1:
