@@ -4,8 +4,9 @@ A plain linear's rows come in tiles of ``block_m`` rows (``grouped_matmul.block_
 every row tile reads the whole weight (from the L2 cache when it is still there) and runs its
 tensor-core dots on ``block_m`` rows. This script times the FP8 linears of one DeepSeek-V4-Flash
 layer (and the drafter's input projection) at R rows (a batch-32 verify: 192) with each row tile:
-16 with the rows as fp8 codes (e4m3 x e4m3 dots, what decode / verify tiles take) and 16, 32, 64
-and 128 with the rows' rounded values. Device time per call from a profiler trace (one jitted
+16 (and ``--code-tiles``) with the rows as fp8 codes (e4m3 x e4m3 dots, what decode / verify tiles
+take) and ``--tiles`` with the rows' rounded values; ``wo_a``, whose rows the model keeps in bf16
+(as the reference), with values only. Device time per call from a profiler trace (one jitted
 program calls the linear on distinct weight copies, together >= 256 MiB, so no call reads
 another's weights from the L2); every variant is checked against the 16-row result.
 
@@ -31,61 +32,74 @@ from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.group_metadata import dense_tiles
 
 
-def flash_linears() -> list[Shape]:
+def flash_linears() -> list[tuple[Shape, bool]]:
+    """(shape, whether the model quantises its rows). ``wo_a``: 8 groups, each of the R rows times
+    each group's weights; the reference multiplies it by the bf16 rows (no activation quant)."""
     d, h, hd, q, og, orank = 4096, 64, 512, 1024, 8, 1024
-    return [Shape("attn.wq_b", "fp8", h * hd, q, 1, 1), Shape("attn.wo_b", "fp8", d, og * orank, 1, 1),
-            Shape("attn.wq_a", "fp8", q, d, 1, 1), Shape("shared w2", "fp8", d, 2048, 1, 1),
-            Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1), Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1)]
+    return [(Shape("attn.wo_a (8 groups)", "fp8", orank, h * hd // og, og, og), False),
+            (Shape("attn.wq_b", "fp8", h * hd, q, 1, 1), True), (Shape("attn.wo_b", "fp8", d, og * orank, 1, 1), True),
+            (Shape("attn.wq_a", "fp8", q, d, 1, 1), True), (Shape("shared w2", "fp8", d, 2048, 1, 1), True),
+            (Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1), True), (Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1), True)]
 
 
 def call(x, w: gm.Weights, block_m: int, codes: bool, interpret: bool):
-    """x [R, K] @ w^T through the kernel with ``block_m``-row tiles (rows padded to the tile)."""
-    r = x.shape[0]
+    """x [R, K] @ w[g]^T for every group g through the kernel with ``block_m``-row tiles (rows
+    padded to the tile): [G, R, N]."""
+    r, g = x.shape[0], w.shape[0]
     rp = -(-r // block_m) * block_m
-    xp = jnp.pad(x, ((0, rp - r), (0, 0)))
+    xp = jnp.tile(jnp.pad(x, ((0, rp - r), (0, 0))), (g, 1))
     rows = gm.ActQuant.of(xp) if codes else gm.ActQuant.of(xp).values()
-    tile_group, num_tiles = dense_tiles(rp, 1, block_m)
-    return gm.kernel(rows, w, tile_group, num_tiles, block_m=block_m, interpret=interpret)[:r]
+    tile_group, num_tiles = dense_tiles(rp, g, block_m)
+    y = gm.kernel(rows, w, tile_group, num_tiles, block_m=block_m, interpret=interpret)
+    return y.reshape(g, rp, -1)[:, :r]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="192")
     ap.add_argument("--tiles", default="16,32,64,128")
+    ap.add_argument("--code-tiles", default="16",
+                    help="row tiles also timed with the rows as fp8 codes (lifts grouped_matmul.CODE_DOTS_MAX_BLOCK_M)")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
     out = {"env": environment(), "method": __doc__.split("\n\n")[1], "results": []}
-    shapes = [Shape("linear", "fp8", 256, 512, 1, 1)] if args.smoke else flash_linears()
+    shapes = ([(Shape("linear", "fp8", 256, 512, 1, 1), True), (Shape("grouped", "fp8", 128, 256, 2, 2), False)]
+              if args.smoke else flash_linears())
     rows_list = [int(r) for r in args.rows.split(",")]
-    variants = [(16, True)] + [(int(b), False) for b in args.tiles.split(",")]
+    code_tiles = [int(b) for b in args.code_tiles.split(",")]
+    gm.CODE_DOTS_MAX_BLOCK_M = max(code_tiles + [gm.CODE_DOTS_MAX_BLOCK_M])
+    variants = [(16, True)] + [(b, True) for b in code_tiles if b != 16] + [(int(b), False) for b in args.tiles.split(",")]
     trace_root = tempfile.mkdtemp(prefix="dspark_linear_tiles_")
-    for si, shape in enumerate(shapes):
+    for si, (shape, quantised) in enumerate(shapes):
         if time.time() - t0 > args.budget_s:
             print("budget exhausted", flush=True)
             break
-        copies = 2 if args.smoke else min(32, max(2, -(-(256 << 20) // shape.weight_bytes_per_tile)))
+        weight_bytes = shape.weight_bytes_per_tile * shape.groups
+        copies = 2 if args.smoke else min(32, max(2, -(-(256 << 20) // weight_bytes)))
         keys = jax.random.split(jax.random.key(si), copies + 1)
         ws = [random_weights(keys[c], shape) for c in range(copies)]
+        mine = [v for v in variants if quantised or not v[1]]  # bf16 rows in the model: no codes
         for rows in rows_list:
             x = jax.random.normal(keys[-1], (rows, shape.k), jnp.bfloat16)
-            ref = np.asarray(call(x, ws[0], 16, True, args.smoke), np.float32)
-            compiled, row = {}, {"name": shape.name, "n": shape.n, "k": shape.k, "rows": rows, "variants": []}
-            for vi, (bm, codes) in enumerate(variants):
+            ref = np.asarray(call(x, ws[0], *mine[0], args.smoke), np.float32)
+            compiled, row = {}, {"name": shape.name, "n": shape.n, "k": shape.k, "groups": shape.groups, "rows": rows,
+                                 "rows_quantised_in_the_model": quantised, "variants": []}
+            for vi, (bm, codes) in enumerate(mine):
                 got = np.asarray(call(x, ws[0], bm, codes, args.smoke), np.float32)
                 err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
                 fn = functools.partial(lambda bm, codes, x, ws: [call(x, w, bm, codes, args.smoke) for w in ws], bm, codes)
                 c, module, _, _ = compile_highest(fn, f"linear_tiles_{si}_{rows}_{vi}", x, ws)
                 compiled[vi] = (c, module, (x, ws))
                 row["variants"].append({"block_m": bm, "rows_as": "fp8 codes" if codes else "values",
-                                        "max_rel_diff_vs_16_codes": err})
+                                        "max_rel_diff_vs_first": err})
             for vi, t in device_times(compiled, args.calls, trace_root).items():
                 v = row["variants"][vi]
                 if "device_us" in t:
                     v["us"] = t["device_us"] / copies
-                    v["GBps"] = (shape.weight_bytes_per_tile + x.size * 2) / v["us"] / 1e3
+                    v["GBps"] = (weight_bytes + shape.groups * x.size * 2) / v["us"] / 1e3
                 else:
                     v.update(t)
             out["results"].append(row)

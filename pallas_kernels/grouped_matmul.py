@@ -203,10 +203,15 @@ def fp8_dots(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> bool:
     return isinstance(x, (ActQuant, QuantRows)) and takes_codes(w.fmt, block_m)
 
 
+# The largest row tile that multiplies quantised rows as fp8 codes (read at the call;
+# ``benchmarks/linear_tiles.py`` raises it to time larger tiles).
+CODE_DOTS_MAX_BLOCK_M = 16
+
+
 def takes_codes(fmt: str, block_m: int) -> bool:
     """Whether quantised rows are multiplied as fp8 codes against ``fmt`` weights in ``block_m``-row
     tiles (``fp8_dots``)."""
-    return fmt in ("fp8", "fp8_k128") and block_m <= 16
+    return fmt in ("fp8", "fp8_k128") and block_m <= CODE_DOTS_MAX_BLOCK_M
 
 
 def _kernel_rows(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> Array | ActQuant | QuantRows:
