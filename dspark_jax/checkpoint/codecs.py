@@ -206,12 +206,19 @@ def fp4_to_e4m3_k128(packed: np.ndarray, scale: np.ndarray, name: str = "fp4 wei
                          f"bytes {s[r, blk].tolist()} span more than {FP4_TO_K128_SPAN} binades, which e4m3 codes "
                          f"under one scale cannot hold exactly; keep the experts in FP4 (weight_format='official')")
     block = np.maximum(top - 6, 0)
-    vals = np.empty((rows, k), np.float32)
-    vals[:, 0::2] = FP4_VALUES[b & 0x0F]
-    vals[:, 1::2] = FP4_VALUES[b >> 4]
-    shift = np.repeat(np.where(nonzero, s - block[..., None], 0).reshape(rows, -1), FP4_BLOCK, axis=1)
-    codes = np.ldexp(vals, shift).astype(ml_dtypes.float8_e4m3fn)
-    return codes, block.astype(np.uint8)
+    # each e2m1 code times 2 ** shift as an e4m3 byte, shift in [-8, 6], looked up from
+    # (shift + 8) * 16 + code (< 256: one uint8 index per value)
+    shift = np.where(nonzero, s - block[..., None], 0) + 8
+    row = np.repeat(shift.astype(np.uint8).reshape(rows, -1), FP4_BLOCK // 2, axis=1) << 4
+    codes = np.empty((rows, k), np.uint8)
+    codes[:, 0::2] = _K128_BYTES[row | (b & 0x0F)]
+    codes[:, 1::2] = _K128_BYTES[row | (b >> 4)]
+    return codes.view(ml_dtypes.float8_e4m3fn), block.astype(np.uint8)
+
+
+# e4m3 bytes of every e2m1 value times 2 ** shift, shift in [-8, 6] (index (shift + 8) * 16 + code)
+_K128_BYTES = (FP4_VALUES[None, :] * np.ldexp(np.float32(1), np.arange(-8, 7))[:, None]).astype(
+    ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(-1)
 
 
 def decode_fp8_k128(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
