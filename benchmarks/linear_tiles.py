@@ -37,9 +37,12 @@ def flash_linears() -> list[tuple[Shape, bool]]:
     each group's weights; the reference multiplies it by the bf16 rows (no activation quant)."""
     d, h, hd, q, og, orank = 4096, 64, 512, 1024, 8, 1024
     return [(Shape("attn.wo_a (8 groups)", "fp8", orank, h * hd // og, og, og), False),
-            (Shape("attn.wq_b", "fp8", h * hd, q, 1, 1), True), (Shape("attn.wo_b", "fp8", d, og * orank, 1, 1), True),
-            (Shape("attn.wq_a", "fp8", q, d, 1, 1), True), (Shape("shared w2", "fp8", d, 2048, 1, 1), True),
-            (Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1), True), (Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1), True)]
+            (Shape("attn.wq_b", "fp8", h * hd, q, 1, 1), True),
+            (Shape("attn.wo_b", "fp8", d, og * orank, 1, 1), True),
+            (Shape("attn.wq_a", "fp8", q, d, 1, 1), True),
+            (Shape("shared w2", "fp8", d, 2048, 1, 1), True),
+            (Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1), True),
+            (Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1), True)]
 
 
 def call(x, w: gm.Weights, block_m: int, codes: bool, interpret: bool):
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
     rows_list = [int(r) for r in args.rows.split(",")]
     code_tiles = [int(b) for b in args.code_tiles.split(",")]
     gm.CODE_DOTS_MAX_BLOCK_M = max(code_tiles + [gm.CODE_DOTS_MAX_BLOCK_M])
-    variants = [(16, True)] + [(b, True) for b in code_tiles if b != 16] + [(int(b), False) for b in args.tiles.split(",")]
+    variants = ([(16, True)] + [(b, True) for b in code_tiles if b != 16]
+                + [(int(b), False) for b in args.tiles.split(",")])
     trace_root = tempfile.mkdtemp(prefix="dspark_linear_tiles_")
     for si, (shape, quantised) in enumerate(shapes):
         if time.time() - t0 > args.budget_s:
@@ -90,7 +94,8 @@ def main(argv=None) -> int:
             for vi, (bm, codes) in enumerate(mine):
                 got = np.asarray(call(x, ws[0], bm, codes, args.smoke), np.float32)
                 err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-                fn = functools.partial(lambda bm, codes, x, ws: [call(x, w, bm, codes, args.smoke) for w in ws], bm, codes)
+                fn = functools.partial(lambda bm, codes, x, ws: [call(x, w, bm, codes, args.smoke) for w in ws],
+                                       bm, codes)
                 c, module, _, _ = compile_highest(fn, f"linear_tiles_{si}_{rows}_{vi}", x, ws)
                 compiled[vi] = (c, module, (x, ws))
                 row["variants"].append({"block_m": bm, "rows_as": "fp8 codes" if codes else "values",

@@ -30,8 +30,8 @@ even and odd columns and multiplies them by the low and high nibbles separately.
 Rows may come quantised (``ActQuant``: the reference's FP8 GEMM input, e4m3 codes and the
 per-128 amax that gives their power-of-two scales): in decode / verify row tiles against ``fp8``
 or ``fp8_k128`` weights the kernel then runs e4m3 x e4m3 dots, one per 128-input block, and
-scales their fp32 sums by the weight block's (or each output column's) and the row's scales (exact products; only the fp32 summation order
-differs from multiplying the rows' values), reading half the activation bytes and converting no
+scales their fp32 sums by the weight block's (or each output column's) and the row's scales
+(exact products; only the fp32 summation order differs from multiplying the rows' values), reading half the activation bytes and converting no
 weights in registers. Rows may also come to be quantised (``QuantRows``): the kernel then
 quantises each 128-input block itself (amax, scale, codes in registers, as ``ActQuant.of``), so
 no codes or amax array is computed by separate kernels before it.

@@ -262,7 +262,8 @@ def test_split_k_matches_the_reference(fmt, split, bk):
 
 @pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 16),
                                              ("fp8", 1, 128, 32),
-                                             ("fp8_k128", 2, 128, 16), ("fp8_k128", 1, 256, 16), ("fp8_k128", 1, 128, 32),
+                                             ("fp8_k128", 2, 128, 16), ("fp8_k128", 1, 256, 16),
+                                             ("fp8_k128", 1, 128, 32),
                                              ("fp4", 1, 128, 16), ("dense", 2, 64, 16)])
 def test_fp8_rows_match_the_rounded_rows(fmt, split, bk, bm):
     """Rows given as e4m3 codes with per-128 scales (``ActQuant``): against ``fp8`` / ``fp8_k128``

@@ -392,7 +392,8 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
 
     quant_sim: None = True iff the checkpoint stores FP8 / FP4 weights.
     weight_format: "official" (FP8 / FP4 kept as stored), "fp8" (FP4 experts widened to e4m3
-        codes with scales per 128 inputs, same values; ``codecs.fp4_to_e4m3_k128``) or "dense"; None = "official" iff the checkpoint stores FP8 / FP4 weights.
+        codes with scales per 128 inputs, same values; ``codecs.fp4_to_e4m3_k128``) or "dense";
+        None = "official" iff the checkpoint stores FP8 / FP4 weights.
     dspark: None = load the DSpark drafter if the checkpoint has one; True = require it (error
         for a DSpark-less checkpoint); False = target model only (``mtp.*`` tensors ignored).
     """
