@@ -78,7 +78,7 @@ import dspark_jax
 from benchmarks.common import add_split_option, apply_split_option, ceilings, environment, out_dir, write_json
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
-from pallas_kernels import kv_fp8
+from pallas_kernels import grouped_matmul as gm, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
 
@@ -480,9 +480,14 @@ def main(argv=None):
                     help="together: every depth's slice in memory, each batch's programs compiled at once; each: "
                          "one slice at a time (memory of the deepest slice only, e.g. for --depths 4,8)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining shapes once this is spent (0 = none)")
+    ap.add_argument("--values-max-block-m", type=int, default=0,
+                    help="largest row tile of FP8 linears on unquantised rows (wo_a; "
+                         "grouped_matmul.VALUES_MAX_BLOCK_M; 0 = the library's)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args(argv)
+    if args.values_max_block_m:
+        gm.VALUES_MAX_BLOCK_M = args.values_max_block_m
     args.split_programs = apply_split_option(args)
     start = time.perf_counter()
 

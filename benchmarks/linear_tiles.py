@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default="16,32,64,128")
     ap.add_argument("--code-tiles", default="16",
                     help="row tiles also timed with the rows as fp8 codes (lifts grouped_matmul.CODE_DOTS_MAX_BLOCK_M)")
+    ap.add_argument("--only", default="", help="comma list: time only the linears whose names contain one of these")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--smoke", action="store_true")
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     out = {"env": environment(), "method": __doc__.split("\n\n")[1], "results": []}
     shapes = ([(Shape("linear", "fp8", 256, 512, 1, 1), True), (Shape("grouped", "fp8", 128, 256, 2, 2), False)]
               if args.smoke else flash_linears())
+    if args.only:
+        shapes = [(s, q) for s, q in shapes if any(part in s.name for part in args.only.split(","))]
     rows_list = [int(r) for r in args.rows.split(",")]
     code_tiles = [int(b) for b in args.code_tiles.split(",")]
     gm.CODE_DOTS_MAX_BLOCK_M = max(code_tiles + [gm.CODE_DOTS_MAX_BLOCK_M])

@@ -713,6 +713,21 @@ def block_m_for(rows: int, groups: int = 1) -> int:
     return plain
 
 
+# The largest row tile ``values_block_m_for`` picks below prefill sizes (read at the call;
+# ``benchmarks/decode.py --values-max-block-m`` sets it to compare rules in one run).
+VALUES_MAX_BLOCK_M = 64
+
+
+def values_block_m_for(rows: int) -> int:
+    """Row tile for a plain (or per-group) FP8 matmul of ``rows`` unquantised rows (``wo_a``: the
+    reference multiplies bf16 rows by the dequantised weight). Every tile widens the whole fp8
+    weight to bf16 before its dots, so fewer, larger tiles: the rows rounded up to a power of two,
+    at most ``VALUES_MAX_BLOCK_M``, never below ``block_m_for`` (Flash linears on an H200 at 192
+    rows as values: 64-row tiles 1.3-2.1x faster than 16-row ones; docs/benchmarks.md)."""
+    fit = 1 << max(rows - 1, 0).bit_length()
+    return max(block_m_for(rows), min(fit, VALUES_MAX_BLOCK_M))
+
+
 def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows:
     """Padded rows quantised as the reference's FP8 GEMM input: by the kernel itself
     (``QuantRows``) when they are one row tile, as at a decode step (on an H200: device time
@@ -725,10 +740,11 @@ def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
                    impl: str | None = None, **kernel_options) -> Float[Array, "g m n"]:
     """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
-    rows padded to the row tile, every tile in use. ``act_quant``: the padded rows quantised as the
-    reference's FP8 GEMM input (``quantised_rows``)."""
+    rows padded to the row tile (``block_m_for``; ``values_block_m_for`` for unquantised rows), every
+    tile in use. ``act_quant``: the padded rows quantised as the reference's FP8 GEMM input
+    (``quantised_rows``)."""
     g, m, k = x.shape
-    bm = block_m_for(m)
+    bm = block_m_for(m) if act_quant else values_block_m_for(m)
     mp = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
     xp = quantised_rows(xp, bm) if act_quant else xp
