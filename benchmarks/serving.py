@@ -83,7 +83,7 @@ from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine, chunk_width, prefill_rows, verify_buckets
 from dspark_jax.decoding.generate import _engine, default_model, resolve_model
 from dspark_jax.decoding.progress import CompileWatch
-from dspark_jax.decoding.scheduler import SPSTable, plot_table, profile, table_key
+from dspark_jax.decoding.scheduler import SPSTable, clairvoyant_bound, plot_table, profile, table_key
 from dspark_jax.decoding.serving import RoundDispatcher, decoding_pool, profile_sps, round_seconds
 
 
@@ -524,9 +524,11 @@ def flash_schedulers(args):
                         static_seconds=lambda: seconds(None))
         table.save(os.path.join(out_dir(), f"sps_S{slots}.json"))
         plot_table(table, os.path.join(out_dir(), f"sps_S{slots}.png"))
+        bound = clairvoyant_bound(table, profile_p, slots, gamma)
         print(f"slots {slots}: SPS tokens {table.tokens} rounds/s {[round(x, 2) for x in table.steps_per_s]}, "
-              f"static round {table.static_steps_per_s:.2f}/s (dominates: {table.static_dominates})",
-              flush=True)
+              f"static round {table.static_steps_per_s:.2f}/s (dominates: {table.static_dominates}); "
+              f"clairvoyant bound x static: {bound['buckets']:.3f} (these buckets), "
+              f"{bound['every_count']:.3f} (a bucket at every count)", flush=True)
         for name in SCHEDULERS:
             row = run_rounds(eng, pool, name, table, args.warmup_rounds, args.rounds)
             rows.append(row)
@@ -536,7 +538,9 @@ def flash_schedulers(args):
         meta["pools"].append({"slots": slots, "buckets": list(buckets), "compile_s": compile_s,
                               "compiled_during_profile_and_runs": compiled_in_runs, "pool_s": last_pool_s,
                               "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
-                              "sps_measured_steps_per_s": list(table.measured_steps_per_s)})
+                              "sps_measured_steps_per_s": list(table.measured_steps_per_s),
+                              "sps_static_steps_per_s": table.static_steps_per_s,
+                              "clairvoyant_bound_x_static": bound})
         meta["elapsed_s"] = time.perf_counter() - start
         write_json("flash_schedulers.json", meta)
     title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'} {args.depth}-layer slice, {args.weights}, "

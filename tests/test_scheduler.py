@@ -570,3 +570,25 @@ def test_round_times_scale_the_ragged_rates_by_their_slowdown_against_the_static
         times.record("verify", 0.01, 0.01)
     with pytest.raises(ValueError, match="positive"):
         times.record("ragged", 0.0, 0.01)
+
+
+def test_clairvoyant_bound_on_compute_bound_and_flat_tables():
+    rates = (0.896, 0.776, 0.656, 0.552, 0.450)
+    slots, g = 8, 5
+    counts = tuple(range(slots, slots * (g + 1) + 1, slots))
+    # round time proportional to the verify tokens: the bound is (γ + 1) / E[A + 1] with a bucket
+    # at every count, and no larger with the ceiling buckets
+    linear = sch.SPSTable(tokens=counts, steps_per_s=tuple(1000.0 / t for t in counts))
+    got = sch.clairvoyant_bound(linear, rates, slots, g, rounds=4096, seed=1)
+    assert got["mean_verify_tokens"] == pytest.approx(1 + sum(rates), rel=0.01)
+    assert got["every_count"] == pytest.approx((g + 1) / (1 + sum(rates)), rel=0.01)
+    assert 1.0 < got["buckets"] <= got["every_count"]
+    # a flat table, or a static round faster than any bucket: nothing to gain
+    flat = sch.SPSTable(tokens=counts, steps_per_s=(20.0,) * len(counts))
+    assert sch.clairvoyant_bound(flat, rates, slots, g)["every_count"] == pytest.approx(1.0)
+    fast_static = dataclasses.replace(linear, static_steps_per_s=200.0)
+    assert sch.clairvoyant_bound(fast_static, rates, slots, g)["buckets"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="non-increasing"):
+        sch.clairvoyant_bound(linear, (0.5, 0.6, 0.4, 0.3, 0.2), slots, g)
+    with pytest.raises(ValueError, match="stops at"):
+        sch.clairvoyant_bound(linear, rates, 16, g)

@@ -327,6 +327,33 @@ def plot_table(table: SPSTable, path: str) -> None:
     plt.close(fig)
 
 
+def clairvoyant_bound(table: SPSTable, pass_rates: Sequence[float], slots: int, gamma: int, *,
+                      rounds: int = 4096, seed: int = 0) -> dict[str, float]:
+    """The most any verify allocation could gain over the static round on ``table``, for ``slots``
+    decoding requests whose draft k passes with marginal probability ``pass_rates[k - 1]``
+    (non-increasing). A clairvoyant scheduler verifies for each request exactly the anchor and
+    the drafts that will pass, A_r + 1 tokens, emitting what verifying everything emits (A_r + 1)
+    with the fewest verify tokens; no scheduler that reads confidences does better. Over
+    ``rounds`` simulated rounds (A_r drawn from the rates), returns the ratio of its accepted
+    tokens per second to the static round's (whose rate is ``table.static_steps_per_s``, else the
+    table's rate at slots x (γ + 1)): ``buckets``, each round in the table's bucket (ceiling rule) or
+    the static round, whichever is faster; ``every_count``, as if a bucket existed at every token
+    count (round time interpolated linearly between the profiled counts), an upper bound for finer
+    buckets. ``mean_verify_tokens``: its verify tokens per request and round (static: γ + 1)."""
+    rates = np.asarray(pass_rates[:gamma], np.float64)
+    if rates.shape[0] != gamma or np.any(np.diff(rates) > 0) or np.any((rates < 0) | (rates > 1)):
+        raise ValueError(f"pass_rates must give {gamma} non-increasing probabilities, got {tuple(pass_rates)}")
+    full = slots * (gamma + 1)
+    table.check_covers(full)
+    static_s = 1.0 / (table.static_steps_per_s or float(table.steps_per_second(np.asarray([full]))[0]))
+    u = np.random.default_rng(seed).random((rounds, slots))
+    tokens = ((u[..., None] < rates).sum(-1) + 1).sum(-1)  # A_r + 1 per request, summed per round
+    bucket_s = np.minimum(1.0 / table.steps_per_second(tokens), static_s)
+    count_s = np.minimum(np.interp(tokens, table.tokens, 1.0 / np.asarray(table.steps_per_s)), static_s)
+    return {"buckets": float(static_s / bucket_s.mean()), "every_count": float(static_s / count_s.mean()),
+            "mean_verify_tokens": float(tokens.mean() / slots)}
+
+
 # ---------------------------------------------------------------------------- 3 schedulers
 def static_lengths(active: Bool[Array, " r"], gamma: int) -> Int[Array, " r"]:
     """γ + 1 verify tokens for every active request, 0 for the others."""
