@@ -58,6 +58,15 @@ size and flash_schedulers.png (Figure 8 of the paper: throughput against concurr
 
     python benchmarks/serving.py --flash            # 2-layer FP8 slice, S = 128 64 32 8 1
     python benchmarks/serving.py --flash --smoke    # the tiny config on the CPU: checks the script
+
+Each pool also reports the clairvoyant bound (``scheduler.clairvoyant_bound``): the most any
+verify allocation could gain over the static round on its SPS table. ``--bound-from A B`` takes
+two ``--flash`` runs at two depths and extrapolates their tables per layer to the full model
+(``full_depth_bound``), where the target's layers weigh more against the drafter's stages:
+
+    OUT=d2 python benchmarks/serving.py --flash --depth 2 --slots 128 64
+    OUT=d4 python benchmarks/serving.py --flash --depth 4 --slots 128 64
+    python benchmarks/serving.py --bound-from d2/flash_schedulers.json d4/flash_schedulers.json
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ import argparse
 import collections
 import concurrent.futures
 import functools
+import json
 import os
 import resource
 import statistics
@@ -200,7 +210,12 @@ def main():
     ap.add_argument("--static-sizes", type=int, nargs="+", default=[16, 32, 64], help="--many: static batch sizes")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=(8, 96), metavar=("LOW", "HIGH"),
                     help="max_new_tokens of each prompt drawn from [LOW, HIGH)")
+    ap.add_argument("--bound-from", nargs=2, metavar=("SHALLOW.json", "DEEP.json"),
+                    help="the clairvoyant bound of the full model from two --flash runs at two depths (see "
+                         "``full_depth_bound``)")
     args = ap.parse_args()
+    if args.bound_from:
+        return full_depth_bound(*args.bound_from)
     if args.flash:
         return flash_schedulers(args)
     args.slots = args.slots or [8, 16]
@@ -555,6 +570,50 @@ def flash_schedulers(args):
               f"{r['accepted_tokens_per_s'] / static[r['slots']]:.3f} | {r['mean_verify_tokens_per_request']:.2f} | "
               f"{r['mean_accept_length']:.2f} |", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
+    """The clairvoyant bound (``scheduler.clairvoyant_bound``) of the full-depth model, from the SPS
+    tables of two ``--flash`` runs at depths a < b (same slots, buckets, profile): every round time
+    (each bucket's and the static round's) extrapolated per layer, t_L = t_a + (L - a) (t_b - t_a)
+    / (b - a), L the full model's layers (the drafter's stages and the head are in both slices,
+    so they stay fixed). Prints a table and writes flash_full_depth_bound.json."""
+    runs = []
+    for path in (shallow_path, deep_path):
+        with open(path) as f:
+            runs.append(json.load(f))
+    (a, ra), (b, rb) = sorted(((r["depth"], r) for r in runs), key=lambda x: x[0])
+    if a == b:
+        raise ValueError(f"--bound-from needs runs at two depths, both are {a}-layer slices")
+    if ra["args"]["accept_profile"] != rb["args"]["accept_profile"]:
+        raise ValueError("--bound-from: the two runs used different acceptance profiles")
+    full = config.tiny() if ra["config"].startswith("tiny") else config.flash()
+    layers, gamma = full.num_hidden_layers, full.dspark.block_size
+    rates = tuple(float(x) for x in ra["args"]["accept_profile"].split(","))
+    deep = {p["slots"]: p for p in rb["pools"]}
+    out = {"depths": [a, b], "layers": layers, "accept_profile": rates, "pools": []}
+    print(f"| slots | static round ms ({a} / {b} / {layers} layers) | clairvoyant bound x static, {a} layers "
+          f"| {layers} layers (these buckets / every count) |")
+    for pa in ra["pools"]:
+        pb = deep.get(pa["slots"])
+        if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
+            continue
+        extra = (layers - a) / (b - a)
+        times = [1 / x + extra * (1 / y - 1 / x) for x, y in zip(pa["sps_steps_per_s"], pb["sps_steps_per_s"])]
+        times = np.maximum.accumulate(times)  # round time non-decreasing in tokens, as the fitted tables
+        static = [1 / pa["sps_static_steps_per_s"], 1 / pb["sps_static_steps_per_s"]]
+        static.append(static[0] + extra * (static[1] - static[0]))
+        tables = [SPSTable(tokens=p["sps_tokens"], steps_per_s=p["sps_steps_per_s"],
+                           static_steps_per_s=p["sps_static_steps_per_s"]) for p in (pa, pb)]
+        tables.append(SPSTable(tokens=pa["sps_tokens"], steps_per_s=tuple(1 / t for t in times),
+                               static_steps_per_s=1 / static[2]))
+        bounds = [clairvoyant_bound(t, rates, pa["slots"], gamma) for t in tables]
+        out["pools"].append({"slots": pa["slots"], "tokens": pa["sps_tokens"], "full_round_s": list(times),
+                             "static_round_s": static, "bounds": dict(zip((str(a), str(b), str(layers)), bounds))})
+        print(f"| {pa['slots']} | {' / '.join(f'{1e3 * t:.1f}' for t in static)} | {bounds[0]['buckets']:.3f} | "
+              f"{bounds[2]['buckets']:.3f} / {bounds[2]['every_count']:.3f} |", flush=True)
+    write_json("flash_full_depth_bound.json", out)
+    return out
 
 
 if __name__ == "__main__":
