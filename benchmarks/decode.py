@@ -481,13 +481,18 @@ def main(argv=None):
                          "one slice at a time (memory of the deepest slice only, e.g. for --depths 4,8)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining shapes once this is spent (0 = none)")
     ap.add_argument("--values-max-block-m", type=int, default=0,
-                    help="largest row tile of FP8 linears on unquantised rows (wo_a; "
+                    help="largest row tile of FP8 linears on unquantised rows at decode / verify sizes (wo_a; "
                          "grouped_matmul.VALUES_MAX_BLOCK_M; 0 = the library's)")
+    ap.add_argument("--codes-max-block-m", type=int, default=0,
+                    help="largest row tile of FP8 linears on quantised rows (fp8 codes) at decode / verify sizes "
+                         "(grouped_matmul.LINEAR_CODES_MAX_BLOCK_M; 0 = the library's)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args(argv)
     if args.values_max_block_m:
         gm.VALUES_MAX_BLOCK_M = args.values_max_block_m
+    if args.codes_max_block_m:
+        gm.LINEAR_CODES_MAX_BLOCK_M = args.codes_max_block_m
     args.split_programs = apply_split_option(args)
     start = time.perf_counter()
 

@@ -214,9 +214,13 @@ def takes_codes(fmt: str, block_m: int) -> bool:
     return fmt in ("fp8", "fp8_k128") and block_m <= CODE_DOTS_MAX_BLOCK_M
 
 
-def _kernel_rows(x: Array | ActQuant | QuantRows, w: Weights, block_m: int) -> Array | ActQuant | QuantRows:
-    """What the kernel multiplies: quantised rows as codes where ``fp8_dots``, else their values."""
-    return x if fp8_dots(x, w, block_m) else _values(x)
+def _kernel_rows(x: Array | ActQuant | QuantRows, w: Weights, block_m: int,
+                 codes: bool | None = None) -> Array | ActQuant | QuantRows:
+    """What the kernel multiplies: quantised rows as codes where ``fp8_dots`` (or, ``codes`` given,
+    where it says so and the rows and weights can: ``plain_linear_tiles``), else their values."""
+    if codes is not None:
+        codes = codes and isinstance(x, (ActQuant, QuantRows)) and w.fmt in ("fp8", "fp8_k128")
+    return x if (fp8_dots(x, w, block_m) if codes is None else codes) else _values(x)
 
 
 def check_weights(w: Weights) -> None:
@@ -659,11 +663,11 @@ def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
 
 def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group: Int[Array, " t"],
            num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None, config: GemmConfig | None = None,
-           interpret: bool | None = None) -> Float[Array, "m n"]:
-    """The Pallas kernel (same contract as ``reference``)."""
+           interpret: bool | None = None, codes: bool | None = None) -> Float[Array, "m n"]:
+    """The Pallas kernel (same contract as ``reference``). ``codes``: see ``_kernel_rows``."""
     check_inputs(x, w, tile_group, block_m)
     _check_kernel_shapes(x, [w], block_m)
-    x = _kernel_rows(x, w, block_m)
+    x = _kernel_rows(x, w, block_m, codes)
     cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
@@ -671,12 +675,12 @@ def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group
 
 def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
                   row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
-                  block_m: int, limit: float,
-                  config: GemmConfig | None = None, interpret: bool | None = None) -> Float[Array, "m n"]:
-    """The fused Pallas kernel (same contract as ``swiglu_reference``)."""
+                  block_m: int, limit: float, config: GemmConfig | None = None, interpret: bool | None = None,
+                  codes: bool | None = None) -> Float[Array, "m n"]:
+    """The fused Pallas kernel (same contract as ``swiglu_reference``). ``codes``: see ``_kernel_rows``."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
-    x = _kernel_rows(x, w1, block_m)
+    x = _kernel_rows(x, w1, block_m, codes)
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
@@ -713,19 +717,25 @@ def block_m_for(rows: int, groups: int = 1) -> int:
     return plain
 
 
-# The largest row tile ``values_block_m_for`` picks below prefill sizes (read at the call;
-# ``benchmarks/decode.py --values-max-block-m`` sets it to compare rules in one run).
+# The largest row tiles ``plain_linear_tiles`` picks at decode / verify sizes, for quantised rows
+# (fp8 codes) and for unquantised rows (bf16 values). Read at the call; ``benchmarks/decode.py``
+# sets them to compare rules in one run.
+LINEAR_CODES_MAX_BLOCK_M = 16
 VALUES_MAX_BLOCK_M = 64
 
 
-def values_block_m_for(rows: int) -> int:
-    """Row tile for a plain (or per-group) FP8 matmul of ``rows`` unquantised rows (``wo_a``: the
-    reference multiplies bf16 rows by the dequantised weight). Every tile widens the whole fp8
-    weight to bf16 before its dots, so fewer, larger tiles: the rows rounded up to a power of two,
-    at most ``VALUES_MAX_BLOCK_M``, never below ``block_m_for`` (Flash linears on an H200 at 192
-    rows as values: 64-row tiles 1.3-2.1x faster than 16-row ones; docs/benchmarks.md)."""
-    fit = 1 << max(rows - 1, 0).bit_length()
-    return max(block_m_for(rows), min(fit, VALUES_MAX_BLOCK_M))
+def plain_linear_tiles(rows: int, quantised: bool) -> tuple[int, bool | None]:
+    """(row tile, codes) of a plain (or per-group) FP8 linear of ``rows`` rows: ``quantised`` rows
+    (the reference's FP8 GEMM input) or unquantised ones (``wo_a``: the reference multiplies bf16
+    rows by the dequantised weight). Every row tile reads the whole weight and, multiplying values,
+    widens it to bf16, so at decode / verify sizes (<= 256 rows) the tile is the rows rounded up
+    to a power of two, at most ``LINEAR_CODES_MAX_BLOCK_M`` (quantised rows, multiplied as fp8
+    codes) or ``VALUES_MAX_BLOCK_M`` (unquantised); prefill sizes keep ``block_m_for`` and the
+    kernel's own codes rule (``codes`` None)."""
+    if rows > 256:
+        return block_m_for(rows), None
+    fit = max(16, 1 << max(rows - 1, 0).bit_length())
+    return (min(fit, LINEAR_CODES_MAX_BLOCK_M), True) if quantised else (min(fit, VALUES_MAX_BLOCK_M), None)
 
 
 def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows:
@@ -740,15 +750,16 @@ def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
                    impl: str | None = None, **kernel_options) -> Float[Array, "g m n"]:
     """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
-    rows padded to the row tile (``block_m_for``; ``values_block_m_for`` for unquantised rows), every
-    tile in use. ``act_quant``: the padded rows quantised as the reference's FP8 GEMM input
+    rows padded to the row tile (``plain_linear_tiles``), every tile in use. ``act_quant``: the padded rows quantised as the reference's FP8 GEMM input
     (``quantised_rows``)."""
     g, m, k = x.shape
-    bm = block_m_for(m) if act_quant else values_block_m_for(m)
+    bm, codes = plain_linear_tiles(m, act_quant)
     mp = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
     xp = quantised_rows(xp, bm) if act_quant else xp
     tile_group, num_tiles = dense_tiles(mp, g, bm)
+    if codes is not None and backend.resolve(impl) != "xla":
+        kernel_options = {"codes": codes, **kernel_options}
     y = grouped_matmul(xp, w, tile_group, num_tiles, block_m=bm, out_dtype=out_dtype, impl=impl, **kernel_options)
     return y.reshape(g, mp, -1)[:, :m]
 
@@ -759,12 +770,14 @@ def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: f
     the fused kernel: rows padded to the row tile (and quantised if ``act_quant``, as in
     ``batched_matmul``), routing weight 1, result in x's dtype."""
     m, _ = x.shape
-    bm = block_m_for(m)
+    bm, codes = plain_linear_tiles(m, act_quant)
     mp = -(-m // bm) * bm
     tile_group, num_tiles = dense_tiles(mp, 1, bm)
     ones = jnp.ones((mp,), jnp.float32)
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     xp = quantised_rows(xp, bm) if act_quant else xp
+    if codes is not None and backend.resolve(impl) != "xla":
+        kernel_options = {"codes": codes, **kernel_options}
     return grouped_swiglu(xp, w1, w3, ones, tile_group, num_tiles, block_m=bm,
                           limit=limit, impl=impl, **kernel_options)[:m]
 

@@ -439,6 +439,40 @@ def test_batched_matmul_is_a_plain_matmul_per_group():
     np.testing.assert_allclose(got40[0], want40, rtol=1e-5, atol=1e-4)
 
 
+def test_plain_linear_tiles(monkeypatch):
+    # defaults: quantised rows as codes in 16-row tiles up to 256 rows, unquantised rows (wo_a) in
+    # one power-of-two tile up to 64 rows; prefill sizes by block_m_for and the kernel's own rule
+    assert [gm.plain_linear_tiles(m, True) for m in (1, 32, 192, 256)] == [(16, True)] * 4
+    assert [gm.plain_linear_tiles(m, False)[0] for m in (1, 16, 17, 32, 33, 192, 256)] == [16, 16, 32, 32, 64, 64, 64]
+    assert gm.plain_linear_tiles(257, True) == (32, None) and gm.plain_linear_tiles(4096, False) == (64, None)
+    monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 64)
+    assert [gm.plain_linear_tiles(m, True) for m in (8, 32, 192)] == [(16, True), (32, True), (64, True)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_k128"])
+def test_linears_multiply_codes_in_larger_row_tiles(monkeypatch, fmt):
+    """With codes allowed in 64-row tiles a verify-sized linear (40 rows: one tile the kernel
+    quantises itself; 100 rows: two tiles quantised first) still gives the product of the rounded
+    rows, and the kernel really takes codes there (not its own rule's values)."""
+    monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 64)
+    rng = np.random.default_rng(11)
+    w, w3 = _random_weights(rng, (1, 128, 256), fmt), _random_weights(rng, (1, 128, 256), fmt)
+    w0 = np.asarray(gm.dequantize(w, jnp.float32))[0]
+    for m in (40, 100):
+        x = jnp.asarray(rng.standard_normal((1, m, 256)) * 3, jnp.bfloat16)
+        got = np.asarray(gm.batched_matmul(x, w, act_quant=True, out_dtype=jnp.float32, impl="pallas"))[0]
+        np.testing.assert_allclose(got, np.asarray(quant.fp8_sim(x[0], 128), np.float32) @ w0.T, rtol=1e-5, atol=1e-4)
+        got = gm.batched_swiglu(x[0], w, w3, limit=1.0, act_quant=True, impl="pallas")
+        want = gm.batched_swiglu(x[0], w, w3, limit=1.0, act_quant=True, impl="xla")
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+        # the kernel multiplies codes: quantising the one tile itself (40 rows) or given them (100)
+        jaxpr = str(jax.make_jaxpr(lambda x: gm.batched_matmul(x, w, act_quant=True, impl="pallas"))(x))
+        assert f"grouped_matmul_{fmt}_a8{'q' if m <= 64 else ''}" in jaxpr
+    rows = gm.ActQuant.of(jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16))
+    assert isinstance(gm._kernel_rows(rows, w, 64, codes=True), gm.ActQuant)
+    assert not isinstance(gm._kernel_rows(rows, w, 64), gm.ActQuant)  # the kernel's own rule: values
+
+
 FLASH = dict(e=256, d=4096, i=2048)
 
 
