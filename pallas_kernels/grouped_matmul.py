@@ -718,24 +718,35 @@ def block_m_for(rows: int, groups: int = 1) -> int:
 
 
 # The largest row tiles ``plain_linear_tiles`` picks at decode / verify sizes, for quantised rows
-# (fp8 codes) and for unquantised rows (bf16 values). Read at the call; ``benchmarks/decode.py``
-# sets them to compare rules in one run.
-LINEAR_CODES_MAX_BLOCK_M = 16
+# (multiplied as fp8 codes) and for unquantised rows (bf16 values), and the programs (row tiles x
+# 128-column blocks) a larger tile must leave. Read at the call (``benchmarks/decode.py`` sets them).
+LINEAR_CODES_MAX_BLOCK_M = 32
 VALUES_MAX_BLOCK_M = 64
+LINEAR_MIN_PROGRAMS = 128
 
 
-def plain_linear_tiles(rows: int, quantised: bool) -> tuple[int, bool | None]:
-    """(row tile, codes) of a plain (or per-group) FP8 linear of ``rows`` rows: ``quantised`` rows
-    (the reference's FP8 GEMM input) or unquantised ones (``wo_a``: the reference multiplies bf16
-    rows by the dequantised weight). Every row tile reads the whole weight and, multiplying values,
-    widens it to bf16, so at decode / verify sizes (<= 256 rows) the tile is the rows rounded up
-    to a power of two, at most ``LINEAR_CODES_MAX_BLOCK_M`` (quantised rows, multiplied as fp8
-    codes) or ``VALUES_MAX_BLOCK_M`` (unquantised); prefill sizes keep ``block_m_for`` and the
-    kernel's own codes rule (``codes`` None)."""
+def plain_linear_tiles(rows: int, quantised: bool, n: int, groups: int = 1) -> tuple[int, bool | None]:
+    """(row tile, codes) of a plain (or per-group) FP8 linear of ``rows`` rows and ``n`` outputs per
+    group: ``quantised`` rows (the reference's FP8 GEMM input, multiplied as fp8 codes) or
+    unquantised ones (``wo_a``: the reference multiplies bf16 rows by the dequantised weight).
+
+    Every row tile reads the whole weight, so fewer, larger tiles read less; but a linear with few
+    outputs then runs too few programs to keep the GPU busy. At decode / verify sizes (<= 256 rows)
+    the tile is the largest power of two from 16 up to ``LINEAR_CODES_MAX_BLOCK_M`` (codes) or
+    ``VALUES_MAX_BLOCK_M`` (values), and up to the rows, that leaves at least
+    ``LINEAR_MIN_PROGRAMS`` (row tiles x groups x 128-column blocks; an H200 has 132 SMs). On an
+    H200 (Flash linears at 32, 192 and 384 rows, ``benchmarks/linear_tiles.py``,
+    docs/benchmarks.md) it picks the fastest of the measured tiles in all 20 cases, e.g. wq_b at
+    192 rows 67.9 -> 47.7 us, wo_a 133.5 -> 80.3 us; wq_a (1024 outputs) and every linear at 32 rows
+    but wq_b keep 16; codes in 64-row tiles were slower than in 32 everywhere. Prefill sizes keep
+    ``block_m_for`` and the kernel's own codes rule (``codes`` None)."""
     if rows > 256:
         return block_m_for(rows), None
-    fit = max(16, 1 << max(rows - 1, 0).bit_length())
-    return (min(fit, LINEAR_CODES_MAX_BLOCK_M), True) if quantised else (min(fit, VALUES_MAX_BLOCK_M), None)
+    cap = min(LINEAR_CODES_MAX_BLOCK_M if quantised else VALUES_MAX_BLOCK_M, 1 << max(rows - 1, 0).bit_length())
+    bm = 16
+    while bm * 2 <= cap and -(-rows // (bm * 2)) * groups * -(-n // 128) >= LINEAR_MIN_PROGRAMS:
+        bm *= 2
+    return bm, (True if quantised else None)
 
 
 def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows:
@@ -753,7 +764,7 @@ def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = Fa
     rows padded to the row tile (``plain_linear_tiles``), every tile in use. ``act_quant``: the padded rows quantised as the reference's FP8 GEMM input
     (``quantised_rows``)."""
     g, m, k = x.shape
-    bm, codes = plain_linear_tiles(m, act_quant)
+    bm, codes = plain_linear_tiles(m, act_quant, w.shape[1], g)
     mp = -(-m // bm) * bm
     xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
     xp = quantised_rows(xp, bm) if act_quant else xp
@@ -770,7 +781,7 @@ def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: f
     the fused kernel: rows padded to the row tile (and quantised if ``act_quant``, as in
     ``batched_matmul``), routing weight 1, result in x's dtype."""
     m, _ = x.shape
-    bm, codes = plain_linear_tiles(m, act_quant)
+    bm, codes = plain_linear_tiles(m, act_quant, w1.shape[1])
     mp = -(-m // bm) * bm
     tile_group, num_tiles = dense_tiles(mp, 1, bm)
     ones = jnp.ones((mp,), jnp.float32)

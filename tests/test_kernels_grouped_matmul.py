@@ -440,13 +440,24 @@ def test_batched_matmul_is_a_plain_matmul_per_group():
 
 
 def test_plain_linear_tiles(monkeypatch):
-    # defaults: quantised rows as codes in 16-row tiles up to 256 rows, unquantised rows (wo_a) in
-    # one power-of-two tile up to 64 rows; prefill sizes by block_m_for and the kernel's own rule
-    assert [gm.plain_linear_tiles(m, True) for m in (1, 32, 192, 256)] == [(16, True)] * 4
-    assert [gm.plain_linear_tiles(m, False)[0] for m in (1, 16, 17, 32, 33, 192, 256)] == [16, 16, 32, 32, 64, 64, 64]
-    assert gm.plain_linear_tiles(257, True) == (32, None) and gm.plain_linear_tiles(4096, False) == (64, None)
+    # Flash linears (outputs per group, groups): wq_b, wo_b, wq_a, wo_a
+    wq_b, wo_b, wq_a, wo_a = (32768, 1), (4096, 1), (1024, 1), (1024, 8)
+    tile = lambda rows, quantised, shape: gm.plain_linear_tiles(rows, quantised, *shape)
+    # up to the rows: one 16-row tile at a decode step or a batch-1 verify
+    assert {tile(m, True, s) for m in (1, 6, 16) for s in (wq_b, wo_b, wq_a)} == {(16, True)}
+    assert tile(6, False, wo_a) == (16, None)
+    # a batch-32 step (32 rows): 32-row codes only where one tile still runs >= 128 programs
+    assert [tile(32, True, s)[0] for s in (wq_b, wo_b, wq_a)] == [32, 16, 16] and tile(32, False, wo_a)[0] == 16
+    # a batch-32 verify (192 rows): codes in 32-row tiles (at most), wo_a's values in 64; wq_a keeps 16
+    assert [tile(192, True, s) for s in (wq_b, wo_b, wq_a)] == [(32, True), (32, True), (16, True)]
+    assert tile(192, False, wo_a) == (64, None) and tile(384 // 2, False, wo_a)[0] == 64
+    # prefill sizes: block_m_for and the kernel's own codes rule
+    assert tile(257, True, wq_b) == (32, None) and tile(4096, False, wo_a) == (64, None)
     monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 64)
-    assert [gm.plain_linear_tiles(m, True) for m in (8, 32, 192)] == [(16, True), (32, True), (64, True)]
+    assert tile(192, True, wq_b) == (64, True)
+    monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 16)
+    monkeypatch.setattr(gm, "VALUES_MAX_BLOCK_M", 16)
+    assert tile(192, True, wq_b) == (16, True) and tile(192, False, wo_a) == (16, None)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_k128"])
@@ -455,6 +466,7 @@ def test_linears_multiply_codes_in_larger_row_tiles(monkeypatch, fmt):
     quantises itself; 100 rows: two tiles quantised first) still gives the product of the rounded
     rows, and the kernel really takes codes there (not its own rule's values)."""
     monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 64)
+    monkeypatch.setattr(gm, "LINEAR_MIN_PROGRAMS", 1)  # these small weights: one 128-column block
     rng = np.random.default_rng(11)
     w, w3 = _random_weights(rng, (1, 128, 256), fmt), _random_weights(rng, (1, 128, 256), fmt)
     w0 = np.asarray(gm.dequantize(w, jnp.float32))[0]
