@@ -593,7 +593,7 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
     deep = {p["slots"]: p for p in rb["pools"]}
     out = {"depths": [a, b], "layers": layers, "accept_profile": rates, "pools": []}
     print(f"| slots | static round ms ({a} / {b} / {layers} layers) | clairvoyant bound x static, {a} layers "
-          f"| {layers} layers (these buckets / every count) |")
+          f"| {layers} layers (these buckets / every count) | {layers} layers, finer buckets |")
     for pa in ra["pools"]:
         pb = deep.get(pa["slots"])
         if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
@@ -608,10 +608,20 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
         tables.append(SPSTable(tokens=pa["sps_tokens"], steps_per_s=tuple(1 / t for t in times),
                                static_steps_per_s=1 / static[2]))
         bounds = [clairvoyant_bound(t, rates, pa["slots"], gamma) for t in tables]
+        # finer buckets at full depth: every multiple of S / 2 or S up to S (γ + 1), round times
+        # interpolated between the profiled counts
+        finer = {}
+        for step in (pa["slots"] // 2, pa["slots"]):
+            counts = np.arange(pa["slots"], pa["slots"] * (gamma + 1) + 1, step)
+            fine = SPSTable(tokens=tuple(counts), steps_per_s=tuple(1 / np.interp(counts, pa["sps_tokens"], times)),
+                            static_steps_per_s=1 / static[2])
+            finer[f"multiples_of_{step}"] = clairvoyant_bound(fine, rates, pa["slots"], gamma)["buckets"]
         out["pools"].append({"slots": pa["slots"], "tokens": pa["sps_tokens"], "full_round_s": list(times),
-                             "static_round_s": static, "bounds": dict(zip((str(a), str(b), str(layers)), bounds))})
+                             "static_round_s": static, "bounds": dict(zip((str(a), str(b), str(layers)), bounds)),
+                             f"bound_{layers}_finer_buckets": finer})
         print(f"| {pa['slots']} | {' / '.join(f'{1e3 * t:.1f}' for t in static)} | {bounds[0]['buckets']:.3f} | "
-              f"{bounds[2]['buckets']:.3f} / {bounds[2]['every_count']:.3f} |", flush=True)
+              f"{bounds[2]['buckets']:.3f} / {bounds[2]['every_count']:.3f} | "
+              + " / ".join(f"{k}: {v:.3f}" for k, v in finer.items()) + " |", flush=True)
     write_json("flash_full_depth_bound.json", out)
     return out
 
