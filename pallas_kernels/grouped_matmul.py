@@ -761,8 +761,8 @@ def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
                    impl: str | None = None, **kernel_options) -> Float[Array, "g m n"]:
     """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
-    rows padded to the row tile (``plain_linear_tiles``), every tile in use. ``act_quant``: the padded rows quantised as the reference's FP8 GEMM input
-    (``quantised_rows``)."""
+    rows padded to the row tile (``plain_linear_tiles``), every tile in use. ``act_quant``: the
+    padded rows quantised as the reference's FP8 GEMM input (``quantised_rows``)."""
     g, m, k = x.shape
     bm, codes = plain_linear_tiles(m, act_quant, w.shape[1], g)
     mp = -(-m // bm) * bm
