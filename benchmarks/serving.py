@@ -210,6 +210,9 @@ def main():
     ap.add_argument("--static-sizes", type=int, nargs="+", default=[16, 32, 64], help="--many: static batch sizes")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=(8, 96), metavar=("LOW", "HIGH"),
                     help="max_new_tokens of each prompt drawn from [LOW, HIGH)")
+    ap.add_argument("--fine-buckets", action="store_true",
+                    help="--flash: ragged verify buckets at every multiple of the slots above them "
+                         "(Engine(fine_buckets=True))")
     ap.add_argument("--bound-from", nargs=2, metavar=("SHALLOW.json", "DEEP.json"),
                     help="the clairvoyant bound of the full model from two --flash runs at two depths (see "
                          "``full_depth_bound``)")
@@ -305,7 +308,7 @@ def schedulers(args, model, eng, prompts, params):
     kinds = count_round_kinds(eng)
     for s in args.slots:
         prefills = prefill_shapes(eng, s, [len(p) for p in prompts])
-        compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma),
+        compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma, eng.fine_buckets),
                                  args.compile_threads, prefills=prefills)
         compiled = eng.compiled_programs()
         print(f"slots {s}: {compiled} programs compiled in {compile_s:.0f} s ({args.compile_threads} threads; "
@@ -506,7 +509,7 @@ def flash_schedulers(args):
           f"({model.weight_bytes / 2**30:.1f} GiB)", flush=True)
     gamma = cfg.dspark.block_size
     eng = Engine(model, gamma=gamma, kv_layout=args.kv, accept_profile=profile_p,
-                 profile_confidence=args.confidence_spread)
+                 profile_confidence=args.confidence_spread, fine_buckets=args.fine_buckets)
     slack = -(-(gamma + 1) * (args.warmup_rounds + args.rounds + 4) // 128) * 128 + 128
     meta = {"env": env, "args": vars(args), "config": "tiny (smoke)" if args.smoke else "flash",
             "depth": args.depth, "context": context, "cache_tokens_per_slot": context + slack, "init_s": init_s,
@@ -528,7 +531,8 @@ def flash_schedulers(args):
             continue
         p0 = time.perf_counter()
         pool = at_context(random_state(eng, slots, context + slack, seed=slots), context)
-        buckets = tuple(b for b in verify_buckets(slots, gamma) if b >= slots)  # reached by S decoding slots
+        # the buckets a pool of S decoding slots reaches
+        buckets = tuple(b for b in verify_buckets(slots, gamma, eng.fine_buckets) if b >= slots)
         compile_s = compile_pool(eng, pool, buckets, args.compile_threads)
         programs = eng.compiled_programs()
         print(f"slots {slots}: {programs} programs so far, this pool's compiled in {compile_s:.1f} s "

@@ -9,7 +9,7 @@ import pytest
 
 import dspark_jax
 from dspark_jax import InputError, SamplingParams
-from dspark_jax.decoding.engine import Engine, pack_round, unpack_round, verify_bucket
+from dspark_jax.decoding.engine import Engine, pack_round, unpack_round, verify_bucket, verify_buckets
 from dspark_jax.decoding.generate import _engine
 from dspark_jax.decoding.scheduler import SPSTable
 from tests.helpers import OracleDrafter
@@ -285,6 +285,28 @@ def test_ragged_verify_equals_target_only(tiny_f32, greedy_truth, oracle):
         np.testing.assert_allclose(np.asarray(ring), np.asarray(ref), rtol=0, atol=1e-5)
 
 
+def test_fine_buckets_verify_packed_rounds_of_any_multiple_of_the_slots(tiny_f32, greedy_truth, oracle):
+    """With ``fine_buckets`` a round of 9-10 tokens of a 2-slot pool verifies packed in the
+    10-token bucket (not the 12-token per-request layout), and the output is still the
+    target-only greedy output."""
+    prompts, truth = greedy_truth
+    eng = Engine(tiny_f32, gamma=GAMMA, drafter=oracle, fine_buckets=True)
+    sp = SamplingParams(max_new_tokens=320, ignore_eos=True)
+    bs, first = _prefill_pool(eng, [np.asarray(p) for p in prompts], sp)
+    out = [[int(t)] for t in first]
+    for k in range(10):
+        lens = np.array([GAMMA + 1, 3 + k % 2])[::1 if k % 3 else -1]
+        bs, res = eng.round(bs, sampled=False, top_k=False, top_p=False, verify_lens=lens)
+        assert eng.last_bucket == 10
+        n_new, tokens = np.asarray(res.n_new), np.asarray(res.tokens)
+        assert np.all(n_new <= lens)
+        for i in range(2):
+            out[i] += tokens[i, :n_new[i]].tolist()
+    for o, t in zip(out, truth):
+        assert len(o) > 20 and o == t[:len(o)]
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {10}
+
+
 def test_schedulers_equal_target_only(tiny_f32, greedy_truth, oracle):
     """The lagged and confidence schedulers (confidence high where drafts are right, a steep SPS
     table) verify fewer tokens than γ + 1 per round, accept several drafts per round, and give
@@ -315,6 +337,10 @@ def test_verify_buckets_and_bad_ragged_inputs(tiny_f32):
     assert [verify_bucket(t, 64, GAMMA) for t in (1, 9, 64, 65, 257, 384)] == [8, 16, 64, 128, 384, 384]
     with pytest.raises(ValueError, match="verifies 0 to 12 tokens"):
         verify_bucket(13, 2, GAMMA)
+    # fine buckets: every multiple of the slots above them
+    assert [verify_bucket(t, 64, GAMMA, fine=True) for t in (1, 64, 65, 129, 200, 384)] == [8, 64, 128, 192, 256, 384]
+    assert verify_buckets(64, GAMMA, fine=True) == (8, 16, 32, 64, 128, 192, 256, 320, 384)
+    assert verify_buckets(2, GAMMA, fine=True) == (8, 10, 12) and verify_buckets(2, GAMMA) == (8, 12)
     eng = Engine(tiny_f32, gamma=GAMMA)
     bs = eng.init_slots(2, 256)
     flags = dict(sampled=False, top_k=False, top_p=False)

@@ -212,7 +212,8 @@ class Engine:
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
                  accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
-                 sps_table: SPSTable | None = None, profile_confidence: float | None = None, adapt_sps: bool = True):
+                 sps_table: SPSTable | None = None, profile_confidence: float | None = None, adapt_sps: bool = True,
+                 fine_buckets: bool = False):
         cfg = model.config
         check_scheduler(scheduler, gamma)
         if profile_confidence is not None and (accept_profile is None or not np.isfinite(profile_confidence)
@@ -222,6 +223,7 @@ class Engine:
         self.profile_confidence = None if profile_confidence is None else float(profile_confidence)
         self.scheduler, self.sps_table = scheduler, sps_table
         self.adapt_sps = adapt_sps  # serving corrects the table by measured round times (serving.RoundDispatcher)
+        self.fine_buckets = fine_buckets  # ragged verify buckets at multiples of the slots (``verify_bucket``)
         self.last_bucket: int | None = None  # verify bucket of the last ragged round (host)
         self.round_times: dict = {}  # scheduler.RoundTimes per pool, scheduler and table, across serve calls
         # STS temperatures of the model's drafter (none for an oracle or calibrated profile confidences)
@@ -651,7 +653,7 @@ class Engine:
         the drafter compiles once for all buckets; without the confidence scheduler's sync the
         host dispatches both at once."""
         b = bs.anchor.shape[0]
-        bucket = self.last_bucket = verify_bucket(tokens, b, self.gamma)
+        bucket = self.last_bucket = verify_bucket(tokens, b, self.gamma, self.fine_buckets)
         self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
         return self._verify_step(self.params, bs, drafted, verify_lens, np.int32(capacity), sampled=sampled,
                                  top_k=top_k, top_p=top_p, tokens=bucket)
@@ -718,16 +720,23 @@ def check_scheduler(scheduler: str, gamma: int) -> None:
         raise ValueError(f"the {scheduler!r} scheduler needs speculative decoding (gamma > 0)")
 
 
-def verify_bucket(tokens: int, slots: int, gamma: int) -> int:
+def verify_bucket(tokens: int, slots: int, gamma: int, fine: bool = False) -> int:
     """Rows of a packed verify holding ``tokens`` verify tokens of a pool of ``slots`` slots: the
     smallest power of 2 >= tokens (at least MIN_VERIFY_BUCKET), at most slots x (γ + 1) (every
-    slot verifying everything). A pool compiles at most log2(slots x (γ + 1) / 8) + 2 buckets."""
+    slot verifying everything). A pool compiles at most log2(slots x (γ + 1) / 8) + 2 buckets.
+    ``fine``: above ``slots`` tokens the smallest multiple of ``slots`` instead (γ + 1 buckets
+    there; ``Engine(fine_buckets=True)``): at full depth a verify's cost grows with its tokens, and
+    with power-of-2 buckets even a clairvoyant allocation of a 64-128-slot Flash pool would gain
+    at most 1.06x, 1.16-1.18x with these (``scheduler.clairvoyant_bound``, docs/benchmarks.md;
+    not measured at full depth)."""
     top = slots * (gamma + 1)
     if not 0 <= tokens <= top:
         raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
+    if fine and tokens > slots:
+        return min(top, max(MIN_VERIFY_BUCKET, -(-tokens // slots) * slots))
     return min(top, max(MIN_VERIFY_BUCKET, 1 << max(tokens - 1, 0).bit_length()))
 
 
-def verify_buckets(slots: int, gamma: int) -> tuple[int, ...]:
+def verify_buckets(slots: int, gamma: int, fine: bool = False) -> tuple[int, ...]:
     """Every bucket ``verify_bucket`` can give a pool of ``slots`` slots, ascending."""
-    return tuple(sorted({verify_bucket(t, slots, gamma) for t in range(slots * (gamma + 1) + 1)}))
+    return tuple(sorted({verify_bucket(t, slots, gamma, fine) for t in range(slots * (gamma + 1) + 1)}))

@@ -313,6 +313,6 @@ def profile_sps(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 3
     model, γ and KV layout."""
     key = table_key(engine.model, gamma=engine.gamma, kv_layout=engine.kv_layout)
     seconds = round_seconds(engine, decoding_pool(engine, slots, max_len, prompt_len=prompt_len))
-    return profile(seconds, verify_buckets(slots, engine.gamma), key, repeats=repeats,
+    return profile(seconds, verify_buckets(slots, engine.gamma, engine.fine_buckets), key, repeats=repeats,
                    meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len),
                    static_seconds=lambda: seconds(None))
