@@ -341,6 +341,7 @@ def test_verify_buckets_and_bad_ragged_inputs(tiny_f32):
     assert [verify_bucket(t, 64, GAMMA, fine=True) for t in (1, 64, 65, 129, 200, 384)] == [8, 64, 128, 192, 256, 384]
     assert verify_buckets(64, GAMMA, fine=True) == (8, 16, 32, 64, 128, 192, 256, 320, 384)
     assert verify_buckets(2, GAMMA, fine=True) == (8, 10, 12) and verify_buckets(2, GAMMA) == (8, 12)
+    assert verify_buckets(48, GAMMA, fine=True) == (8, 16, 32, 48, 96, 144, 192, 240, 288)
     eng = Engine(tiny_f32, gamma=GAMMA)
     bs = eng.init_slots(2, 256)
     flags = dict(sampled=False, top_k=False, top_p=False)

@@ -724,17 +724,18 @@ def verify_bucket(tokens: int, slots: int, gamma: int, fine: bool = False) -> in
     """Rows of a packed verify holding ``tokens`` verify tokens of a pool of ``slots`` slots: the
     smallest power of 2 >= tokens (at least MIN_VERIFY_BUCKET), at most slots x (γ + 1) (every
     slot verifying everything). A pool compiles at most log2(slots x (γ + 1) / 8) + 2 buckets.
-    ``fine``: above ``slots`` tokens the smallest multiple of ``slots`` instead (γ + 1 buckets
-    there; ``Engine(fine_buckets=True)``): at full depth a verify's cost grows with its tokens, and
-    with power-of-2 buckets even a clairvoyant allocation of a 64-128-slot Flash pool would gain
+    ``fine``: up to ``slots`` tokens at most ``slots``, above them the smallest multiple of
+    ``slots`` (``Engine(fine_buckets=True)``): at full depth a verify's cost grows with its
+    tokens, and with power-of-2 buckets even a clairvoyant allocation of a 64-128-slot Flash pool would gain
     at most 1.06x, 1.16-1.18x with these (``scheduler.clairvoyant_bound``, docs/benchmarks.md;
     not measured at full depth)."""
     top = slots * (gamma + 1)
     if not 0 <= tokens <= top:
         raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
-    if fine and tokens > slots:
-        return min(top, max(MIN_VERIFY_BUCKET, -(-tokens // slots) * slots))
-    return min(top, max(MIN_VERIFY_BUCKET, 1 << max(tokens - 1, 0).bit_length()))
+    rows = 1 << max(tokens - 1, 0).bit_length()
+    if fine:
+        rows = -(-tokens // slots) * slots if tokens > slots else min(rows, slots)
+    return min(top, max(MIN_VERIFY_BUCKET, rows))
 
 
 def verify_buckets(slots: int, gamma: int, fine: bool = False) -> tuple[int, ...]:
