@@ -308,8 +308,9 @@ def schedulers(args, model, eng, prompts, params):
     kinds = count_round_kinds(eng)
     for s in args.slots:
         prefills = prefill_shapes(eng, s, [len(p) for p in prompts])
-        compile_s = compile_pool(eng, eng.init_slots(s, args.context), verify_buckets(s, eng.gamma, eng.fine_buckets),
-                                 args.compile_threads, prefills=prefills)
+        buckets = verify_buckets(s, eng.gamma, eng.fine_buckets)
+        compile_s = compile_pool(eng, eng.init_slots(s, args.context), buckets, args.compile_threads,
+                                 prefills=prefills)
         compiled = eng.compiled_programs()
         print(f"slots {s}: {compiled} programs compiled in {compile_s:.0f} s ({args.compile_threads} threads; "
               f"prefill (rows, width) {list(prefills)})", flush=True)
@@ -612,14 +613,15 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
         tables.append(SPSTable(tokens=pa["sps_tokens"], steps_per_s=tuple(1 / t for t in times),
                                static_steps_per_s=1 / static[2]))
         bounds = [clairvoyant_bound(t, rates, pa["slots"], gamma) for t in tables]
-        # finer buckets at full depth: every multiple of S / 2 or S up to S (γ + 1), round times
-        # interpolated between the profiled counts
+        # finer buckets at full depth: every multiple of S / 2, and the engine's fine buckets (every
+        # multiple of S), round times interpolated between the profiled counts
+        s = pa["slots"]
         finer = {}
-        for step in (pa["slots"] // 2, pa["slots"]):
-            counts = np.arange(pa["slots"], pa["slots"] * (gamma + 1) + 1, step)
+        for name, counts in ((f"multiples_of_{s // 2}", np.arange(s, s * (gamma + 1) + 1, s // 2)),
+                             (f"multiples_of_{s}", [t for t in verify_buckets(s, gamma, fine=True) if t >= s])):
             fine = SPSTable(tokens=tuple(counts), steps_per_s=tuple(1 / np.interp(counts, pa["sps_tokens"], times)),
                             static_steps_per_s=1 / static[2])
-            finer[f"multiples_of_{step}"] = clairvoyant_bound(fine, rates, pa["slots"], gamma)["buckets"]
+            finer[name] = clairvoyant_bound(fine, rates, s, gamma)["buckets"]
         out["pools"].append({"slots": pa["slots"], "tokens": pa["sps_tokens"], "full_round_s": list(times),
                              "static_round_s": static, "bounds": dict(zip((str(a), str(b), str(layers)), bounds)),
                              f"bound_{layers}_finer_buckets": finer})

@@ -160,8 +160,8 @@ def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant
     weight_format: "official" keeps the FP8 linears and FP4 routed experts as stored (a bf16
         tensor in their place is quantised while read), "fp8" does the same with the FP4 experts
         widened to one e4m3 code per value, one scale per row and 128 inputs (the same values:
-        faster on GPUs without FP4 arithmetic, twice FP4's bytes), "dense" dequantises everything to ``param_dtype``; None = "official"
-        iff the checkpoint stores FP8 / FP4 weights.
+        faster on GPUs without FP4 arithmetic, twice FP4's bytes), "dense" dequantises everything
+        to ``param_dtype``; None = "official" iff the checkpoint stores FP8 / FP4 weights.
     dspark: None = load the DSpark drafter when present; True = require it; False = target only.
     progress: show a progress bar.
     matmul_precision: "highest" (float32 matmuls in true float32, as the reference) or "default"

@@ -758,6 +758,13 @@ def quantised_rows(x: Float[Array, "m k"], block_m: int) -> ActQuant | QuantRows
     return QuantRows(x) if x.shape[0] <= block_m else ActQuant.of(x)
 
 
+def _with_codes(kernel_options: dict, codes: bool | None, impl: str | None) -> dict:
+    """The kernel options with ``plain_linear_tiles``'s codes choice (the XLA path takes none)."""
+    if codes is None or backend.resolve(impl) == "xla":
+        return kernel_options
+    return {"codes": codes, **kernel_options}
+
+
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
                    impl: str | None = None, **kernel_options) -> Float[Array, "g m n"]:
     """``x[g] @ W[g]^T`` for every group (one group: a plain matmul) through the grouped matmul:
@@ -769,8 +776,7 @@ def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = Fa
     xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0))).reshape(g * mp, k)
     xp = quantised_rows(xp, bm) if act_quant else xp
     tile_group, num_tiles = dense_tiles(mp, g, bm)
-    if codes is not None and backend.resolve(impl) != "xla":
-        kernel_options = {"codes": codes, **kernel_options}
+    kernel_options = _with_codes(kernel_options, codes, impl)
     y = grouped_matmul(xp, w, tile_group, num_tiles, block_m=bm, out_dtype=out_dtype, impl=impl, **kernel_options)
     return y.reshape(g, mp, -1)[:, :m]
 
@@ -787,8 +793,7 @@ def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: f
     ones = jnp.ones((mp,), jnp.float32)
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     xp = quantised_rows(xp, bm) if act_quant else xp
-    if codes is not None and backend.resolve(impl) != "xla":
-        kernel_options = {"codes": codes, **kernel_options}
+    kernel_options = _with_codes(kernel_options, codes, impl)
     return grouped_swiglu(xp, w1, w3, ones, tile_group, num_tiles, block_m=bm,
                           limit=limit, impl=impl, **kernel_options)[:m]
 
