@@ -67,6 +67,18 @@ two ``--flash`` runs at two depths and extrapolates their tables per layer to th
     OUT=d2 python benchmarks/serving.py --flash --depth 2 --slots 128 64
     OUT=d4 python benchmarks/serving.py --flash --depth 4 --slots 128 64
     python benchmarks/serving.py --bound-from d2/flash_schedulers.json d4/flash_schedulers.json
+
+``--deep D.json`` (with ``--flash``) runs the schedulers a second time at FULL DEPTH BY
+EXTRAPOLATION: the run's SPS tables and those of a deeper ``--flash`` run D (same pools and
+buckets) give the full model's table per layer (as ``full_depth_bound``); each scheduler then
+decides its rounds on the slice by that table (``adapt`` off: the slice's round times would pull
+it back to the slice's), and each round's time at full depth is its measured time plus the
+extrapolated cost of the missing layers at the program it ran, t_L - t_a (the static round's
+or its verify bucket's). Accepted tokens are those of the slice's rounds (acceptance does not
+depend on depth in the profile mode):
+
+    OUT=d4 python benchmarks/serving.py --flash --depth 4 --slots 128 64 --fine-buckets
+    OUT=d2 python benchmarks/serving.py --flash --depth 2 --slots 128 64 --fine-buckets --deep d4/flash_schedulers.json
 """
 
 from __future__ import annotations
@@ -216,6 +228,9 @@ def main():
     ap.add_argument("--bound-from", nargs=2, metavar=("SHALLOW.json", "DEEP.json"),
                     help="the clairvoyant bound of the full model from two --flash runs at two depths (see "
                          "``full_depth_bound``)")
+    ap.add_argument("--deep", metavar="DEEP.json",
+                    help="--flash: also run the schedulers at the full model's depth by extrapolation from this "
+                         "deeper --flash run (see the docstring)")
     args = ap.parse_args()
     if args.bound_from:
         return full_depth_bound(*args.bound_from)
@@ -425,12 +440,15 @@ def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int,
     return time.perf_counter() - t0
 
 
-def run_rounds(eng: Engine, pool, scheduler: str, table: SPSTable, warmup: int, rounds: int) -> dict:
+def run_rounds(eng: Engine, pool, scheduler: str, table: SPSTable, warmup: int, rounds: int,
+               adapt: bool = True) -> dict:
     """``warmup`` then ``rounds`` timed rounds of every slot of (a copy of) ``pool`` under
     ``scheduler``, dispatched and read as ``serve`` does (the host reads a round's outputs after
-    dispatching the next one)."""
+    dispatching the next one). ``programs``: the timed rounds per program run ("static" or the
+    verify bucket)."""
     slots = pool.anchor.shape[0]
-    disp = RoundDispatcher(eng, scheduler, table, slots)
+    disp = RoundDispatcher(eng, scheduler, table, slots, adapt=adapt)
+    programs = collections.Counter()
     running = list(range(slots))
     bs, pending, t0 = _copy(pool), None, None
     tokens = verified = 0
@@ -449,16 +467,19 @@ def run_rounds(eng: Engine, pool, scheduler: str, table: SPSTable, warmup: int, 
                 pending = None
             t0 = time.perf_counter()
         bs, res, index = disp.dispatch(bs, running, GREEDY)
+        if t >= warmup:
+            kind, bucket = disp.last_program
+            programs[kind if bucket is None else str(bucket)] += 1
         if pending is not None:
             read(*pending)
         pending = (index, res)
     read(*pending)
     wall = time.perf_counter() - t0
-    return {"scheduler": scheduler, "slots": slots, "rounds": rounds, "seconds": wall,
+    return {"scheduler": scheduler, "slots": slots, "rounds": rounds, "seconds": wall, "accepted_tokens": tokens,
             "accepted_tokens_per_s": tokens / wall, "rounds_per_s": rounds / wall,
             "mean_verify_tokens_per_request": verified / (slots * rounds),
             "mean_accept_length": tokens / (slots * rounds),
-            "ragged_slowdown": None if disp.times is None else disp.times.slowdown()}
+            "ragged_slowdown": None if disp.times is None else disp.times.slowdown(), "programs": dict(programs)}
 
 
 def plot_flash(rows: list[dict], title: str, path: str) -> None:
@@ -501,6 +522,7 @@ def flash_schedulers(args):
     full = config.tiny() if args.smoke else config.flash()
     cfg = sliced(full, args.depth)
     profile_p = tuple(float(x) for x in args.accept_profile.split(","))
+    deep = load_deep(args.deep, args, profile_p) if args.deep else None
     env = environment()
     print(env, flush=True)
     t0 = time.perf_counter()
@@ -524,6 +546,14 @@ def flash_schedulers(args):
                        "of decoding slots reaches, then each scheduler's rounds dispatched as serve does"),
             "pools": [], "rows": [], "skipped": []}
     rows = meta["rows"]
+    if deep is not None:
+        meta["full_depth"] = {"layers": full.num_hidden_layers, "deep_run": {"path": args.deep, "depth": deep["depth"],
+                                                                              "env": deep["env"]},
+                              "method": ("FULL DEPTH BY EXTRAPOLATION: each scheduler decides on the slice by the "
+                                         "full model's SPS table (per-layer extrapolation of this run's and the deep "
+                                         "run's tables, adapt off); a round's full-depth time is its measured time "
+                                         "plus t_L - t_a of the program it ran (static round or verify bucket)"),
+                              "rows": []}
     last_pool_s = 0.0
     for slots in slots_list:
         if args.budget_s and time.perf_counter() - start + last_pool_s > args.budget_s:
@@ -553,6 +583,8 @@ def flash_schedulers(args):
             row = run_rounds(eng, pool, name, table, args.warmup_rounds, args.rounds)
             rows.append(row)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        full_depth = None if deep is None else run_full_depth(args, eng, pool, table, deep, full.num_hidden_layers,
+                                                              profile_p, gamma, meta["full_depth"]["rows"])
         compiled_in_runs = eng.compiled_programs() - programs
         last_pool_s = time.perf_counter() - p0
         meta["pools"].append({"slots": slots, "buckets": list(buckets), "compile_s": compile_s,
@@ -560,7 +592,7 @@ def flash_schedulers(args):
                               "sps_tokens": list(table.tokens), "sps_steps_per_s": list(table.steps_per_s),
                               "sps_measured_steps_per_s": list(table.measured_steps_per_s),
                               "sps_static_steps_per_s": table.static_steps_per_s,
-                              "clairvoyant_bound_x_static": bound})
+                              "clairvoyant_bound_x_static": bound, "full_depth": full_depth})
         meta["elapsed_s"] = time.perf_counter() - start
         write_json("flash_schedulers.json", meta)
     title = (f"{'tiny (smoke)' if args.smoke else 'DeepSeek-V4-Flash'} {args.depth}-layer slice, {args.weights}, "
@@ -574,7 +606,77 @@ def flash_schedulers(args):
         print(f"| {r['slots']} | {r['scheduler']} | {r['accepted_tokens_per_s']:.0f} | "
               f"{r['accepted_tokens_per_s'] / static[r['slots']]:.3f} | {r['mean_verify_tokens_per_request']:.2f} | "
               f"{r['mean_accept_length']:.2f} |", flush=True)
+    if deep is not None and meta["full_depth"]["rows"]:
+        full_rows = [dict(r, accepted_tokens_per_s=r["full_depth_accepted_tokens_per_s"])
+                     for r in meta["full_depth"]["rows"]]
+        plot_flash(full_rows, title.replace(f"{args.depth}-layer slice", f"{full.num_hidden_layers} layers "
+                                            f"EXTRAPOLATED from {args.depth}- and {deep['depth']}-layer slices"),
+                   os.path.join(out_dir(), "flash_schedulers_full_depth.png"))
+        layers = full.num_hidden_layers
+        print(f"| slots | scheduler | {layers}-layer accepted tokens/s (extrapolated) | x static | verify tokens per "
+              f"request | static rounds | buckets run |")
+        fstatic = {r["slots"]: r["full_depth_accepted_tokens_per_s"] for r in full_rows if r["scheduler"] == "static"}
+        for r in full_rows:
+            print(f"| {r['slots']} | {r['scheduler']} | {r['accepted_tokens_per_s']:.0f} | "
+                  f"{r['accepted_tokens_per_s'] / fstatic[r['slots']]:.3f} | "
+                  f"{r['mean_verify_tokens_per_request']:.2f} | {r['programs'].get('static', 0)} | "
+                  f"{ {k: v for k, v in r['programs'].items() if k != 'static'} } |", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def run_full_depth(args, eng: Engine, pool, table: SPSTable, deep: dict, layers: int, profile_p, gamma: int,
+                   out_rows: list[dict]) -> dict | None:
+    """The schedulers on ``pool`` at full depth by extrapolation (``--deep``, see the docstring):
+    appends a row per scheduler to ``out_rows``; returns the pool's full-depth table and bound."""
+    slots = pool.anchor.shape[0]
+    pb = {p["slots"]: p for p in deep["pools"]}.get(slots)
+    if pb is None or tuple(pb["sps_tokens"]) != table.tokens:
+        print(f"slots {slots}: the deep run has no pool of these buckets; no full-depth rows", flush=True)
+        return None
+    pa = {"sps_steps_per_s": table.steps_per_s, "sps_static_steps_per_s": table.static_steps_per_s}
+    times, static = extrapolate(pa, pb, args.depth, deep["depth"], layers)
+    full_table = SPSTable(tokens=table.tokens, steps_per_s=tuple(1 / times), static_steps_per_s=1 / static)
+    bound = clairvoyant_bound(full_table, profile_p, slots, gamma)
+    extra = {str(t): float(tl) - 1 / sa for t, tl, sa in zip(table.tokens, times, table.steps_per_s)}
+    extra["static"] = static - 1 / table.static_steps_per_s
+    print(f"slots {slots}: {layers}-layer round ms by bucket { {t: round(1e3 * float(x), 1) for t, x in zip(table.tokens, times)} }, "
+          f"static {1e3 * static:.1f}; clairvoyant bound x static {bound['buckets']:.3f}", flush=True)
+    for name in SCHEDULERS:
+        row = run_rounds(eng, pool, name, full_table, args.warmup_rounds, args.rounds, adapt=False)
+        seconds = row["seconds"] + sum(n * extra[k] for k, n in row["programs"].items())
+        row.update(depth=layers, full_depth_seconds=seconds,
+                   full_depth_accepted_tokens_per_s=row["accepted_tokens"] / seconds)
+        out_rows.append(row)
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return {"tokens": list(table.tokens), "round_s": times.tolist(), "static_round_s": static,
+            "clairvoyant_bound_x_static": bound}
+
+
+def extrapolate(shallow: dict, deep: dict, a: int, b: int, layers: int) -> tuple[np.ndarray, float]:
+    """Round times of the ``layers``-layer model per SPS-table bucket and of its static round, from
+    the pools ``shallow`` and ``deep`` (``sps_steps_per_s``, ``sps_static_steps_per_s``) of slices of
+    a < b layers: per layer, t_L = t_a + (L - a) (t_b - t_a) / (b - a) (the drafter's stages and
+    the head are in both slices, so they stay fixed); bucket times made non-decreasing in tokens,
+    as the fitted tables are."""
+    extra = (layers - a) / (b - a)
+    ta, tb = (1 / np.asarray(p["sps_steps_per_s"]) for p in (shallow, deep))
+    times = np.maximum.accumulate(ta + extra * (tb - ta))
+    sa, sb = (1 / p["sps_static_steps_per_s"] for p in (shallow, deep))
+    return times, float(sa + extra * (sb - sa))
+
+
+def load_deep(path: str, args, profile_p: tuple[float, ...]) -> dict:
+    """The deeper --flash run of ``--deep``, checked to match this run's settings."""
+    with open(path) as f:
+        deep = json.load(f)
+    if deep["depth"] <= args.depth:
+        raise ValueError(f"--deep: {path} is a {deep['depth']}-layer run, not deeper than this {args.depth}-layer one")
+    theirs = {k: deep["args"].get(k) for k in ("weights", "kv", "fine_buckets", "smoke", "confidence_spread")}
+    ours = {k: getattr(args, k) for k in theirs}
+    if theirs != ours or tuple(float(x) for x in deep["args"]["accept_profile"].split(",")) != profile_p:
+        raise ValueError(f"--deep: {path} ran with {theirs} and profile {deep['args']['accept_profile']}, this run "
+                         f"with {ours} and {profile_p}")
+    return deep
 
 
 def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
@@ -603,11 +705,8 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
         pb = deep.get(pa["slots"])
         if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
             continue
-        extra = (layers - a) / (b - a)
-        times = [1 / x + extra * (1 / y - 1 / x) for x, y in zip(pa["sps_steps_per_s"], pb["sps_steps_per_s"])]
-        times = np.maximum.accumulate(times)  # round time non-decreasing in tokens, as the fitted tables
-        static = [1 / pa["sps_static_steps_per_s"], 1 / pb["sps_static_steps_per_s"]]
-        static.append(static[0] + extra * (static[1] - static[0]))
+        times, static_full = extrapolate(pa, pb, a, b, layers)
+        static = [1 / pa["sps_static_steps_per_s"], 1 / pb["sps_static_steps_per_s"], static_full]
         tables = [SPSTable(tokens=p["sps_tokens"], steps_per_s=p["sps_steps_per_s"],
                            static_steps_per_s=p["sps_static_steps_per_s"]) for p in (pa, pb)]
         tables.append(SPSTable(tokens=pa["sps_tokens"], steps_per_s=tuple(1 / t for t in times),
@@ -622,7 +721,7 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
             fine = SPSTable(tokens=tuple(counts), steps_per_s=tuple(1 / np.interp(counts, pa["sps_tokens"], times)),
                             static_steps_per_s=1 / static[2])
             finer[name] = clairvoyant_bound(fine, rates, s, gamma)["buckets"]
-        out["pools"].append({"slots": pa["slots"], "tokens": pa["sps_tokens"], "full_round_s": list(times),
+        out["pools"].append({"slots": pa["slots"], "tokens": pa["sps_tokens"], "full_round_s": times.tolist(),
                              "static_round_s": static, "bounds": dict(zip((str(a), str(b), str(layers)), bounds)),
                              f"bound_{layers}_finer_buckets": finer})
         print(f"| {pa['slots']} | {' / '.join(f'{1e3 * t:.1f}' for t in static)} | {bounds[0]['buckets']:.3f} | "

@@ -117,6 +117,7 @@ class RoundDispatcher:
             key = (slots, scheduler, table.tokens, table.steps_per_s, table.static_steps_per_s)
             self.times = engine.round_times.setdefault(key, RoundTimes())
         self.clock, self._recent = clock, []
+        self.last_program = None  # ("static", None) or ("ragged", verify bucket): the last round's programs
 
     def dispatch(self, bs, running: list[int], flags: dict[str, bool], *, clean: bool = True):
         """One round over the pool; running[s] = the request slot s decodes (-1: none). Returns
@@ -125,6 +126,7 @@ class RoundDispatcher:
         eng = self.engine
         if self.always_static:
             bs, res = eng.round(bs, **flags)
+            program = ("static", None)
         else:  # the lagged capacity from survivals of round t - 2, the newest the host has read
             table, now = self.table, None
             if self.times is not None:
@@ -146,6 +148,7 @@ class RoundDispatcher:
                 self._recent = self._recent[-1:] + [dict(program=program, t=now, clean=clean,
                                                          warm=program in self.times.programs)]
                 self.times.programs.add(program)
+        self.last_program = program
         self.rounds += 1
         return bs, res, self.rounds - 1
 
