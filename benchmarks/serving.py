@@ -222,9 +222,9 @@ def main():
     ap.add_argument("--static-sizes", type=int, nargs="+", default=[16, 32, 64], help="--many: static batch sizes")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=(8, 96), metavar=("LOW", "HIGH"),
                     help="max_new_tokens of each prompt drawn from [LOW, HIGH)")
-    ap.add_argument("--fine-buckets", action="store_true",
-                    help="--flash: ragged verify buckets at every multiple of the slots above them "
-                         "(Engine(fine_buckets=True))")
+    ap.add_argument("--fine-buckets", type=int, nargs="?", const=1, default=0, metavar="K",
+                    help="--flash: ragged verify buckets at every multiple of slots / K above the slots "
+                         "(Engine(fine_buckets=K); K 1 if not given)")
     ap.add_argument("--bound-from", nargs=2, metavar=("SHALLOW.json", "DEEP.json"),
                     help="the clairvoyant bound of the full model from two --flash runs at two depths (see "
                          "``full_depth_bound``)")
@@ -712,12 +712,12 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
         tables.append(SPSTable(tokens=pa["sps_tokens"], steps_per_s=tuple(1 / t for t in times),
                                static_steps_per_s=1 / static[2]))
         bounds = [clairvoyant_bound(t, rates, pa["slots"], gamma) for t in tables]
-        # finer buckets at full depth: every multiple of S / 2, and the engine's fine buckets (every
-        # multiple of S), round times interpolated between the profiled counts
+        # finer buckets at full depth (``Engine(fine_buckets=k)``: every multiple of S / k above S),
+        # round times interpolated between the profiled counts
         s = pa["slots"]
         finer = {}
-        for name, counts in ((f"multiples_of_{s // 2}", np.arange(s, s * (gamma + 1) + 1, s // 2)),
-                             (f"multiples_of_{s}", [t for t in verify_buckets(s, gamma, fine=True) if t >= s])):
+        for name, counts in ((f"multiples_of_{-(-s // k)}", [t for t in verify_buckets(s, gamma, k) if t >= s])
+                             for k in (2, 1)):
             fine = SPSTable(tokens=tuple(counts), steps_per_s=tuple(1 / np.interp(counts, pa["sps_tokens"], times)),
                             static_steps_per_s=1 / static[2])
             finer[name] = clairvoyant_bound(fine, rates, s, gamma)["buckets"]

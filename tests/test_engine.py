@@ -342,6 +342,11 @@ def test_verify_buckets_and_bad_ragged_inputs(tiny_f32):
     assert verify_buckets(64, GAMMA, fine=True) == (8, 16, 32, 64, 128, 192, 256, 320, 384)
     assert verify_buckets(2, GAMMA, fine=True) == (8, 10, 12) and verify_buckets(2, GAMMA) == (8, 12)
     assert verify_buckets(48, GAMMA, fine=True) == (8, 16, 32, 48, 96, 144, 192, 240, 288)
+    # and of half the slots with fine=2
+    assert [verify_bucket(t, 64, GAMMA, fine=2) for t in (1, 64, 65, 97, 200, 384)] == [8, 64, 96, 128, 224, 384]
+    assert verify_buckets(6, GAMMA, fine=2) == (8, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36)
+    with pytest.raises(ValueError, match="fine_buckets"):
+        Engine(tiny_f32, gamma=GAMMA, fine_buckets=-1)
     eng = Engine(tiny_f32, gamma=GAMMA)
     bs = eng.init_slots(2, 256)
     flags = dict(sampled=False, top_k=False, top_p=False)

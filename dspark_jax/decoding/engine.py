@@ -213,7 +213,7 @@ class Engine:
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
                  accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
                  sps_table: SPSTable | None = None, profile_confidence: float | None = None, adapt_sps: bool = True,
-                 fine_buckets: bool = False):
+                 fine_buckets: int = 0):
         cfg = model.config
         check_scheduler(scheduler, gamma)
         if profile_confidence is not None and (accept_profile is None or not np.isfinite(profile_confidence)
@@ -223,7 +223,9 @@ class Engine:
         self.profile_confidence = None if profile_confidence is None else float(profile_confidence)
         self.scheduler, self.sps_table = scheduler, sps_table
         self.adapt_sps = adapt_sps  # serving corrects the table by measured round times (serving.RoundDispatcher)
-        self.fine_buckets = fine_buckets  # ragged verify buckets at multiples of the slots (``verify_bucket``)
+        if not (isinstance(fine_buckets, (bool, int, np.integer)) and fine_buckets >= 0):
+            raise ValueError(f"fine_buckets must be an integer >= 0 (0: power-of-2 buckets), got {fine_buckets!r}")
+        self.fine_buckets = int(fine_buckets)  # ragged verify buckets at multiples of slots / k (``verify_bucket``)
         self.last_bucket: int | None = None  # verify bucket of the last ragged round (host)
         self.round_times: dict = {}  # scheduler.RoundTimes per pool, scheduler and table, across serve calls
         # STS temperatures of the model's drafter (none for an oracle or calibrated profile confidences)
@@ -720,24 +722,25 @@ def check_scheduler(scheduler: str, gamma: int) -> None:
         raise ValueError(f"the {scheduler!r} scheduler needs speculative decoding (gamma > 0)")
 
 
-def verify_bucket(tokens: int, slots: int, gamma: int, fine: bool = False) -> int:
+def verify_bucket(tokens: int, slots: int, gamma: int, fine: int = 0) -> int:
     """Rows of a packed verify holding ``tokens`` verify tokens of a pool of ``slots`` slots: the
     smallest power of 2 >= tokens (at least MIN_VERIFY_BUCKET), at most slots x (γ + 1) (every
     slot verifying everything). A pool compiles at most log2(slots x (γ + 1) / 8) + 2 buckets.
-    ``fine``: up to ``slots`` tokens at most ``slots``, above them the smallest multiple of
-    ``slots`` (``Engine(fine_buckets=True)``): at full depth a verify's cost grows with its
-    tokens, and with power-of-2 buckets even a clairvoyant allocation of a 64-128-slot Flash pool would gain
-    at most 1.06x, 1.16-1.18x with these (``scheduler.clairvoyant_bound``, docs/benchmarks.md;
-    not measured at full depth)."""
+    ``fine`` = k > 0 (``Engine(fine_buckets=k)``): up to ``slots`` tokens at most ``slots``, above
+    them the smallest multiple of ceil(slots / k) (k γ + 1 more buckets): at full depth a verify's
+    cost grows with its tokens, and with power-of-2 buckets even a clairvoyant allocation of a
+    64-128-slot Flash pool would gain at most 1.06x, 1.16-1.18x with multiples of the slots, 1.24x
+    with multiples of half of them (``scheduler.clairvoyant_bound``, docs/benchmarks.md)."""
     top = slots * (gamma + 1)
     if not 0 <= tokens <= top:
         raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
     rows = 1 << max(tokens - 1, 0).bit_length()
     if fine:
-        rows = -(-tokens // slots) * slots if tokens > slots else min(rows, slots)
+        step = -(-slots // fine)
+        rows = -(-tokens // step) * step if tokens > slots else min(rows, slots)
     return min(top, max(MIN_VERIFY_BUCKET, rows))
 
 
-def verify_buckets(slots: int, gamma: int, fine: bool = False) -> tuple[int, ...]:
+def verify_buckets(slots: int, gamma: int, fine: int = 0) -> tuple[int, ...]:
     """Every bucket ``verify_bucket`` can give a pool of ``slots`` slots, ascending."""
     return tuple(sorted({verify_bucket(t, slots, gamma, fine) for t in range(slots * (gamma + 1) + 1)}))
