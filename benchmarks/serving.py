@@ -79,6 +79,15 @@ depend on depth in the profile mode):
 
     OUT=d4 python benchmarks/serving.py --flash --depth 4 --slots 128 64 --fine-buckets
     OUT=d2 python benchmarks/serving.py --flash --depth 2 --slots 128 64 --fine-buckets --deep d4/flash_schedulers.json
+
+``--replay A B`` needs no GPU: the schedulers' decisions at full depth from two ``--flash`` runs
+at two depths (any buckets): each pool's full-depth round times (``extrapolate``, interpolated
+at the buckets of ``--fine-buckets``) make the table by which the real schedulers, run on the
+tiny config's 1-layer slice in the same acceptance-profile mode (acceptance and confidences do
+not depend on the model), decide ``--rounds`` rounds; each round is timed by the table at the
+program it ran. No dispatch or host time is counted (the ``--deep`` run counts them):
+
+    python benchmarks/serving.py --replay d2/flash_schedulers.json d4/flash_schedulers.json --fine-buckets 2
 """
 
 from __future__ import annotations
@@ -102,7 +111,7 @@ import dspark_jax
 from benchmarks.common import environment, out_dir, write_json
 from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
 from dspark_jax import SamplingParams, config
-from dspark_jax.decoding.engine import Engine, chunk_width, prefill_rows, verify_buckets
+from dspark_jax.decoding.engine import Engine, chunk_width, logit_normal_means, prefill_rows, verify_buckets
 from dspark_jax.decoding.generate import _engine, default_model, resolve_model
 from dspark_jax.decoding.progress import CompileWatch
 from dspark_jax.decoding.scheduler import SPSTable, clairvoyant_bound, plot_table, profile, table_key
@@ -231,9 +240,14 @@ def main():
     ap.add_argument("--deep", metavar="DEEP.json",
                     help="--flash: also run the schedulers at the full model's depth by extrapolation from this "
                          "deeper --flash run (see the docstring)")
+    ap.add_argument("--replay", nargs=2, metavar=("SHALLOW.json", "DEEP.json"),
+                    help="the schedulers' full-depth rounds replayed on the CPU by the tables of two --flash runs "
+                         "(see the docstring)")
     args = ap.parse_args()
     if args.bound_from:
         return full_depth_bound(*args.bound_from)
+    if args.replay:
+        return replay_full_depth(args)
     if args.flash:
         return flash_schedulers(args)
     args.slots = args.slots or [8, 16]
@@ -541,6 +555,7 @@ def flash_schedulers(args):
                            f"{1 + sum(profile_p[:gamma]):.3f} when everything is verified); draft k's confidence "
                            f"c_k logit-normal, logit spread {args.confidence_spread}, mean p_k / p_(k-1); the "
                            f"draft passes with probability c_k"),
+            "confidence_auc": confidence_auc(profile_p[:gamma], args.confidence_spread),
             "method": ("every slot decodes throughout (random cache rows, lengths set to the context, no prefill); "
                        "per pool: all programs compiled first, the SPS table profiled at the token buckets a pool "
                        "of decoding slots reaches, then each scheduler's rounds dispatched as serve does"),
@@ -624,6 +639,90 @@ def flash_schedulers(args):
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 
 
+def program_seconds(programs: dict[str, int], bucket_s: dict[int, float], static_s: float) -> float:
+    """Seconds of the rounds ``programs`` counts ("static" or a verify bucket: rounds run), at
+    ``static_s`` per static round and ``bucket_s`` per bucket (a bucket below the smallest one
+    given at the smallest one's: round time is non-decreasing in tokens, so this over-counts)."""
+    first = min(bucket_s)
+    return sum(n * (static_s if k == "static" else bucket_s[max(int(k), first)]) for k, n in programs.items())
+
+
+def confidence_auc(pass_rates: tuple[float, ...], spread: float, n: int = 200_000, seed: int = 0) -> list[float]:
+    """Per draft position k, the AUC of the survival c_1 ... c_k (the product of the calibrated
+    confidences ``Engine(profile_confidence=spread)`` draws) against "drafts 1 .. k all pass", by
+    simulation (Mann-Whitney ranks): how much the confidences tell the schedulers. The DSpark paper
+    reports 0.81-0.90 for its calibrated confidence head (Fig. 6)."""
+    rates = np.asarray(pass_rates, np.float64)
+    cond = rates / np.concatenate([[1.0], rates[:-1]])
+    rng = np.random.default_rng(seed)
+    logits = np.asarray(logit_normal_means(tuple(cond), spread)) + spread * rng.standard_normal((n, len(cond)))
+    conf = 1 / (1 + np.exp(-logits))
+    survival_k, passed_k = np.cumprod(conf, 1), np.cumprod(rng.random(conf.shape) < conf, 1).astype(bool)
+    out = []
+    for k in range(len(cond)):
+        ranks = np.empty(n)
+        ranks[np.argsort(survival_k[:, k], kind="stable")] = np.arange(1, n + 1)
+        pos = int(passed_k[:, k].sum())
+        out.append(float((ranks[passed_k[:, k]].sum() - pos * (pos + 1) / 2) / (pos * (n - pos))))
+    return out
+
+
+def replay_full_depth(args) -> dict:
+    """``--replay`` (see the docstring). Writes flash_replay.json."""
+    runs = []
+    for path in args.replay:
+        with open(path) as f:
+            runs.append(json.load(f))
+    (a, ra), (b, rb) = sorted(((r["depth"], r) for r in runs), key=lambda x: x[0])
+    if a == b or ra["args"]["accept_profile"] != rb["args"]["accept_profile"]:
+        raise ValueError("--replay needs two --flash runs at two depths with one acceptance profile")
+    full = config.flash()
+    layers, gamma = full.num_hidden_layers, full.dspark.block_size
+    profile_p = tuple(float(x) for x in ra["args"]["accept_profile"].split(","))
+    spread = args.confidence_spread
+    cfg = sliced(config.tiny(), 1)
+    if cfg.dspark.block_size != gamma:
+        raise ValueError(f"the tiny config drafts {cfg.dspark.block_size} tokens, the Flash config {gamma}")
+    model = dspark_jax.init(cfg, 0, dtype=jnp.float32)
+    eng = Engine(model, gamma=gamma, accept_profile=profile_p, profile_confidence=spread,
+                 fine_buckets=args.fine_buckets)
+    context = 64
+    slack = -(-(gamma + 1) * (args.warmup_rounds + args.rounds + 4) // 128) * 128 + 128
+    deep = {p["slots"]: p for p in rb["pools"]}
+    out = {"env": environment(), "args": vars(args), "depths": [a, b], "layers": layers, "runs": list(args.replay),
+           "confidence_auc": confidence_auc(profile_p[:gamma], spread),
+           "method": ("REPLAY: the real schedulers decide each round on the tiny config's 1-layer slice in the "
+                      "acceptance-profile mode by the full model's table (per-layer extrapolation of two --flash "
+                      "runs' tables, interpolated at these buckets); each round timed by that table at the "
+                      "program it ran; no dispatch or host time"), "pools": []}
+    print(f"| slots | scheduler | {layers}-layer accepted tokens/s (replayed) | x static | verify tokens per request "
+          f"| static rounds | buckets run |")
+    for pa in ra["pools"]:
+        slots, pb = pa["slots"], deep.get(pa["slots"])
+        if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
+            continue
+        times, static = extrapolate(pa, pb, a, b, layers)
+        buckets = [t for t in verify_buckets(slots, gamma, eng.fine_buckets) if t >= slots]
+        bucket_s = np.maximum.accumulate(np.interp(buckets, pa["sps_tokens"], times))
+        table = SPSTable(tokens=buckets, steps_per_s=tuple(1 / bucket_s), static_steps_per_s=1 / static)
+        pool = at_context(random_state(eng, slots, context + slack, seed=slots), context)
+        rows = []
+        for name in SCHEDULERS:
+            row = run_rounds(eng, pool, name, table, args.warmup_rounds, args.rounds, adapt=False)
+            seconds = program_seconds(row["programs"], dict(zip(buckets, bucket_s.tolist())), static)
+            row.update(full_depth_seconds=seconds, full_depth_accepted_tokens_per_s=row["accepted_tokens"] / seconds)
+            rows.append(row)
+            print(f"| {slots} | {name} | {row['full_depth_accepted_tokens_per_s']:.0f} | "
+                  f"{row['full_depth_accepted_tokens_per_s'] / rows[0]['full_depth_accepted_tokens_per_s']:.3f} | "
+                  f"{row['mean_verify_tokens_per_request']:.2f} | {row['programs'].get('static', 0)} | "
+                  f"{ {k: v for k, v in row['programs'].items() if k != 'static'} } |", flush=True)
+        out["pools"].append({"slots": slots, "buckets": buckets, "round_s": bucket_s.tolist(), "static_round_s": static,
+                             "clairvoyant_bound_x_static": clairvoyant_bound(table, profile_p, slots, gamma),
+                             "rows": rows})
+        write_json("flash_replay.json", out)
+    return out
+
+
 def run_full_depth(args, eng: Engine, pool, table: SPSTable, deep: dict, layers: int, profile_p, gamma: int,
                    out_rows: list[dict]) -> dict | None:
     """The schedulers on ``pool`` at full depth by extrapolation (``--deep``, see the docstring):
@@ -637,13 +736,12 @@ def run_full_depth(args, eng: Engine, pool, table: SPSTable, deep: dict, layers:
     times, static = extrapolate(pa, pb, args.depth, deep["depth"], layers)
     full_table = SPSTable(tokens=table.tokens, steps_per_s=tuple(1 / times), static_steps_per_s=1 / static)
     bound = clairvoyant_bound(full_table, profile_p, slots, gamma)
-    extra = {str(t): float(tl) - 1 / sa for t, tl, sa in zip(table.tokens, times, table.steps_per_s)}
-    extra["static"] = static - 1 / table.static_steps_per_s
+    extra = {t: float(tl) - 1 / sa for t, tl, sa in zip(table.tokens, times, table.steps_per_s)}
     print(f"slots {slots}: {layers}-layer round ms by bucket { {t: round(1e3 * float(x), 1) for t, x in zip(table.tokens, times)} }, "
           f"static {1e3 * static:.1f}; clairvoyant bound x static {bound['buckets']:.3f}", flush=True)
     for name in SCHEDULERS:
         row = run_rounds(eng, pool, name, full_table, args.warmup_rounds, args.rounds, adapt=False)
-        seconds = row["seconds"] + sum(n * extra[k] for k, n in row["programs"].items())
+        seconds = row["seconds"] + program_seconds(row["programs"], extra, static - 1 / table.static_steps_per_s)
         row.update(depth=layers, full_depth_seconds=seconds,
                    full_depth_accepted_tokens_per_s=row["accepted_tokens"] / seconds)
         out_rows.append(row)
@@ -671,7 +769,7 @@ def load_deep(path: str, args, profile_p: tuple[float, ...]) -> dict:
         deep = json.load(f)
     if deep["depth"] <= args.depth:
         raise ValueError(f"--deep: {path} is a {deep['depth']}-layer run, not deeper than this {args.depth}-layer one")
-    theirs = {k: deep["args"].get(k) for k in ("weights", "kv", "fine_buckets", "smoke", "confidence_spread")}
+    theirs = {k: deep["args"].get(k) for k in ("weights", "kv", "fine_buckets", "smoke")}
     ours = {k: getattr(args, k) for k in theirs}
     if theirs != ours or tuple(float(x) for x in deep["args"]["accept_profile"].split(",")) != profile_p:
         raise ValueError(f"--deep: {path} ran with {theirs} and profile {deep['args']['accept_profile']}, this run "
