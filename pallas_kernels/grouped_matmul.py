@@ -718,11 +718,13 @@ def block_m_for(rows: int, groups: int = 1) -> int:
 
 
 # The largest row tiles ``plain_linear_tiles`` picks at decode / verify sizes, for quantised rows
-# (multiplied as fp8 codes) and for unquantised rows (bf16 values), and the programs (row tiles x
-# 128-column blocks) a larger tile must leave. Read at the call (``benchmarks/decode.py`` sets them).
+# (multiplied as fp8 codes) and for unquantised rows (bf16 values), the programs (row tiles x
+# 128-column blocks) a larger tile must leave, and the most rows it treats so (above: prefill
+# tiles). Read at the call (``benchmarks/decode.py`` sets them).
 LINEAR_CODES_MAX_BLOCK_M = 32
 VALUES_MAX_BLOCK_M = 64
 LINEAR_MIN_PROGRAMS = 128
+LINEAR_VERIFY_MAX_ROWS = 1024
 
 
 def plain_linear_tiles(rows: int, quantised: bool, n: int, groups: int = 1) -> tuple[int, bool | None]:
@@ -731,16 +733,19 @@ def plain_linear_tiles(rows: int, quantised: bool, n: int, groups: int = 1) -> t
     unquantised ones (``wo_a``: the reference multiplies bf16 rows by the dequantised weight).
 
     Every row tile reads the whole weight, so fewer, larger tiles read less; but a linear with few
-    outputs then runs too few programs to keep the GPU busy. At decode / verify sizes (<= 256 rows)
-    the tile is the largest power of two from 16 up to ``LINEAR_CODES_MAX_BLOCK_M`` (codes) or
+    outputs then runs too few programs to keep the GPU busy. At decode / verify sizes (up to
+    ``LINEAR_VERIFY_MAX_ROWS`` rows: a verify of 170 slots x 6 tokens) the tile is the largest power of two from 16 up to ``LINEAR_CODES_MAX_BLOCK_M`` (codes) or
     ``VALUES_MAX_BLOCK_M`` (values), and up to the rows, that leaves at least
     ``LINEAR_MIN_PROGRAMS`` (row tiles x groups x 128-column blocks; an H200 has 132 SMs). On an
     H200 (Flash linears at 32, 192 and 384 rows, ``benchmarks/linear_tiles.py``,
     docs/benchmarks.md) it picks the fastest of the measured tiles in all 20 cases, e.g. wq_b at
     192 rows 67.9 -> 47.7 us, wo_a 133.5 -> 80.3 us; wq_a (1024 outputs) and every linear at 32 rows
-    but wq_b keep 16; codes in 64-row tiles were slower than in 32 everywhere. Prefill sizes keep
-    ``block_m_for`` and the kernel's own codes rule (``codes`` None)."""
-    if rows > 256:
+    but wq_b keep 16; codes in 64-row tiles were slower than in 32 everywhere. At 384 rows codes in
+    32-row tiles beat every tile of bf16 values (wq_b 89 against 118-252 us, wo_b 89 against
+    145-260), which ``block_m_for``'s 32-row tiles took above 256 rows: 64-128-slot Flash verifies
+    paid a step in round time there. Prefill sizes keep ``block_m_for`` and the kernel's own codes
+    rule (``codes`` None)."""
+    if rows > LINEAR_VERIFY_MAX_ROWS:
         return block_m_for(rows), None
     cap = min(LINEAR_CODES_MAX_BLOCK_M if quantised else VALUES_MAX_BLOCK_M, 1 << max(rows - 1, 0).bit_length())
     bm = 16

@@ -451,8 +451,12 @@ def test_plain_linear_tiles(monkeypatch):
     # a batch-32 verify (192 rows): codes in 32-row tiles (at most), wo_a's values in 64; wq_a keeps 16
     assert [tile(192, True, s) for s in (wq_b, wo_b, wq_a)] == [(32, True), (32, True), (16, True)]
     assert tile(192, False, wo_a) == (64, None) and tile(384 // 2, False, wo_a)[0] == 64
+    # 64- and 128-slot verifies (384, 768 rows) still take codes; wq_a 32-row tiles once they run >= 128 programs
+    assert [tile(384, True, s) for s in (wq_b, wo_b, wq_a)] == [(32, True), (32, True), (16, True)]
+    assert [tile(768, True, s) for s in (wq_b, wo_b, wq_a)] == [(32, True), (32, True), (32, True)]
+    assert tile(768, False, wo_a) == (64, None)
     # prefill sizes: block_m_for and the kernel's own codes rule
-    assert tile(257, True, wq_b) == (32, None) and tile(4096, False, wo_a) == (64, None)
+    assert tile(gm.LINEAR_VERIFY_MAX_ROWS + 1, True, wq_b) == (32, None) and tile(4096, False, wo_a) == (64, None)
     monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 64)
     assert tile(192, True, wq_b) == (64, True)
     monkeypatch.setattr(gm, "LINEAR_CODES_MAX_BLOCK_M", 16)
