@@ -440,8 +440,9 @@ def compile_pool(eng: Engine, pool, buckets: tuple[int, ...], threads: int,
     jobs = [lambda: eng.round(_copy(pool), **GREEDY),
             lambda: eng._draft_program(_copy(pool), False, False, None),
             lambda: eng._draft_program(_copy(pool), False, False, placeholder)]
+    # host lengths and capacity as the engine passes them (numpy: jax arrays would compile apart)
     jobs += [lambda b=b: eng._verify_step(eng.params, _copy(pool), drafted,
-                                          jnp.asarray(_even(b, slots), jnp.int32), jnp.int32(-1), tokens=b, **GREEDY)
+                                          np.asarray(_even(b, slots), np.int32), np.int32(-1), tokens=b, **GREEDY)
              for b in buckets]
     if prefills:
         jobs.append(lambda: eng.admit(_copy(pool), {}, np.zeros(slots, bool)))
