@@ -628,16 +628,34 @@ def flash_schedulers(args):
         plot_flash(full_rows, title.replace(f"{args.depth}-layer slice", f"{full.num_hidden_layers} layers "
                                             f"EXTRAPOLATED from {args.depth}- and {deep['depth']}-layer slices"),
                    os.path.join(out_dir(), "flash_schedulers_full_depth.png"))
-        layers = full.num_hidden_layers
-        print(f"| slots | scheduler | {layers}-layer accepted tokens/s (extrapolated) | x static | verify tokens per "
-              f"request | static rounds | buckets run |")
-        fstatic = {r["slots"]: r["full_depth_accepted_tokens_per_s"] for r in full_rows if r["scheduler"] == "static"}
-        for r in full_rows:
-            print(f"| {r['slots']} | {r['scheduler']} | {r['accepted_tokens_per_s']:.0f} | "
-                  f"{r['accepted_tokens_per_s'] / fstatic[r['slots']]:.3f} | "
-                  f"{r['mean_verify_tokens_per_request']:.2f} | {r['programs'].get('static', 0)} | "
-                  f"{ {k: v for k, v in r['programs'].items() if k != 'static'} } |", flush=True)
+        print_full_depth(meta["full_depth"]["rows"], full.num_hidden_layers, "extrapolated")
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def rounds_at_full_depth(eng: Engine, pool, full_table: SPSTable, args, bucket_s: dict[int, float], static_s: float,
+                         *, measured: bool) -> list[dict]:
+    """Each scheduler's rounds on ``pool`` decided by the full model's table (``adapt`` off: the
+    slice's round times would pull it back to the slice's), timed as ``program_seconds`` of the
+    programs run, plus the measured wall time with ``measured`` (then ``bucket_s`` and ``static_s``
+    are the missing layers' costs)."""
+    rows = []
+    for name in SCHEDULERS:
+        row = run_rounds(eng, pool, name, full_table, args.warmup_rounds, args.rounds, adapt=False)
+        seconds = (row["seconds"] if measured else 0.0) + program_seconds(row["programs"], bucket_s, static_s)
+        rows.append(dict(row, full_depth_seconds=seconds,
+                         full_depth_accepted_tokens_per_s=row["accepted_tokens"] / seconds))
+    return rows
+
+
+def print_full_depth(rows: list[dict], layers: int, how: str) -> None:
+    print(f"| slots | scheduler | {layers}-layer accepted tokens/s ({how}) | x static | verify tokens per request "
+          f"| static rounds | buckets run |")
+    static = {r["slots"]: r["full_depth_accepted_tokens_per_s"] for r in rows if r["scheduler"] == "static"}
+    for r in rows:
+        print(f"| {r['slots']} | {r['scheduler']} | {r['full_depth_accepted_tokens_per_s']:.0f} | "
+              f"{r['full_depth_accepted_tokens_per_s'] / static[r['slots']]:.3f} | "
+              f"{r['mean_verify_tokens_per_request']:.2f} | {r['programs'].get('static', 0)} | "
+              f"{ {k: v for k, v in r['programs'].items() if k != 'static'} } |", flush=True)
 
 
 def program_seconds(programs: dict[str, int], bucket_s: dict[int, float], static_s: float) -> float:
@@ -696,8 +714,6 @@ def replay_full_depth(args) -> dict:
                       "acceptance-profile mode by the full model's table (per-layer extrapolation of two --flash "
                       "runs' tables, interpolated at these buckets); each round timed by that table at the "
                       "program it ran; no dispatch or host time"), "pools": []}
-    print(f"| slots | scheduler | {layers}-layer accepted tokens/s (replayed) | x static | verify tokens per request "
-          f"| static rounds | buckets run |")
     for pa in ra["pools"]:
         slots, pb = pa["slots"], deep.get(pa["slots"])
         if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
@@ -707,20 +723,13 @@ def replay_full_depth(args) -> dict:
         bucket_s = np.maximum.accumulate(np.interp(buckets, pa["sps_tokens"], times))
         table = SPSTable(tokens=buckets, steps_per_s=tuple(1 / bucket_s), static_steps_per_s=1 / static)
         pool = at_context(random_state(eng, slots, context + slack, seed=slots), context)
-        rows = []
-        for name in SCHEDULERS:
-            row = run_rounds(eng, pool, name, table, args.warmup_rounds, args.rounds, adapt=False)
-            seconds = program_seconds(row["programs"], dict(zip(buckets, bucket_s.tolist())), static)
-            row.update(full_depth_seconds=seconds, full_depth_accepted_tokens_per_s=row["accepted_tokens"] / seconds)
-            rows.append(row)
-            print(f"| {slots} | {name} | {row['full_depth_accepted_tokens_per_s']:.0f} | "
-                  f"{row['full_depth_accepted_tokens_per_s'] / rows[0]['full_depth_accepted_tokens_per_s']:.3f} | "
-                  f"{row['mean_verify_tokens_per_request']:.2f} | {row['programs'].get('static', 0)} | "
-                  f"{ {k: v for k, v in row['programs'].items() if k != 'static'} } |", flush=True)
+        rows = rounds_at_full_depth(eng, pool, table, args, dict(zip(buckets, bucket_s.tolist())), static,
+                                    measured=False)
         out["pools"].append({"slots": slots, "buckets": buckets, "round_s": bucket_s.tolist(), "static_round_s": static,
                              "clairvoyant_bound_x_static": clairvoyant_bound(table, profile_p, slots, gamma),
                              "rows": rows})
         write_json("flash_replay.json", out)
+    print_full_depth([r for p in out["pools"] for r in p["rows"]], layers, "replayed")
     return out
 
 
@@ -740,11 +749,8 @@ def run_full_depth(args, eng: Engine, pool, table: SPSTable, deep: dict, layers:
     extra = {t: float(tl) - 1 / sa for t, tl, sa in zip(table.tokens, times, table.steps_per_s)}
     print(f"slots {slots}: {layers}-layer round ms by bucket { {t: round(1e3 * float(x), 1) for t, x in zip(table.tokens, times)} }, "
           f"static {1e3 * static:.1f}; clairvoyant bound x static {bound['buckets']:.3f}", flush=True)
-    for name in SCHEDULERS:
-        row = run_rounds(eng, pool, name, full_table, args.warmup_rounds, args.rounds, adapt=False)
-        seconds = row["seconds"] + program_seconds(row["programs"], extra, static - 1 / table.static_steps_per_s)
-        row.update(depth=layers, full_depth_seconds=seconds,
-                   full_depth_accepted_tokens_per_s=row["accepted_tokens"] / seconds)
+    for row in rounds_at_full_depth(eng, pool, full_table, args, extra, static - 1 / table.static_steps_per_s,
+                                    measured=True):
         out_rows.append(row)
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return {"tokens": list(table.tokens), "round_s": times.tolist(), "static_round_s": static,
@@ -761,7 +767,11 @@ def extrapolate(shallow: dict, deep: dict, a: int, b: int, layers: int) -> tuple
     ta, tb = (1 / np.asarray(p["sps_steps_per_s"]) for p in (shallow, deep))
     times = np.maximum.accumulate(ta + extra * (tb - ta))
     sa, sb = (1 / p["sps_static_steps_per_s"] for p in (shallow, deep))
-    return times, float(sa + extra * (sb - sa))
+    static = float(sa + extra * (sb - sa))
+    if times[0] <= 0 or static <= 0:
+        raise ValueError(f"extrapolating to {layers} layers gave round times {times.tolist()} s, static {static} s: "
+                         f"the {b}-layer run's rounds are not slower than the {a}-layer run's (a noisy run?)")
+    return times, static
 
 
 def load_deep(path: str, args, profile_p: tuple[float, ...]) -> dict:
