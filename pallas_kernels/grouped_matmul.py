@@ -734,16 +734,17 @@ def plain_linear_tiles(rows: int, quantised: bool, n: int, groups: int = 1) -> t
 
     Every row tile reads the whole weight, so fewer, larger tiles read less; but a linear with few
     outputs then runs too few programs to keep the GPU busy. At decode / verify sizes (up to
-    ``LINEAR_VERIFY_MAX_ROWS`` rows: a verify of 170 slots x 6 tokens) the tile is the largest power of two from 16 up to ``LINEAR_CODES_MAX_BLOCK_M`` (codes) or
-    ``VALUES_MAX_BLOCK_M`` (values), and up to the rows, that leaves at least
+    ``LINEAR_VERIFY_MAX_ROWS`` rows: a verify of 170 slots x 6 tokens) the tile is the largest
+    power of two from 16 up to ``LINEAR_CODES_MAX_BLOCK_M`` (codes) or ``VALUES_MAX_BLOCK_M``
+    (values), and up to the rows, that leaves at least
     ``LINEAR_MIN_PROGRAMS`` (row tiles x groups x 128-column blocks; an H200 has 132 SMs). On an
     H200 (Flash linears at 32, 192 and 384 rows, ``benchmarks/linear_tiles.py``,
     docs/benchmarks.md) it picks the fastest of the measured tiles in all 20 cases, e.g. wq_b at
     192 rows 67.9 -> 47.7 us, wo_a 133.5 -> 80.3 us; wq_a (1024 outputs) and every linear at 32 rows
-    but wq_b keep 16; codes in 64-row tiles were slower than in 32 everywhere. At 384 rows codes in
-    32-row tiles beat every tile of bf16 values (wq_b 89 against 118-252 us, wo_b 89 against
-    145-260), which ``block_m_for``'s 32-row tiles took above 256 rows: 64-128-slot Flash verifies
-    paid a step in round time there. Prefill sizes keep ``block_m_for`` and the kernel's own codes
+    but wq_b keep 16; codes in 64-row tiles were slower than in 32 everywhere. At 384 and 768 rows
+    codes in 32-row tiles beat every tile of bf16 values by 1.3-1.9x (wq_b 88.8 against 118-157 us
+    at 384 rows), which ``block_m_for``'s tiles took above 256 rows before: the batch-64 Flash
+    round got 9 % faster (157.3 -> 142.5 ms, 43 layers). Prefill sizes keep ``block_m_for`` and the kernel's own codes
     rule (``codes`` None)."""
     if rows > LINEAR_VERIFY_MAX_ROWS:
         return block_m_for(rows), None
