@@ -688,13 +688,7 @@ def confidence_auc(pass_rates: tuple[float, ...], spread: float, n: int = 200_00
 
 def replay_full_depth(args) -> dict:
     """``--replay`` (see the docstring). Writes flash_replay.json."""
-    runs = []
-    for path in args.replay:
-        with open(path) as f:
-            runs.append(json.load(f))
-    (a, ra), (b, rb) = sorted(((r["depth"], r) for r in runs), key=lambda x: x[0])
-    if a == b or ra["args"]["accept_profile"] != rb["args"]["accept_profile"]:
-        raise ValueError("--replay needs two --flash runs at two depths with one acceptance profile")
+    a, ra, b, rb, pairs = depth_pair(args.replay, "--replay")
     full = config.flash()
     layers, gamma = full.num_hidden_layers, full.dspark.block_size
     profile_p = tuple(float(x) for x in ra["args"]["accept_profile"].split(","))
@@ -707,25 +701,21 @@ def replay_full_depth(args) -> dict:
                  fine_buckets=args.fine_buckets)
     context = 64
     slack = -(-(gamma + 1) * (args.warmup_rounds + args.rounds + 4) // 128) * 128 + 128
-    deep = {p["slots"]: p for p in rb["pools"]}
     out = {"env": environment(), "args": vars(args), "depths": [a, b], "layers": layers, "runs": list(args.replay),
            "confidence_auc": confidence_auc(profile_p[:gamma], spread),
            "method": ("REPLAY: the real schedulers decide each round on the tiny config's 1-layer slice in the "
                       "acceptance-profile mode by the full model's table (per-layer extrapolation of two --flash "
                       "runs' tables, interpolated at these buckets); each round timed by that table at the "
                       "program it ran; no dispatch or host time"), "pools": []}
-    for pa in ra["pools"]:
-        slots, pb = pa["slots"], deep.get(pa["slots"])
-        if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
-            continue
+    for pa, pb in pairs:
+        slots = pa["slots"]
         times, static = extrapolate(pa, pb, a, b, layers)
         buckets = [t for t in verify_buckets(slots, gamma, eng.fine_buckets) if t >= slots]
-        bucket_s = np.maximum.accumulate(np.interp(buckets, pa["sps_tokens"], times))
-        table = SPSTable(tokens=buckets, steps_per_s=tuple(1 / bucket_s), static_steps_per_s=1 / static)
+        table = table_at(buckets, pa["sps_tokens"], times, static)
+        bucket_s = [1 / x for x in table.steps_per_s]
         pool = at_context(random_state(eng, slots, context + slack, seed=slots), context)
-        rows = rounds_at_full_depth(eng, pool, table, args, dict(zip(buckets, bucket_s.tolist())), static,
-                                    measured=False)
-        out["pools"].append({"slots": slots, "buckets": buckets, "round_s": bucket_s.tolist(), "static_round_s": static,
+        rows = rounds_at_full_depth(eng, pool, table, args, dict(zip(buckets, bucket_s)), static, measured=False)
+        out["pools"].append({"slots": slots, "buckets": buckets, "round_s": bucket_s, "static_round_s": static,
                              "clairvoyant_bound_x_static": clairvoyant_bound(table, profile_p, slots, gamma),
                              "rows": rows})
         write_json("flash_replay.json", out)
@@ -788,32 +778,45 @@ def load_deep(path: str, args, profile_p: tuple[float, ...]) -> dict:
     return deep
 
 
+def depth_pair(paths, option: str) -> tuple[int, dict, int, dict, list[tuple[dict, dict]]]:
+    """Two ``--flash`` runs (JSON paths) ordered by depth, a < b, checked to share an acceptance
+    profile, and their pools of the same slots and buckets as (shallow, deep) pairs."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    (a, ra), (b, rb) = sorted(((r["depth"], r) for r in runs), key=lambda x: x[0])
+    if a == b:
+        raise ValueError(f"{option} needs runs at two depths, both are {a}-layer slices")
+    if ra["args"]["accept_profile"] != rb["args"]["accept_profile"]:
+        raise ValueError(f"{option}: the two runs used different acceptance profiles")
+    deep = {p["slots"]: p for p in rb["pools"]}
+    pairs = [(pa, deep[pa["slots"]]) for pa in ra["pools"]
+             if pa["slots"] in deep and deep[pa["slots"]]["sps_tokens"] == pa["sps_tokens"]]
+    return a, ra, b, rb, pairs
+
+
+def table_at(counts, tokens, times: np.ndarray, static: float) -> SPSTable:
+    """The table of round ``times`` at ``tokens`` (and the static round's ``static`` s), at the
+    token ``counts`` by linear interpolation."""
+    return SPSTable(tokens=tuple(counts), steps_per_s=tuple(1 / np.interp(counts, tokens, times)),
+                    static_steps_per_s=1 / static)
+
+
 def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
     """The clairvoyant bound (``scheduler.clairvoyant_bound``) of the full-depth model, from the SPS
     tables of two ``--flash`` runs at depths a < b (same slots, buckets, profile): every round time
     (each bucket's and the static round's) extrapolated per layer, t_L = t_a + (L - a) (t_b - t_a)
     / (b - a), L the full model's layers (the drafter's stages and the head are in both slices,
     so they stay fixed). Prints a table and writes flash_full_depth_bound.json."""
-    runs = []
-    for path in (shallow_path, deep_path):
-        with open(path) as f:
-            runs.append(json.load(f))
-    (a, ra), (b, rb) = sorted(((r["depth"], r) for r in runs), key=lambda x: x[0])
-    if a == b:
-        raise ValueError(f"--bound-from needs runs at two depths, both are {a}-layer slices")
-    if ra["args"]["accept_profile"] != rb["args"]["accept_profile"]:
-        raise ValueError("--bound-from: the two runs used different acceptance profiles")
+    a, ra, b, rb, pairs = depth_pair((shallow_path, deep_path), "--bound-from")
     full = config.tiny() if ra["config"].startswith("tiny") else config.flash()
     layers, gamma = full.num_hidden_layers, full.dspark.block_size
     rates = tuple(float(x) for x in ra["args"]["accept_profile"].split(","))
-    deep = {p["slots"]: p for p in rb["pools"]}
     out = {"depths": [a, b], "layers": layers, "accept_profile": rates, "pools": []}
     print(f"| slots | static round ms ({a} / {b} / {layers} layers) | clairvoyant bound x static, {a} layers "
           f"| {layers} layers (these buckets / every count) | {layers} layers, finer buckets |")
-    for pa in ra["pools"]:
-        pb = deep.get(pa["slots"])
-        if pb is None or pb["sps_tokens"] != pa["sps_tokens"]:
-            continue
+    for pa, pb in pairs:
         times, static_full = extrapolate(pa, pb, a, b, layers)
         static = [1 / pa["sps_static_steps_per_s"], 1 / pb["sps_static_steps_per_s"], static_full]
         tables = [SPSTable(tokens=p["sps_tokens"], steps_per_s=p["sps_steps_per_s"],
@@ -827,9 +830,8 @@ def full_depth_bound(shallow_path: str, deep_path: str) -> dict:
         finer = {}
         for name, counts in ((f"multiples_of_{-(-s // k)}", [t for t in verify_buckets(s, gamma, k) if t >= s])
                              for k in (2, 1)):
-            fine = SPSTable(tokens=tuple(counts), steps_per_s=tuple(1 / np.interp(counts, pa["sps_tokens"], times)),
-                            static_steps_per_s=1 / static[2])
-            finer[name] = clairvoyant_bound(fine, rates, s, gamma)["buckets"]
+            finer[name] = clairvoyant_bound(table_at(counts, pa["sps_tokens"], times, static[2]), rates, s,
+                                            gamma)["buckets"]
         out["pools"].append({"slots": pa["slots"], "tokens": pa["sps_tokens"], "full_round_s": times.tolist(),
                              "static_round_s": static, "bounds": dict(zip((str(a), str(b), str(layers)), bounds)),
                              f"bound_{layers}_finer_buckets": finer})
