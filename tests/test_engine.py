@@ -9,8 +9,9 @@ import pytest
 
 import dspark_jax
 from dspark_jax import InputError, SamplingParams
-from dspark_jax.decoding.engine import Engine, pack_round, unpack_round, verify_bucket, verify_buckets
-from dspark_jax.decoding.generate import _engine
+from dspark_jax.decoding.engine import (Engine, pack_round, table_bucket, unpack_round, verify_bucket,
+                                       verify_buckets)
+from dspark_jax.decoding.generate import _engine, sps_table
 from dspark_jax.decoding.scheduler import SPSTable
 from tests.helpers import OracleDrafter
 
@@ -307,6 +308,27 @@ def test_fine_buckets_verify_packed_rounds_of_any_multiple_of_the_slots(tiny_f32
     assert {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"} == {10}
 
 
+def test_schedulers_run_in_the_buckets_of_their_table(tiny_f32, greedy_truth, oracle):
+    """Given a table timed at 8, 10 and 12 verify tokens (the buckets of ``sps_table(...,
+    fine_buckets=1)`` for a 2-slot pool), ``generate``'s schedulers pack their ragged rounds in those buckets:
+    rounds of 9-10 tokens in the 10-token bucket, not the 12 of the engine's power-of-2 rule (the
+    verify programs compiled are the table's), and the output is the target-only greedy output."""
+    prompts, truth = greedy_truth
+    eng = _engine(tiny_f32, GAMMA, oracle)
+    earlier, eng._shapes = eng._shapes, set()  # the shapes of this test's calls alone (the engine is shared)
+    table = SPSTable(tokens=(8, 10, 12), steps_per_s=(10.0, 8.5, 6.0))
+    try:
+        for scheduler in ("lagged", "confidence"):
+            res = dspark_jax.generate(prompts, model=tiny_f32, drafter=oracle, scheduler=scheduler, sps_table=table,
+                                      sampling=SamplingParams(max_new_tokens=320, ignore_eos=True))
+            for r, t in zip(res, truth):
+                assert r.tokens == t
+            verify = {k[-1] for k in eng.compiled_shapes() if k[0] == "verify"}
+            assert 10 in verify and verify <= set(table.tokens), (scheduler, verify)
+    finally:
+        eng._shapes |= earlier
+
+
 def test_schedulers_equal_target_only(tiny_f32, greedy_truth, oracle):
     """The lagged and confidence schedulers (confidence high where drafts are right, a steep SPS
     table) verify fewer tokens than γ + 1 per round, accept several drafts per round, and give
@@ -347,6 +369,15 @@ def test_verify_buckets_and_bad_ragged_inputs(tiny_f32):
     assert verify_buckets(6, GAMMA, fine=2) == (8, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36)
     with pytest.raises(ValueError, match="fine_buckets"):
         Engine(tiny_f32, gamma=GAMMA, fine_buckets=-1)
+    with pytest.raises(InputError, match="fine_buckets must be >= 0"):
+        sps_table(tiny_f32, slots=2, context=256, fine_buckets=-1)
+    # a table's buckets: the smallest holding the tokens, at most the pool's slots x (γ + 1)
+    assert [table_bucket(t, 2, GAMMA, (8, 10, 12)) for t in (0, 8, 9, 10, 11, 12)] == [8, 8, 10, 10, 12, 12]
+    assert table_bucket(20, 4, GAMMA, (16, 32)) == 24 and table_bucket(3, 4, GAMMA, (2, 4, 8)) == 4
+    with pytest.raises(ValueError, match="buckets .* stop at 10"):
+        table_bucket(11, 2, GAMMA, (8, 10))
+    with pytest.raises(ValueError, match="verifies 0 to 12 tokens"):
+        table_bucket(13, 2, GAMMA, (8, 16))
     eng = Engine(tiny_f32, gamma=GAMMA)
     bs = eng.init_slots(2, 256)
     flags = dict(sampled=False, top_k=False, top_p=False)

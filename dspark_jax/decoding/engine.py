@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +207,10 @@ class Engine:
     every slot verifies everything, as "static"). Survivals use the model's STS temperatures.
     adapt_sps: serving corrects the table's ragged rates by the round times it measures
     (``scheduler.RoundTimes``; False: choices from the table alone, the same on every run).
+    A scheduler's ragged rounds run in the token buckets of its table (``table_bucket``).
+    fine_buckets: the buckets of ragged rounds given no table (``round``'s ``verify_lens``, hence
+    the buckets ``serving.profile_sps`` times by default): 0 powers of 2, k > 0 multiples of
+    slots / k above the slots (``verify_bucket``).
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
@@ -593,12 +597,14 @@ class Engine:
         return max(MIN_PREFILL_CHUNK, min(self.prefill_chunk, 1 << (fit.bit_length() - 1)))
 
     def round(self, bs: BatchState, *, sampled: bool, top_k: bool, top_p: bool,
-              verify_lens: np.ndarray | None = None) -> tuple[BatchState, RoundOutput]:
+              verify_lens: np.ndarray | None = None, buckets: Sequence[int] | None = None
+              ) -> tuple[BatchState, RoundOutput]:
         """One decoding round over the pool. verify_lens None: every slot verifies γ + 1 tokens
         (one program, the per-request layout). verify_lens [slots] in [0, γ + 1]: ragged verify,
         slot r verifying its anchor and first verify_lens[r] - 1 drafts (0: the slot commits
         nothing this round; slots without a running request verify nothing whatever they are
-        given), packed on ``verify_bucket(sum)`` rows (see ``_ragged_round``)."""
+        given), packed on ``verify_bucket(sum)`` rows, or on the smallest of ``buckets`` that holds
+        them (an SPS table's token counts: ``table_bucket``; see ``_ragged_round``)."""
         b, max_len = bs.anchor.shape[0], bs.cache.max_len
         flags = dict(sampled=sampled, top_k=top_k, top_p=top_p)
         if verify_lens is None:
@@ -611,21 +617,23 @@ class Engine:
         if lens.min() < 0 or lens.max() > self.gamma + 1:
             raise ValueError(f"verify_lens must lie in [0, gamma + 1 = {self.gamma + 1}], got {lens.tolist()}")
         drafted, _ = self._draft_program(bs, top_k, top_p, None)
-        return self._ragged_round(bs, drafted, np.asarray(lens, np.int32), -1, int(lens.sum()), **flags)
+        return self._ragged_round(bs, drafted, np.asarray(lens, np.int32), -1, int(lens.sum()), buckets=buckets,
+                                  **flags)
 
     def round_lagged(self, bs: BatchState, capacity: int, busy: int, *, sampled: bool, top_k: bool,
-                     top_p: bool) -> tuple[BatchState, RoundOutput]:
+                     top_p: bool, buckets: Sequence[int] | None = None) -> tuple[BatchState, RoundOutput]:
         """A ragged round of the lagged scheduler: ``capacity`` drafts in total (decided on the
         host, ``scheduler.lagged_capacity``), given on the device to the best by the round's own
         survivals (``scheduler.allocate_topk``). ``busy`` (slots that may hold a running request)
-        + capacity bounds the tokens, so the bucket is known before the round: no host sync."""
+        + capacity bounds the tokens, so the bucket is known before the round: no host sync.
+        ``buckets``: as in ``round`` (the SPS table's token counts)."""
         b = bs.anchor.shape[0]
         if not 0 <= busy <= b or capacity < 0:
             raise ValueError(f"need 0 <= busy <= {b} slots and capacity >= 0, got busy={busy}, capacity={capacity}")
         capacity = min(int(capacity), busy * self.gamma)
         drafted, _ = self._draft_program(bs, top_k, top_p, None)
         return self._ragged_round(bs, drafted, np.zeros((b,), np.int32), capacity, busy + capacity,
-                                  sampled=sampled, top_k=top_k, top_p=top_p)
+                                  sampled=sampled, top_k=top_k, top_p=top_p, buckets=buckets)
 
     def round_confidence(self, bs: BatchState, table: SPSTable, *, sampled: bool, top_k: bool,
                          top_p: bool) -> tuple[BatchState, RoundOutput]:
@@ -640,7 +648,7 @@ class Engine:
         drafted, lens = self._draft_program(bs, top_k, top_p, table)
         lens = np.asarray(lens)
         return self._ragged_round(bs, drafted, np.asarray(lens, np.int32), -1, int(lens.sum()), sampled=sampled,
-                                  top_k=top_k, top_p=top_p)
+                                  top_k=top_k, top_p=top_p, buckets=table.tokens)
 
     def _draft_program(self, bs: BatchState, top_k: bool, top_p: bool, table: SPSTable | None):
         self._shapes.add(("draft", bs.anchor.shape[0], bs.cache.max_len, top_k, top_p, table is not None))
@@ -649,13 +657,16 @@ class Engine:
                                 np.asarray(steps, np.float32), top_k=top_k, top_p=top_p, schedule=table is not None)
 
     def _ragged_round(self, bs: BatchState, drafted, verify_lens, capacity: int, tokens: int, *, sampled: bool,
-                      top_k: bool, top_p: bool) -> tuple[BatchState, RoundOutput]:
+                      top_k: bool, top_p: bool, buckets: Sequence[int] | None = None
+                      ) -> tuple[BatchState, RoundOutput]:
         """Ragged rounds run as two programs: the draft (one per pool and flags) and the verify /
-        accept / commit of one token bucket (``verify_bucket``), whatever decides the lengths, so
-        the drafter compiles once for all buckets; without the confidence scheduler's sync the
-        host dispatches both at once."""
+        accept / commit of one token bucket (``verify_bucket``, or ``table_bucket`` of the given
+        ``buckets``: a scheduler's round runs in the bucket its SPS table timed), whatever decides
+        the lengths, so the drafter compiles once for all buckets; without the confidence
+        scheduler's sync the host dispatches both at once."""
         b = bs.anchor.shape[0]
-        bucket = self.last_bucket = verify_bucket(tokens, b, self.gamma, self.fine_buckets)
+        bucket = self.last_bucket = (verify_bucket(tokens, b, self.gamma, self.fine_buckets) if buckets is None
+                                     else table_bucket(tokens, b, self.gamma, buckets))
         self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
         return self._verify_step(self.params, bs, drafted, verify_lens, np.int32(capacity), sampled=sampled,
                                  top_k=top_k, top_p=top_p, tokens=bucket)
@@ -739,6 +750,19 @@ def verify_bucket(tokens: int, slots: int, gamma: int, fine: int = 0) -> int:
         step = -(-slots // fine)
         rows = -(-tokens // step) * step if tokens > slots else min(rows, slots)
     return min(top, max(MIN_VERIFY_BUCKET, rows))
+
+
+def table_bucket(tokens: int, slots: int, gamma: int, buckets: Sequence[int]) -> int:
+    """Rows of a packed verify holding ``tokens`` verify tokens in one of ``buckets`` (an SPS
+    table's token counts, ascending): the smallest that holds them, at most slots x (γ + 1)."""
+    top = slots * (gamma + 1)
+    if not 0 <= tokens <= top:
+        raise ValueError(f"a round of {slots} slots verifies 0 to {top} tokens, got {tokens}")
+    fit = [int(k) for k in buckets if k >= tokens]
+    if not fit:
+        raise ValueError(f"no verify bucket holds {tokens} tokens: the buckets (SPS table token counts) stop at "
+                         f"{max(buckets, default=0)}")
+    return min(top, min(fit))
 
 
 def verify_buckets(slots: int, gamma: int, fine: int = 0) -> tuple[int, ...]:

@@ -109,17 +109,22 @@ def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine
     return cache[key]
 
 
-def sps_table(model=None, *, slots: int, context: int, kv_cache: str = "bf16", repeats: int = 5) -> SPSTable:
+def sps_table(model=None, *, slots: int, context: int, kv_cache: str = "bf16", repeats: int = 5,
+              fine_buckets: int = 0) -> SPSTable:
     """The rounds-per-second table of DSpark decoding with ``slots`` slots of ``context`` tokens
     (``serving.profile_sps``: a real ragged round timed at every token bucket of that pool), for
     ``generate(..., scheduler=..., sps_table=)``; ``SPSTable.save`` / ``load`` keep it. Uses the
-    engine ``generate`` uses, so the programs compiled here serve later calls."""
+    engine ``generate`` uses, so the programs compiled here serve later calls. The buckets:
+    powers of 2 (``fine_buckets`` 0), or every multiple of slots / k above the slots
+    (``fine_buckets`` = k: k γ + 1 more verify programs, and the schedulers' gain at full depth on
+    large pools, README); ``generate`` runs the schedulers' rounds in the table's buckets."""
     model = resolve_model(model)
     if model.config.dspark is None:
         raise InputError("this checkpoint has no DSpark drafter (no mtp.* stages): nothing to schedule")
     check_kv_cache(kv_cache)
     engine = _engine(model, model.config.dspark.block_size, None, kv_cache)
-    return profile_sps(engine, check_int("slots", slots, lo=1), check_int("context", context, lo=1), repeats=repeats)
+    return profile_sps(engine, check_int("slots", slots, lo=1), check_int("context", context, lo=1), repeats=repeats,
+                       fine_buckets=check_int("fine_buckets", fine_buckets, lo=0))
 
 
 def cache_length(config, ids: list[np.ndarray], params: list[SamplingParams]) -> int:
@@ -272,8 +277,9 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     ``scheduler.bucket_early_stopping``) or "lagged" (a capacity from
     confidences two rounds old, given to the drafts of highest current confidence); both trade
     verify work for accepted tokens by the rounds-per-second table ``sps_table``
-    (``dspark_jax.decoding.scheduler.SPSTable``, e.g. from ``scheduler.profile``; without one they
-    verify everything, with a warning). Every scheduler is lossless.
+    (``dspark_jax.decoding.scheduler.SPSTable``, e.g. from ``sps_table``; without one they
+    verify everything, with a warning); their ragged rounds run in the table's token buckets
+    (``sps_table(..., fine_buckets=k)`` times finer ones). Every scheduler is lossless.
 
     Lossless: sampled output follows the target distribution exactly, and greedy output is the
     argmax of the target's logits at every step. Whether those logits, hence the greedy tokens,

@@ -29,6 +29,7 @@ schedulers, whose verify lengths depend on the other requests, in distribution o
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 import dataclasses
 import time
 import warnings
@@ -142,7 +143,7 @@ class RoundDispatcher:
                 bs, res = eng.round_confidence(bs, table, **flags)
                 program = ("ragged", eng.last_bucket)
             else:
-                bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), **flags)
+                bs, res = eng.round_lagged(bs, capacity, int(busy.sum()), buckets=self.table.tokens, **flags)
                 program = ("ragged", eng.last_bucket)
             if self.times is not None:
                 self._recent = self._recent[-1:] + [dict(program=program, t=now, clean=clean,
@@ -289,12 +290,12 @@ def decoding_pool(engine: Engine, slots: int, max_len: int, *, prompt_len: int =
     return bs
 
 
-def round_seconds(engine: Engine, pool):
+def round_seconds(engine: Engine, pool, buckets: Sequence[int] | None = None):
     """``seconds(tokens)``: the wall time of one ragged greedy round on a copy of the state
     ``pool`` (``decoding_pool``; the copy is not timed, and the context does not grow from call to
-    call) verifying ``tokens`` tokens in total, spread evenly over the slots, in their bucket;
-    ``seconds(None)``: the static round (every slot verifies γ + 1 tokens, one program); for
-    ``scheduler.profile``."""
+    call) verifying ``tokens`` tokens in total, spread evenly over the slots, in their bucket (of
+    ``buckets`` if given, else the engine's ``verify_bucket``); ``seconds(None)``: the static round
+    (every slot verifies γ + 1 tokens, one program); for ``scheduler.profile``."""
     slots, g1 = pool.anchor.shape[0], engine.gamma + 1
 
     def seconds(tokens: int | None) -> float:
@@ -303,19 +304,24 @@ def round_seconds(engine: Engine, pool):
         lens = None if tokens is None else np.full(slots, tokens // slots) + (np.arange(slots) < tokens % slots)
         state = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, pool))
         t0 = time.perf_counter()
-        state, res = engine.round(state, sampled=False, top_k=False, top_p=False, verify_lens=lens)
+        state, res = engine.round(state, sampled=False, top_k=False, top_p=False, verify_lens=lens, buckets=buckets)
         jax.block_until_ready(res.tokens)
         return time.perf_counter() - t0
 
     return seconds
 
 
-def profile_sps(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, repeats: int = 5) -> SPSTable:
+def profile_sps(engine: Engine, slots: int, max_len: int, *, prompt_len: int = 32, repeats: int = 5,
+                fine_buckets: int | None = None) -> SPSTable:
     """The SPS table of ``engine`` for a pool of ``slots`` x ``max_len``: ragged rounds timed at
     every token bucket of the pool and the static round (``round_seconds``), keyed by the device,
-    model, γ and KV layout."""
+    model, γ and KV layout. The buckets: ``verify_buckets`` with ``fine_buckets`` (None: the
+    engine's); the schedulers' rounds then run in them (``Engine.round_lagged``,
+    ``round_confidence``)."""
+    fine = engine.fine_buckets if fine_buckets is None else int(fine_buckets)
     key = table_key(engine.model, gamma=engine.gamma, kv_layout=engine.kv_layout)
-    seconds = round_seconds(engine, decoding_pool(engine, slots, max_len, prompt_len=prompt_len))
-    return profile(seconds, verify_buckets(slots, engine.gamma, engine.fine_buckets), key, repeats=repeats,
-                   meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len),
+    buckets = verify_buckets(slots, engine.gamma, fine)
+    seconds = round_seconds(engine, decoding_pool(engine, slots, max_len, prompt_len=prompt_len), buckets)
+    return profile(seconds, buckets, key, repeats=repeats,
+                   meta=dict(slots=slots, max_len=max_len, prompt_len=prompt_len, fine_buckets=fine),
                    static_seconds=lambda: seconds(None))
