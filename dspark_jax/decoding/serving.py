@@ -29,10 +29,10 @@ schedulers, whose verify lengths depend on the other requests, in distribution o
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
 import dataclasses
 import time
 import warnings
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
