@@ -737,7 +737,8 @@ def run_full_depth(args, eng: Engine, pool, table: SPSTable, deep: dict, layers:
     full_table = SPSTable(tokens=table.tokens, steps_per_s=tuple(1 / times), static_steps_per_s=1 / static)
     bound = clairvoyant_bound(full_table, profile_p, slots, gamma)
     extra = {t: float(tl) - 1 / sa for t, tl, sa in zip(table.tokens, times, table.steps_per_s)}
-    print(f"slots {slots}: {layers}-layer round ms by bucket { {t: round(1e3 * float(x), 1) for t, x in zip(table.tokens, times)} }, "
+    by_bucket = {t: round(1e3 * float(x), 1) for t, x in zip(table.tokens, times)}
+    print(f"slots {slots}: {layers}-layer round ms by bucket {by_bucket}, "
           f"static {1e3 * static:.1f}; clairvoyant bound x static {bound['buckets']:.3f}", flush=True)
     for row in rounds_at_full_depth(eng, pool, full_table, args, extra, static - 1 / table.static_steps_per_s,
                                     measured=True):

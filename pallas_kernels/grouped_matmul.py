@@ -744,8 +744,8 @@ def plain_linear_tiles(rows: int, quantised: bool, n: int, groups: int = 1) -> t
     but wq_b keep 16; codes in 64-row tiles were slower than in 32 everywhere. At 384 and 768 rows
     codes in 32-row tiles beat every tile of bf16 values by 1.3-1.9x (wq_b 88.8 against 118-157 us
     at 384 rows), which ``block_m_for``'s tiles took above 256 rows before: the batch-64 Flash
-    round got 9 % faster (157.3 -> 142.5 ms, 43 layers). Prefill sizes keep ``block_m_for`` and the kernel's own codes
-    rule (``codes`` None)."""
+    round got 9 % faster (157.3 -> 142.5 ms, 43 layers). Prefill sizes keep ``block_m_for`` and
+    the kernel's own codes rule (``codes`` None)."""
     if rows > LINEAR_VERIFY_MAX_ROWS:
         return block_m_for(rows), None
     cap = min(LINEAR_CODES_MAX_BLOCK_M if quantised else VALUES_MAX_BLOCK_M, 1 << max(rows - 1, 0).bit_length())
