@@ -486,6 +486,9 @@ def main(argv=None):
     ap.add_argument("--codes-max-block-m", type=int, default=0,
                     help="largest row tile of FP8 linears on quantised rows (fp8 codes) at decode / verify sizes "
                          "(grouped_matmul.LINEAR_CODES_MAX_BLOCK_M; 0 = the library's)")
+    ap.add_argument("--dense-copies", action="store_true",
+                    help="hold every FP8 linear also dequantised (dspark_jax.with_dense_copies): verify-sized "
+                         "calls multiply by the copies in XLA's GEMM")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args(argv)
@@ -552,6 +555,8 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 models[depth] = dspark_jax.init(sliced(full, depth), 0, dtype=jnp.bfloat16, weight_format=w,
                                                 quant_sim=True)
+                if args.dense_copies:
+                    models[depth] = dspark_jax.with_dense_copies(models[depth])
                 print(f"{w}: {depth}-layer slice initialised in {time.perf_counter() - t0:.1f} s "
                       f"({models[depth].weight_bytes / 2**30:.1f} GiB)", flush=True)
             for b, alloc_ctx, ctxs in groups:

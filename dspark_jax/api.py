@@ -148,6 +148,25 @@ def init(config: ModelConfig, seed: int = 0, *, dtype=jnp.bfloat16, param_dtype=
     return Model(DeepSeekV4(config, num, rngs=nnx.Rngs(seed)), tokenizer=tokenizer)
 
 
+def with_dense_copies(model: Model) -> Model:
+    """The same model with every FP8 linear's weight also held dequantised in the activation dtype
+    (``Linear.weight_copy``): calls of many rows (verify rounds of >= 11 requests, prefill) then
+    multiply by the copies in XLA's GEMM, which on an H200 is 1.2-2.7x faster there than the
+    grouped-matmul kernel on the FP8 weights (docs/benchmarks.md); decode steps keep the kernel.
+    The same values (exact products, fp32 sums in another order). Costs memory: each copy holds
+    twice its FP8 weight's bytes (DeepSeek-V4-Flash: about 12 GiB over all layers and devices;
+    ``Model.weight_bytes`` counts them). Placed like their weights on a mesh; never saved. A new
+    ``Model``; ``model`` is unchanged."""
+    from dspark_jax.model.common import Linear
+
+    graphdef, state = nnx.split(model.module)
+    module = nnx.merge(graphdef, state)
+    for _, mod in nnx.iter_modules(module):
+        if isinstance(mod, Linear):
+            mod.keep_dense_copy()
+    return Model(module, tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures, path=model.path)
+
+
 def load(path: str | os.PathLike, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: bool | None = None,
          weight_format: str | None = None, moe_impl: str = "auto", mesh=None, dspark: bool | None = None,
          progress: bool = True, matmul_precision: str = "highest") -> Model:

@@ -251,8 +251,11 @@ def _flat(state_or_module) -> list[tuple[str, Any]]:
 
 def param_shardings(state_or_module, cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
     """Parameter path -> NamedSharding for every variable of a (possibly abstract) model; a scale
-    gets its weight's spec. Raises ``UnknownPathError`` for a path no rule names."""
+    (and a dense copy, ``Linear.weight_copy``) gets its weight's spec. Raises ``UnknownPathError`` for a path no rule names."""
     flat = dict(_flat(state_or_module))
+    copies = {path: path.removesuffix("_copy") for path in flat if path.endswith(".weight_copy")}  # dense copies
+    for path in copies:
+        del flat[path]
     scale_of = {}
     for path in flat:
         weight = weight_of(path)
@@ -268,7 +271,9 @@ def param_shardings(state_or_module, cfg: ModelConfig, mesh: Mesh) -> dict[str, 
                                          None if scale is None else tuple(flat[scale].shape))
     for weight, scale in scale_of.items():
         specs[scale] = specs[weight]
-    return {path: NamedSharding(mesh, specs[path]) for path in flat}
+    for copy, weight in copies.items():  # a dense copy: its weight's shape, so its weight's spec
+        specs[copy] = specs[weight]
+    return {path: NamedSharding(mesh, spec) for path, spec in specs.items()}
 
 
 def key_path(keys) -> str:

@@ -342,13 +342,17 @@ class GemmConfig:
     programs per output tile, each over K / split_k of the inputs; their fp32 partial products are
     summed after the kernel (XLA), then rounded (and, fused SwiGLU, activated) as without the split.
     A decode step's few rows and wide K give few output tiles; splitting K keeps every core
-    streaming weights."""
+    streaming weights. ``fold_scales`` (``fp8`` / ``fp8_k128`` weights, rows as values): each
+    weight tile is multiplied by its scales in registers (exact in the rows' dtype: a power of
+    two times an e4m3 value), so the loop's dots accumulate in place instead of scaling every
+    step's product before adding it."""
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    fold_scales: bool = False
 
     def __post_init__(self):
         if not backend.is_power_of_2(self.split_k):
@@ -455,11 +459,12 @@ def _dot_t(a: Array, b: Array) -> Array:
 
 
 def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
-                 dt) -> tuple[tuple[Array, ...], Array | None]:
+                 dt, fold: bool = False) -> tuple[tuple[Array, ...], Array | None]:
     """The weights of one loop step decoded in registers: output columns n0 .. n0 + bn of group g
     against inputs k0 .. k0 + bk, as ``dt`` tiles [bn, bk] (fp4: the low and high nibbles
     [bn, bk / 2], which multiply the even and odd inputs), and the fp32 scale of their product
-    (fp8: one per 128 x 128 block; fp8_k128: one per output column [1, bn], bk <= 128) or None."""
+    (fp8: one per 128 x 128 block; fp8_k128: one per output column [1, bn], bk <= 128) or None
+    (``fold``: fp8 / fp8_k128 tiles come multiplied by their scales, exact in ``dt``)."""
     if fmt == "dense":
         (w_ref,) = w_refs
         return (w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt),), None
@@ -467,11 +472,13 @@ def weight_tiles(w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
         w_ref, s_ref = w_refs
         w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
         nb = -(-n // FP8_BLOCK)
-        return (w,), _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
+        scale = _scale_f32(s_ref[g * nb + n0 // FP8_BLOCK, k0 // FP8_BLOCK])
+        return ((w * scale.astype(dt),), None) if fold else ((w,), scale)
     if fmt == "fp8_k128":
         w_ref, s_ref = w_refs
         w = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0, bk)].astype(dt)
-        return (w,), _column_scales(s_ref, g, n, n0, k0, bn)
+        scale = _column_scales(s_ref, g, n, n0, k0, bn)
+        return ((w * scale.T.astype(dt),), None) if fold else ((w,), scale)
     w_ref, s_ref = w_refs
     half, nsb = bk // 2, bk // FP4_BLOCK  # packed bytes, scale blocks of this step
     b = w_ref[pl.ds(g * n + n0, bn), pl.ds(k0 // 2, half)]
@@ -488,10 +495,10 @@ def _column_scales(s_ref, g, n: int, n0, k0, bn: int) -> Array:
 
 
 def step_product(xs: tuple[Array, ...], w_refs, fmt: str, g, n: int, k: int, n0, k0, bn: int, bk: int,
-                 dt) -> Array:
+                 dt, fold: bool = False) -> Array:
     """fp32 [m, bn] product of one loop step: the inputs ``xs`` (x [m, bk]; fp4: its even and odd
     columns [m, bk / 2]) against ``weight_tiles``."""
-    tiles, scale = weight_tiles(w_refs, fmt, g, n, k, n0, k0, bn, bk, dt)
+    tiles, scale = weight_tiles(w_refs, fmt, g, n, k, n0, k0, bn, bk, dt, fold)
     acc = _dot_t(xs[0], tiles[0])
     for x, w in zip(xs[1:], tiles[1:]):
         acc = acc + _dot_t(x, w)
@@ -533,7 +540,7 @@ def _code_dots_step(x_refs, w_refs, fmt: str, g, n: int, r0, n0, k0, bm: int, bn
 
 
 def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: int, bn: int, bk: int, dt,
-                 code_dots: bool = False, quantise: bool = False) -> Array:
+                 code_dots: bool = False, quantise: bool = False, fold: bool = False) -> Array:
     """fp32 [bm, bn] product of one loop step: inputs k0 .. k0 + bk of rows r0 .. r0 + bm against
     output columns n0 .. n0 + bn of group g."""
     if code_dots:
@@ -543,10 +550,10 @@ def _weight_step(x_refs, w_refs, fmt: str, g, n: int, k: int, r0, n0, k0, bm: in
     elif fmt in ("fp8", "fp8_k128") and bk > FP8_BLOCK:  # one product per 128-input scale block of the step
         return functools.reduce(jnp.add, [
             step_product((x_refs[0][pl.ds(r0, bm), pl.ds(k0 + c, FP8_BLOCK)],), w_refs, fmt, g, n, k, n0, k0 + c,
-                         bn, FP8_BLOCK, dt) for c in range(0, bk, FP8_BLOCK)])
+                         bn, FP8_BLOCK, dt, fold) for c in range(0, bk, FP8_BLOCK)])
     else:
         xs = (x_refs[0][pl.ds(r0, bm), pl.ds(k0, bk)],)
-    return step_product(xs, w_refs, fmt, g, n, k, n0, k0, bn, bk, dt)
+    return step_product(xs, w_refs, fmt, g, n, k, n0, k0, bn, bk, dt, fold)
 
 
 def _swiglu_rows(gate: Array, up: Array, row_weight: Array, limit: float, dt) -> Array:
@@ -588,8 +595,8 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
 
         def body(step, accs):
             k0 = k_base + step * bk
-            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots, quantise)
-                         for a, w in zip(accs, w_sets))
+            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots, quantise,
+                                          cfg.fold_scales) for a, w in zip(accs, w_sets))
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         accs = lax.fori_loop(0, steps, body, (zero,) * n_weights)

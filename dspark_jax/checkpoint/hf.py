@@ -98,8 +98,10 @@ def stored_format(flat: dict[str, nnx.Variable], path: str) -> str:
     return "fp8_k128" if path.endswith(_STACKED) else "fp8"
 
 
-def _flat_vars(state: nnx.State) -> dict[str, nnx.Variable]:
-    return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
+def flat_variables(state: nnx.State) -> dict[str, nnx.Variable]:
+    """Path -> variable, without dense copies (``Linear.weight_copy``: not checkpoint tensors)."""
+    flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
+    return {p: v for p, v in flat.items() if not p.endswith(".weight_copy")}
 
 
 def _expected(flat: dict[str, nnx.Variable]) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
@@ -125,7 +127,7 @@ def _expected(flat: dict[str, nnx.Variable]) -> dict[str, tuple[str, int | None,
 
 def official_names(model: nnx.Module) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
     """Every tensor the official checkpoint must hold for this model: name -> (path, expert, shape)."""
-    return _expected(_flat_vars(nnx.state(model)))
+    return _expected(flat_variables(nnx.state(model)))
 
 
 def official_format(name: str) -> str:
@@ -424,7 +426,7 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
                    matmul_precision=matmul_precision)
     abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    flat = _flat_vars(state)
+    flat = flat_variables(state)
     plans = plan_sources(flat, entries, skip_prefixes=skip, where=f"checkpoint {path}")
     shardings = shd.param_shardings(state, cfg, mesh) if mesh is not None else {}
 
@@ -444,7 +446,7 @@ def load_module(path: str, *, dtype=jnp.bfloat16, param_dtype=None, quant_sim: b
 def official_tensors(model: nnx.Module):
     """Yield (official name, numpy array) for every parameter, experts unstacked, in name order
     (weights kept quantised are yielded dequantised, in float32)."""
-    flat = _flat_vars(nnx.state(model))
+    flat = flat_variables(nnx.state(model))
     for name, (path, expert, _) in sorted(_expected(flat).items()):
         value = np.asarray(flat[path][...])
         fmt = stored_format(flat, path)

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dspark_jax import sharding as shd
+from dspark_jax.checkpoint.hf import flat_variables
 from dspark_jax.config import from_hf_config
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
@@ -31,9 +32,6 @@ META_FILE = "dspark_jax.json"
 PARAMS_DIR = "params"
 
 
-def _flat(state: nnx.State) -> dict[str, nnx.Variable]:
-    return {".".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
-
 
 def save(model, path: str | os.PathLike, *, force: bool = False) -> None:
     """Save a ``dspark_jax.Model``'s parameters (any sharding) and config under ``path``."""
@@ -42,7 +40,7 @@ def save(model, path: str | os.PathLike, *, force: bool = False) -> None:
     if os.path.exists(target) and not force:
         raise FileExistsError(f"{target} exists; pass force=True to overwrite")
     os.makedirs(path, exist_ok=True)
-    flat = _flat(nnx.state(model.module))
+    flat = flat_variables(nnx.state(model.module))
     arrays = {p: v.get_value() for p, v in flat.items()}
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(target, arrays, force=force)
@@ -90,7 +88,7 @@ def restore(path: str | os.PathLike, *, mesh=None, dtype=None, quant_sim: bool |
                    weight_format=meta.get("weight_format", "dense"))
     abstract = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    flat = _flat(state)
+    flat = flat_variables(state)
     if mesh is not None:
         shardings = shd.param_shardings(state, cfg, mesh)
     else:

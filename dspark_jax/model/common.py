@@ -113,6 +113,19 @@ class Numerics:
         return self.kernels
 
 
+class DenseCopy(nnx.Variable):
+    """A dequantised copy of an FP8 weight (``Linear.weight_copy``, made by
+    ``dspark_jax.with_dense_copies``): held in device memory beside the weight, never saved."""
+
+
+# Rows from which an FP8 linear with a dense copy multiplies by the copy in XLA's GEMM instead of
+# running the grouped-matmul kernel on the FP8 weight. On an H200 (Flash linears,
+# ``benchmarks/linear_tiles.py --xla``, docs/benchmarks.md) XLA's bf16 GEMM ties the kernel at 64
+# rows and is 1.2-2.7x faster at 192 and 384 (e.g. wo_b 63.5 -> 27.3 us at 192 rows), while the
+# kernel is faster at 32 rows (decode steps: wq_b 13.6 against 19.2 us).
+DENSE_COPY_MIN_ROWS = 65
+
+
 class Buffer(nnx.Variable):
     """A non-trained array stored in checkpoints (hash routing table, router correction bias)."""
 
@@ -179,6 +192,12 @@ class Linear(nnx.Module):
         matmul (the Pallas kernel on GPUs, dequantise-then-matmul elsewhere: same values).
     compute_dtype: cast the input (and weight) to this dtype first (fp32 for the compressor,
         router and lm_head, which the reference runs in fp32); default: the input dtype.
+
+    ``weight_copy`` (None, or a ``DenseCopy`` from ``dspark_jax.with_dense_copies``): the FP8
+    weight dequantised once, in the activation dtype. Calls of at least ``DENSE_COPY_MIN_ROWS``
+    rows (verify, prefill) then multiply by it in XLA's GEMM, as the reference path does: the same
+    values as the kernel's (exact products; only the fp32 summation order differs), twice the
+    weight's bytes in memory.
     """
 
     def __init__(self, in_features: int, out_features: int, num: Numerics, *, rngs: nnx.Rngs,
@@ -194,6 +213,7 @@ class Linear(nnx.Module):
         self.fp8_act = fp8_act and num.quant_sim
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.num = num
+        self.weight_copy = nnx.data(None)  # a DenseCopy once ``keep_dense_copy`` runs
         # set by ``dspark_jax.sharding.attach_mesh`` for an FP8 weight: its mesh and PartitionSpec
         # (``[out, in]`` dims over ``model`` as the rules say); the GEMM then runs per device
         self.mesh, self.spec = None, None
@@ -208,10 +228,27 @@ class Linear(nnx.Module):
         return gm.Weights(w.reshape(groups, out // groups, inp), s.reshape(groups, s.shape[0] // groups, -1), "fp8")
 
     def dense_weight(self, dtype) -> Float[Array, "o i"]:
-        """The weight as a plain matrix (FP8 dequantised)."""
+        """The weight as a plain matrix (FP8 dequantised; the dense copy when there is one)."""
         if not self.quantized:
             return self.weight[...].astype(dtype)
+        if self.weight_copy is not None:
+            return self.weight_copy[...].astype(dtype)
         return gm.dequantize(self.grouped_weights(), dtype)[0]
+
+    def keep_dense_copy(self) -> None:
+        """Hold the FP8 weight dequantised in the activation dtype (``weight_copy``); no-op for
+        a weight not kept in FP8."""
+        if self.quantized:
+            self.weight_copy = None
+            weight = self.weight[...]
+            self.weight_copy = DenseCopy(jax.device_put(self.dense_weight(self.num.dtype), weight.sharding))
+
+    def runs_kernel(self, x: Array) -> bool:
+        """Whether a call on x runs the grouped-matmul kernel on the FP8 weight (else XLA's GEMM
+        on the dequantised weight: the dense copy from ``DENSE_COPY_MIN_ROWS`` rows)."""
+        if not (self.quantized and self.num.kernel_impl() == "pallas"):
+            return False
+        return self.weight_copy is None or math.prod(x.shape[:-1]) < DENSE_COPY_MIN_ROWS
 
     def groups_fit(self, groups: int) -> bool:
         """Whether the weight splits into ``groups`` row blocks along its scale blocks."""
@@ -255,7 +292,7 @@ class Linear(nnx.Module):
     def _apply(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
         if self.compute_dtype is not None:
             x = x.astype(self.compute_dtype)
-        if self.quantized and self.num.kernel_impl() == "pallas":
+        if self.runs_kernel(x):
             y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), act_quant=self.fp8_act,
                                   out_dtype=jnp.float32, impl="pallas").reshape(*x.shape[:-1], -1)
             return y.astype(out_dtype or x.dtype)
@@ -269,7 +306,7 @@ class Linear(nnx.Module):
 
     def _grouped(self, x: Float[Array, "b t g i"]) -> Float[Array, "b t g r"]:
         b, t, g, _ = x.shape
-        if self.quantized and self.num.kernel_impl() == "pallas" and self.groups_fit(g):
+        if self.runs_kernel(x[..., 0, :]) and self.groups_fit(g):
             xg = x.reshape(b * t, g, -1).transpose(1, 0, 2)  # [g, bt, i]
             return gm.batched_matmul(xg, self.grouped_weights(g), impl="pallas").transpose(1, 0, 2).reshape(b, t, g, -1)
         w = self.dense_weight(x.dtype).reshape(g, self.weight.shape[0] // g, -1)

@@ -62,14 +62,15 @@ class SharedExpert(nnx.Module):
         self.w3 = Linear(d, i, num, rngs=rngs)
         self.limit = cfg.swiglu_limit
 
-    def fused(self) -> bool:
-        """Whether w1 and w3 run as one fused SwiGLU kernel (FP8 weights on the Pallas path, no
-        mesh): one launch and no separate activation, the same roundings as two GEMMs."""
+    def fused(self, x: Float[Array, "n d"]) -> bool:
+        """Whether w1 and w3 run on x as one fused SwiGLU kernel (FP8 weights on the Pallas path,
+        no mesh, not the dense copies): one launch and no separate activation, the same roundings
+        as two GEMMs."""
         w1, w3 = self.w1, self.w3  # (built alike: the same activation rounding, no compute dtype)
-        return w1.quantized and w1.mesh is None and w3.mesh is None and w1.num.kernel_impl() == "pallas"
+        return w1.runs_kernel(x) and w3.runs_kernel(x) and w1.mesh is None and w3.mesh is None
 
     def __call__(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
-        if self.fused():
+        if self.fused(x):
             h = gm.batched_swiglu(x, self.w1.grouped_weights(), self.w3.grouped_weights(), limit=self.limit,
                                   act_quant=self.w1.fp8_act, impl="pallas")
         else:
