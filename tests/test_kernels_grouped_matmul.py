@@ -226,6 +226,29 @@ def test_kernel_matches_reference(fmt, routing):
     assert np.abs(np.asarray(gm.reference(x, w, *meta, block_m=16))).max() > 1.0
 
 
+@pytest.mark.parametrize("fmt,bk", [("fp8", 64), ("fp8", 256), ("fp8_k128", 128)])
+def test_folded_scales_match_the_reference(fmt, bk):
+    """``GemmConfig.fold_scales``: each weight tile multiplied by its scales in registers (per
+    128 x 128 block, or per output row for fp8_k128), the dots accumulating in place: the oracle's
+    products, unused tiles zero; the fused SwiGLU as its reference."""
+    rng = np.random.default_rng(13)
+    g, n, k = 8, 64, 512
+    w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
+    tiles = md.group_tiles(jnp.asarray(ROUTINGS["uneven"](rng).astype(np.int32)), g, 16)
+    pair = np.asarray(tiles.pair_of_row)
+    x = jnp.asarray(np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0), jnp.bfloat16)
+    meta = (tiles.tile_group, tiles.num_tiles)
+    cfg = gm.GemmConfig(block_n=32, block_k=bk, fold_scales=True)
+    ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
+    want = _oracle(x, w, tiles)
+    assert np.isfinite(ker).all() and (ker[pair < 0] == 0).all()
+    np.testing.assert_allclose(ker, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    rw = jnp.asarray(np.where(pair >= 0, rng.random(pair.size), 0.0), jnp.float32)
+    h = gm.swiglu_kernel(x, w, w3, rw, *meta, block_m=16, limit=1.0, config=cfg, interpret=True)
+    h_ref = gm.swiglu_reference(x, w, w3, rw, *meta, block_m=16, limit=1.0)
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref, np.float32), rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("fmt,split,bk", [("dense", 2, 64), ("fp8", 4, 64), ("fp4", 2, 128), ("fp8_k128", 4, 128),
                                           ("fp8", 2, 256), ("fp8_k128", 2, 256), ("fp8_k128", 2, 64)])
 def test_split_k_matches_the_reference(fmt, split, bk):
