@@ -44,9 +44,8 @@ def _load(args):
     import dspark_jax
     from dspark_jax.decoding.generate import default_model
 
-    if args.model is None:
-        return default_model()
-    return dspark_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+    model = default_model() if args.model is None else dspark_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+    return dspark_jax.with_dense_copies(model) if args.dense_copies else model
 
 
 def _read_prompt() -> str:
@@ -163,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
                        help="compute dtype of a --model checkpoint (default: %(default)s; greedy speculative "
                             "output equals target-only output token for token in float32 on the CPU, not in "
                             "bfloat16); the shipped model always runs in float32")
+        p.add_argument("--dense-copies", action="store_true",
+                       help="also hold the checkpoint's FP8 linears dequantised (twice their bytes more memory): "
+                            "verify rounds of many requests and prefills multiply by the copies, faster on GPUs")
         if name == "generate":
             p.add_argument("--no-speculative", action="store_true", help="decode with the target model alone")
         else:
