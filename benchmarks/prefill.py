@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dspark", action="store_true", help="DSpark engine (drafter context rings written too)")
     ap.add_argument("--weights", default="fp8", choices=("official", "fp8", "dense"))
+    ap.add_argument("--dense-copies", action="store_true",
+                    help="hold the FP8 linears also dequantised (dspark_jax.with_dense_copies): the chunks' linears "
+                         "multiply by the copies in XLA's GEMM")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     args = ap.parse_args()
 
@@ -83,7 +86,10 @@ def main():
         cfg, args.tokens, args.chunks = dspark_jax.config.tiny(), 300, "64"
     t0 = time.time()
     model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=not args.smoke)
+    if args.dense_copies:
+        model = dspark_jax.with_dense_copies(model)
     info = {"env": env, "layers": cfg.num_hidden_layers, "tokens": args.tokens, "weights": args.weights,
+            "dense_copies": args.dense_copies,
             "weight_bytes": model.weight_bytes, "init_s": time.time() - t0, "peak_bytes_after_init": peak_bytes(),
             "results": []}
     print({k: v for k, v in info.items() if k != "results"}, flush=True)

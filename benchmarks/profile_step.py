@@ -491,7 +491,8 @@ def build(args):
         cfg = dspark_jax.config.flash_slice(args.layers)
         if args.experts:
             cfg = cfg.replace(n_routed_experts=args.experts)
-    return dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
+    model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
+    return dspark_jax.with_dense_copies(model) if args.dense_copies else model
 
 
 def prepare(model, eng, args):
@@ -664,6 +665,8 @@ def main():
     ap.add_argument("--name", default="profile", help="output files: <name>.json and <name>.png")
     ap.add_argument("--compile-cache", default=None,
                     help="a folder for JAX's persistent compilation cache (a second run loads instead of compiling)")
+    ap.add_argument("--dense-copies", action="store_true",
+                    help="hold the FP8 linears also dequantised (dspark_jax.with_dense_copies)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
