@@ -226,18 +226,23 @@ def test_kernel_matches_reference(fmt, routing):
     assert np.abs(np.asarray(gm.reference(x, w, *meta, block_m=16))).max() > 1.0
 
 
+def _uneven_case(rng, fmt: str, g: int = 8, n: int = 64, k: int = 512):
+    """Two weights [g, n, k] of ``fmt``, the uneven routing's 16-row tiles, rows (zero where no
+    pair) and the kernel's tile metadata."""
+    w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
+    tiles = md.group_tiles(jnp.asarray(ROUTINGS["uneven"](rng).astype(np.int32)), g, 16)
+    pair = np.asarray(tiles.pair_of_row)
+    x = jnp.asarray(np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0), jnp.bfloat16)
+    return w, w3, tiles, pair, x, (tiles.tile_group, tiles.num_tiles)
+
+
 @pytest.mark.parametrize("fmt,bk", [("fp8", 64), ("fp8", 256), ("fp8_k128", 128)])
 def test_folded_scales_match_the_reference(fmt, bk):
     """``GemmConfig.fold_scales``: each weight tile multiplied by its scales in registers (per
     128 x 128 block, or per output row for fp8_k128), the dots accumulating in place: the oracle's
     products, unused tiles zero; the fused SwiGLU as its reference."""
     rng = np.random.default_rng(13)
-    g, n, k = 8, 64, 512
-    w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
-    tiles = md.group_tiles(jnp.asarray(ROUTINGS["uneven"](rng).astype(np.int32)), g, 16)
-    pair = np.asarray(tiles.pair_of_row)
-    x = jnp.asarray(np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0), jnp.bfloat16)
-    meta = (tiles.tile_group, tiles.num_tiles)
+    w, w3, tiles, pair, x, meta = _uneven_case(rng, fmt)
     cfg = gm.GemmConfig(block_n=32, block_k=bk, fold_scales=True)
     ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
     want = _oracle(x, w, tiles)
@@ -256,12 +261,8 @@ def test_split_k_matches_the_reference(fmt, split, bk):
     fused SwiGLU, activated) as by the unsplit kernel; unused tiles stay zero. FP8 steps of 256
     inputs span two scale blocks (one product each)."""
     rng = np.random.default_rng(11)
-    g, n, k = 8, 64, 512
-    w, w3 = (_random_weights(rng, (g, n, k), fmt) for _ in range(2))
-    tiles = md.group_tiles(jnp.asarray(ROUTINGS["uneven"](rng).astype(np.int32)), g, 16)
-    pair = np.asarray(tiles.pair_of_row)
-    x = jnp.asarray(np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0), jnp.bfloat16)
-    meta = (tiles.tile_group, tiles.num_tiles)
+    w, w3, tiles, pair, x, meta = _uneven_case(rng, fmt)
+    n, k = w.shape[1:]
     cfg = gm.GemmConfig(block_n=32, block_k=bk, split_k=split)
     assert cfg.fit(n, k, fmt).split_k == split and cfg.fit(n, k, fmt).block_k == bk
     ker = np.asarray(gm.kernel(x, w, *meta, block_m=16, out_dtype=jnp.float32, config=cfg, interpret=True))
