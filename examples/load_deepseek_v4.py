@@ -10,21 +10,24 @@ its shards (FP8 attention / shared experts, FP4 routed experts, E8M0 scales) and
 What happens:
 1. ``sharding.make_mesh()`` puts the 8 GPUs on one ``model`` axis: attention heads, output
    groups, routed experts and the vocabulary are split over them, small tensors replicated.
-2. ``dspark_jax.load(..., mesh=mesh)`` streams the checkpoint tensor by tensor, dequantises
-   each one to bf16 and places it directly on its devices (host memory stays around one tensor).
-   FP8 / FP4 checkpoints default to ``quant_sim=True``: activations and the KV cache are
-   fake-quantised like the official inference code. ``dspark=True`` fails early on a checkpoint
-   without the DSpark drafter.
+2. ``dspark_jax.load(..., mesh=mesh)`` streams the checkpoint tensor by tensor and places each
+   one directly on its devices (host memory stays around one tensor), the FP8 linears and FP4
+   routed experts kept as stored (``weight_format="official"``, the default for such
+   checkpoints). FP8 / FP4 checkpoints default to ``quant_sim=True``: activations and the KV
+   cache are fake-quantised like the official inference code. ``dspark=True`` fails early on a
+   checkpoint without the DSpark drafter.
+   ``--dense-copies`` also holds the FP8 linears dequantised (``dspark_jax.with_dense_copies``:
+   11.7 GB more over the 8 GPUs for Flash), which makes verify rounds of many requests faster.
 3. With ``--cache`` the converted parameters are also saved with orbax; later runs restore them
    straight into the sharded layout, skipping the safetensors conversion.
 4. The prompt is encoded with the DeepSeek-V4 chat format and decoded speculatively. A tokenizer
    without the chat special tokens (the shipped tiny model's: it continues plain code) gets the
    prompt as plain text.
 
-Memory: Flash in bf16 is about 0.6 TB of parameters (routed experts grow 4x from FP4), i.e.
-about 75 GB per GPU on 8 GPUs of 141 GB (H200) or 288 GB (MI355X). Pro does not fit 8 GPUs in
-bf16. Kept as stored (``weight_format="official"``) Flash needs 21.9 GB of weights per GPU on
-the default (1, 8) mesh (``docs/sharding.md``).
+Memory: kept as stored (``weight_format="official"``) Flash needs 21.9 GB of weights per GPU on
+the default (1, 8) mesh (``docs/sharding.md``). Dequantised to bf16 (``weight_format="dense"``)
+it would be about 0.6 TB (routed experts grow 4x from FP4), about 75 GB per GPU of 141 GB (H200)
+or 288 GB (MI355X); Pro does not fit 8 GPUs in bf16.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from dspark_jax.decoding.generate import DEFAULT_MODEL_DIR, prompt_ids
 def load_model(checkpoint: str, cache: str | None, mesh) -> dspark_jax.Model:
     if cache and orbax.is_orbax_checkpoint(cache):
         print(f"restoring converted parameters from {cache}")
-        return orbax.restore(cache, mesh=mesh)  # dtype and quant_sim as saved
-    model = dspark_jax.load(checkpoint, mesh=mesh, dspark=True)  # bf16 parameters, quant_sim from the files
+        return orbax.restore(cache, mesh=mesh)  # dtype, formats and quant_sim as saved
+    model = dspark_jax.load(checkpoint, mesh=mesh, dspark=True)  # formats and quant_sim from the files
     if cache:
         orbax.save(model, cache)
     return model
@@ -69,6 +72,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--cache", help="orbax directory for fast restarts")
+    ap.add_argument("--dense-copies", action="store_true",
+                    help="also hold the FP8 linears dequantised (more memory, faster verify of many requests)")
     args = ap.parse_args()
 
     n = len(jax.devices())
@@ -78,6 +83,8 @@ def main():
 
     t0 = time.perf_counter()
     model = load_model(args.checkpoint, args.cache, mesh)
+    if args.dense_copies:
+        model = dspark_jax.with_dense_copies(model)
     print(f"{model} ready in {time.perf_counter() - t0:.0f} s")
 
     default = "Explain speculative decoding in two sentences." if has_chat_tokens(model.tokenizer) else "def fib(n):"
