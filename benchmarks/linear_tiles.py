@@ -10,10 +10,12 @@ take) and ``--tiles`` with the rows' rounded values; ``wo_a``, whose rows the mo
 program calls the linear on distinct weight copies, together >= 256 MiB, so no call reads
 another's weights from the L2); every variant is checked against the 16-row result.
 ``--configs`` also times each row tile with other kernel tiles (column tile, step width, warps,
-stages); ``--xla`` adds two XLA baselines, not the model's kernels: the bf16 rows times the
-dequantised bf16 weights (a cuBLAS GEMM reading twice the weight bytes), and the rows' e4m3
-codes times the weights' e4m3 codes with no scales (a ceiling for an fp8 GEMM of the shape; its
-values differ from the model's).
+stages, scales folded into the weight tiles); ``--xla`` adds three XLA baselines: the rows'
+quantised values times weights dequantised to bf16 beforehand (a cuBLAS GEMM reading twice the
+weight bytes: what ``dspark_jax.with_dense_copies`` runs), the same with the dequantisation inside
+the program (on an H200 XLA does not fuse it into the GEMM), and the rows' e4m3 codes times the
+weights' e4m3 codes with no scales (a ceiling for an fp8 GEMM of the shape; its values differ
+from the model's).
 
     PYTHONPATH=. OUT=out python benchmarks/linear_tiles.py --rows 32,192,384
     PYTHONPATH=. OUT=out python benchmarks/linear_tiles.py --rows 192 --code-tiles 32,64 \
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default="16,32,64,128")
     ap.add_argument("--code-tiles", default="16",
                     help="row tiles also timed with the rows as fp8 codes (lifts grouped_matmul.CODE_DOTS_MAX_BLOCK_M)")
-    ap.add_argument("--configs", default="", help="comma list of kernel tiles BNxBKwWsS also timed at every row tile")
+    ap.add_argument("--configs", default="",
+                    help="comma list of kernel tiles BNxBKwWsS[f] also timed at every row tile (f: fold_scales)")
     ap.add_argument("--xla", action="store_true", help="add the XLA baselines (see the module docstring)")
     ap.add_argument("--only", default="", help="comma list: time only the linears whose names contain one of these")
     ap.add_argument("--calls", type=int, default=3)

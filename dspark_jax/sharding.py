@@ -251,7 +251,8 @@ def _flat(state_or_module) -> list[tuple[str, Any]]:
 
 def param_shardings(state_or_module, cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
     """Parameter path -> NamedSharding for every variable of a (possibly abstract) model; a scale
-    (and a dense copy, ``Linear.weight_copy``) gets its weight's spec. Raises ``UnknownPathError`` for a path no rule names."""
+    (and a dense copy, ``Linear.weight_copy``) gets its weight's spec. Raises ``UnknownPathError``
+    for a path no rule names."""
     flat = dict(_flat(state_or_module))
     copies = {path: path.removesuffix("_copy") for path in flat if path.endswith(".weight_copy")}  # dense copies
     for path in copies:

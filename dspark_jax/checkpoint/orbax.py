@@ -32,7 +32,6 @@ META_FILE = "dspark_jax.json"
 PARAMS_DIR = "params"
 
 
-
 def save(model, path: str | os.PathLike, *, force: bool = False) -> None:
     """Save a ``dspark_jax.Model``'s parameters (any sharding) and config under ``path``."""
     path = os.path.abspath(os.fspath(path))
