@@ -148,22 +148,28 @@ def plan_slots(cfg: ModelConfig, context: int, *, layout: str = "bf16", gamma: i
     return plan(cfg, budget_bytes, layout, seq_len=context, gamma=gamma, dtype=dtype)
 
 
-def weight_bytes(cfg: ModelConfig, weight_format: str = "official", param_dtype="bfloat16") -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, weight_format: str = "official", param_dtype="bfloat16", *,
+                 dense_copies: bool = False) -> dict[str, int]:
     """Bytes of the model's weights by part ("routed_experts", "other"), counted from the abstract
     model (no memory allocated): ``weight_format`` "official" keeps FP4 experts and FP8 linears as
-    the checkpoints store them, "dense" holds every matrix in ``param_dtype``."""
+    the checkpoints store them, "dense" holds every matrix in ``param_dtype``. ``dense_copies``
+    adds "dense_copies": the FP8 linears also held dequantised in ``param_dtype``
+    (``dspark_jax.with_dense_copies``)."""
     import jax
     from flax import nnx
 
-    from dspark_jax.model.common import Numerics
+    from dspark_jax.model.common import Linear, Numerics
     from dspark_jax.model.deepseek_v4 import DeepSeekV4
 
     num = Numerics(dtype=param_dtype, param_dtype=param_dtype, weight_format=weight_format)
-    state = nnx.state(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
+    module = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
     out = {"routed_experts": 0, "other": 0}
-    for key, var in nnx.to_flat_state(state):
+    for key, var in nnx.to_flat_state(nnx.state(module)):
         part = "routed_experts" if "experts" in map(str, key) and "shared_experts" not in map(str, key) else "other"
         out[part] += math.prod(var.shape) * jax.numpy.dtype(var.dtype).itemsize
+    if dense_copies:
+        out["dense_copies"] = sum(math.prod(m.weight.shape) * jnp.dtype(param_dtype).itemsize
+                                  for _, m in nnx.iter_modules(module) if isinstance(m, Linear) and m.quantized)
     return out
 
 
@@ -187,9 +193,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     cfg = config_lib.PRESETS[args.preset]()
     for fmt in ("official", "dense"):
-        w = weight_bytes(cfg, fmt)
+        w = weight_bytes(cfg, fmt, dense_copies=fmt == "official")
+        copies = w.pop("dense_copies", 0)
         print(f"== {args.preset} weights ({fmt}): {sum(w.values()) / _GiB:,.1f} GiB "
-              f"(routed experts {w['routed_experts'] / _GiB:,.1f}, other {w['other'] / _GiB:,.1f})")
+              f"(routed experts {w['routed_experts'] / _GiB:,.1f}, other {w['other'] / _GiB:,.1f})"
+              + (f"; dense copies of its FP8 linears (with_dense_copies): {copies / _GiB:,.1f} GiB more"
+                 if copies else ""))
     for n in args.seq_len:
         print(f"== {args.preset}, {n:,}-token requests")
         print(compare(cfg, int(args.budget_gib * _GiB), seq_len=n, gamma=args.gamma))

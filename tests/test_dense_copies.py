@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dspark_jax
-from dspark_jax import config, sharding
+from dspark_jax import config, memory, sharding
 from dspark_jax.api import forward_step
 from dspark_jax.cache import init_cache
 from dspark_jax.checkpoint import hf, orbax
@@ -47,6 +47,8 @@ def test_copies_hold_the_dequantised_weights_and_cost_their_bytes(fp8_pair):
         np.testing.assert_array_equal(got, want)  # exact: e4m3 times a power of two is a bf16 number
     extra = sum(lin.weight[...].size * 2 for lin in lins)
     assert copied.weight_bytes == plain.weight_bytes + extra
+    planned = memory.weight_bytes(plain.config, "official", dense_copies=True)  # the memory planner's count
+    assert planned.pop("dense_copies") == extra and sum(planned.values()) == plain.weight_bytes
 
 
 def test_copies_change_no_logit(fp8_pair):
