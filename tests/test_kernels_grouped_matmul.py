@@ -562,7 +562,8 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
 def test_verify_sized_linears_lower_codes_in_larger_tiles_for_gfx950(bm):
     """A Flash linear (wo_b: 4096 x 8192, fp8 weights) on quantised rows as codes in 32- and 64-row
     tiles (``plain_linear_tiles`` with a raised ``LINEAR_CODES_MAX_BLOCK_M``): given codes (192
-    rows) and quantising its one tile itself; and wo_a's bf16 rows (8 groups) as values."""
+    rows) and quantising its one tile itself; and wo_a's bf16 rows (8 groups) as values, also with
+    ``fold_scales``."""
     n, k, t = 4096, 8192, 192 // bm
     w = gm.Weights(SD((1, n, k), jnp.float8_e4m3fn), SD((1, n // 128, k // 128), jnp.uint8), "fp8")
     meta = (SD((t,), jnp.int32), SD((1,), jnp.int32))
@@ -576,9 +577,11 @@ def test_verify_sized_linears_lower_codes_in_larger_tiles_for_gfx950(bm):
     assert lowering.count_triton_calls(text) == 1 and "grouped_matmul_fp8_a8q" in text
     g, r, i = 8, 1024, 4096  # wo_a: 8 groups of [1024, 4096]
     wa = gm.Weights(SD((g, r, i), jnp.float8_e4m3fn), SD((g, r // 128, i // 128), jnp.uint8), "fp8")
-    text = lowering.lower(lambda x, w, tg, nt: gm.kernel(x, w, tg, nt, block_m=bm, interpret=False),
-                          SD((g * t * bm, i), jnp.bfloat16), wa, SD((g * t,), jnp.int32), SD((1,), jnp.int32))
-    assert lowering.count_triton_calls(text) == 1
+    fold = gm.GemmConfig(block_n=128, block_k=64, num_stages=4, fold_scales=True)  # opt-in: scales in the tiles
+    for cfg in (None, fold):
+        text = lowering.lower(lambda x, w, tg, nt: gm.kernel(x, w, tg, nt, block_m=bm, interpret=False, config=cfg),
+                              SD((g * t * bm, i), jnp.bfloat16), wa, SD((g * t,), jnp.int32), SD((1,), jnp.int32))
+        assert lowering.count_triton_calls(text) == 1
 
 
 def _flash_experts_temp_bytes(tokens: int) -> int:
