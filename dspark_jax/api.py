@@ -151,7 +151,7 @@ def init(config: ModelConfig, seed: int = 0, *, dtype=jnp.bfloat16, param_dtype=
 def with_dense_copies(model: Model) -> Model:
     """The same model with every FP8 linear's weight also held dequantised in the activation dtype
     (``Linear.weight_copy``): calls of many rows (verify rounds of >= 11 requests, prefill) then
-    multiply by the copies in XLA's GEMM, which on an H200 is 1.2-2.7x faster there than the
+    multiply by the copies in XLA's GEMM, which on an H200 is 1.2-2.8x faster there than the
     grouped-matmul kernel on the FP8 weights (docs/benchmarks.md); decode steps keep the kernel.
     The same values (exact products, fp32 sums in another order). Costs memory: each copy holds
     twice its FP8 weight's bytes (DeepSeek-V4-Flash: 11.7 GiB over all layers and devices, 0.8 of

@@ -121,7 +121,7 @@ class DenseCopy(nnx.Variable):
 # Rows from which an FP8 linear with a dense copy multiplies by the copy in XLA's GEMM instead of
 # running the grouped-matmul kernel on the FP8 weight. On an H200 (Flash linears,
 # ``benchmarks/linear_tiles.py --xla``, docs/benchmarks.md) XLA's bf16 GEMM ties the kernel at 64
-# rows and is 1.2-2.7x faster at 192 and 384 (e.g. wo_b 63.5 -> 27.3 us at 192 rows), while the
+# rows and is 1.2-2.8x faster at 192 and 384 (e.g. wo_b 63.5 -> 27.3 us at 192 rows), while the
 # kernel is faster at 32 rows (decode steps: wq_b 13.6 against 19.2 us).
 DENSE_COPY_MIN_ROWS = 65
 
