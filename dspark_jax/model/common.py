@@ -239,9 +239,8 @@ class Linear(nnx.Module):
         """Hold the FP8 weight dequantised in the activation dtype (``weight_copy``); no-op for
         a weight not kept in FP8."""
         if self.quantized:
-            self.weight_copy = None
-            weight = self.weight[...]
-            self.weight_copy = DenseCopy(jax.device_put(self.dense_weight(self.num.dtype), weight.sharding))
+            dense = gm.dequantize(self.grouped_weights(), self.num.dtype)[0]
+            self.weight_copy = DenseCopy(jax.device_put(dense, self.weight[...].sharding))
 
     def runs_kernel(self, x: Array) -> bool:
         """Whether a call on x runs the grouped-matmul kernel on the FP8 weight (else XLA's GEMM
