@@ -14,7 +14,6 @@ with FP8 linears and FP4 experts widened to e4m3 (weight_format="fp8").
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -41,7 +40,6 @@ def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("targ
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     import dspark_jax
     from dspark_jax import SamplingParams
@@ -58,10 +56,7 @@ def probe(variant: str, batch: int, rounds: int, modes: tuple[str, ...] = ("targ
         model = default_model()
         prompt_len = 40
     if "sinkhorn" in spec:
-        for _, m in nnx.iter_graph(model.module):
-            if isinstance(getattr(m, "num", None), dspark_jax.model.common.Numerics):
-                m.num = dataclasses.replace(m.num, sinkhorn=spec["sinkhorn"])
-        model = dspark_jax.Model(model.module, tokenizer=model.tokenizer)
+        model = dspark_jax.with_numerics(model, sinkhorn=spec["sinkhorn"])
     out = {"variant": variant, "device": jax.devices()[0].device_kind, "load_s": time.time() - t0, "batch": batch}
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, model.config.vocab_size - 1, prompt_len) for _ in range(batch)]

@@ -489,6 +489,9 @@ def main(argv=None):
     ap.add_argument("--dense-copies", action="store_true",
                     help="hold every FP8 linear also dequantised (dspark_jax.with_dense_copies): verify-sized "
                          "calls multiply by the copies in XLA's GEMM")
+    ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
+                    help="how mHC's steps run (Numerics.sinkhorn): fused = hc_pre + norm and hc_post + hc_pre + "
+                         "norm as two Pallas launches each")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args(argv)
@@ -557,6 +560,8 @@ def main(argv=None):
                                                 quant_sim=True)
                 if args.dense_copies:
                     models[depth] = dspark_jax.with_dense_copies(models[depth])
+                if args.sinkhorn != "auto":
+                    models[depth] = dspark_jax.with_numerics(models[depth], sinkhorn=args.sinkhorn)
                 print(f"{w}: {depth}-layer slice initialised in {time.perf_counter() - t0:.1f} s "
                       f"({models[depth].weight_bytes / 2**30:.1f} GiB)", flush=True)
             for b, alloc_ctx, ctxs in groups:

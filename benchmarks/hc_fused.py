@@ -1,24 +1,27 @@
-"""mHC units on the device: the fused Pallas kernels (``pallas_kernels.hc_fused``, ``sinkhorn="fused"``,
-opt-in) against the previous GPU path (plain XLA with the gates + Sinkhorn kernel of
-``hc_weights``: ``sinkhorn="kernel"``), at DeepSeek-V4-Flash widths (4 streams of 4096, bf16
+"""mHC's steps between sub-blocks on the device: the fused Pallas kernels (``pallas_kernels.hc_fused``,
+``sinkhorn="fused"``) against the plain-XLA GPU path with the gates + Sinkhorn kernel of
+``hc_weights`` (``sinkhorn="kernel"``), at DeepSeek-V4-Flash widths (4 streams of 4096, bf16
 streams, float32 parameters), for T tokens per call.
 
-For each T and path, and for each piece (hc_pre, hc_post, hc_head), compiled on its own:
+The pieces are the model's steps (``dspark_jax.model.block``): ``pre_norm`` (hc_pre + attn_norm,
+a block's first step), ``post_pre_norm`` (the attention's hc_post + the MoE's hc_pre + ffn_norm),
+``post`` (the MoE's hc_post) and ``head_norm`` (hc_head + the final norm). For each T, path and
+piece, compiled on its own:
 
 - ``kernels``: kernel-launching instructions of the compiled program (``profile_step.Attribution``);
 - ``device_us``: device time of its kernels per call, from a profiler trace of ``--calls`` calls,
   and ``launches`` per call seen in the trace;
-- ``max_rel_err``: the largest deviation of each output from the plain-JAX reference (float32
-  matmuls at HIGHEST; for hc_pre the Sinkhorn iterations as a loop, for hc_post and hc_head the
-  current path itself), divided by the output's largest magnitude;
+- ``max_rel_err``: the largest deviation of each output from plain JAX with the Sinkhorn
+  iterations as a loop (float32 matmuls at HIGHEST), divided by the output's largest magnitude;
 - ``roofline_us``: the piece's bytes (parameters + streams read once, outputs written once) over the
   copy bandwidth measured in the same run.
 
-And per path ``unit_us``: wall time per mHC unit (hc_pre then hc_post, the sub-block replaced by its
-input) of a chain of ``--chain`` dependent units in one program, each launch included as in a step.
+And per path ``layer_us``: wall time per layer's mHC steps (pre_norm, post_pre_norm, post; each
+sub-block replaced by its input) of a chain of ``--chain`` dependent layers in one program, each
+launch included as in a step.
 
     python -m benchmarks.hc_fused                     # writes hc_fused.json under $OUT
-    python -m benchmarks.hc_fused --tokens 1,6 --sweep  # also a few tilings of the fused hc_pre
+    python -m benchmarks.hc_fused --tokens 1,6 --sweep  # also a few tilings of the fused pre_norm
     python -m benchmarks.hc_fused --smoke             # tiny widths on CPU (interpret mode): the script runs
 """
 
@@ -36,16 +39,17 @@ import numpy as np
 
 from benchmarks.common import ceilings, environment, median_time, write_json
 from benchmarks.profile_step import Attribution, profiler_trace, trace_events
-from dspark_jax.model.hyper import hc_head, hc_post, hc_pre
+from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm
 from pallas_kernels import hc_fused
 
 N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+PIECES = ("pre_norm", "post_pre_norm", "post", "head_norm")
 T0 = time.time()
 
 
 def inputs(tokens: int, d: int, seed: int = 0) -> dict:
-    """Each piece's arguments: streams x [1, T, n, d] bf16, the pre / head units' parameters, a
-    sub-block output f and the (reference's) post weights and mixing matrix."""
+    """Each piece's arguments: streams x [1, T, n, d] bf16, the pre / head units' parameters and a
+    norm weight, a sub-block output f and the (reference's) post weights and mixing matrix."""
     rng = np.random.default_rng(seed)
     m = (2 + N) * N
     x = jnp.asarray(rng.standard_normal((1, tokens, N, d)), jnp.bfloat16)
@@ -53,37 +57,43 @@ def inputs(tokens: int, d: int, seed: int = 0) -> dict:
            jnp.asarray(rng.standard_normal(m) * 0.5, jnp.float32), jnp.asarray([0.7, 1.3, 0.9], jnp.float32))
     head = (jnp.asarray(rng.standard_normal((N, N * d)) * 0.02, jnp.float32),
             jnp.asarray(rng.standard_normal(N) * 0.5, jnp.float32), jnp.asarray([1.1], jnp.float32))
+    w = jnp.asarray(1.0 + 0.2 * rng.standard_normal(d), jnp.float32)
     _, post_w, comb = hc_pre(x, *pre, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     f = jnp.asarray(rng.standard_normal((1, tokens, d)), jnp.bfloat16)
-    return {"hc_pre": (x, *pre), "hc_post": (f, x, post_w, comb), "hc_head": (x, *head)}
+    return {"pre_norm": (x, *pre, w), "post_pre_norm": (f, x, post_w, comb, *pre, w), "post": (f, x, post_w, comb),
+            "head_norm": (x, *head, w)}
 
 
 def pieces(path: str, config: hc_fused.HcConfig | None = None) -> dict:
-    """hc_pre / hc_post / hc_head (arguments as ``inputs`` gives them) for a path: "fused",
-    "current" (XLA with the Sinkhorn kernel) or "reference" (XLA, the Sinkhorn iterations as a loop)."""
-    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    """The pieces (arguments as ``inputs`` gives them) for a path: "fused", "current" (XLA with the
+    Sinkhorn kernel) or "reference" (XLA, the Sinkhorn iterations as a loop)."""
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, out_eps=NORM_EPS)
     impl = {"fused": "fused", "current": "kernel", "reference": "loop"}[path]
     fused = path == "fused"
 
-    def pre(x, fn, base, scale):
+    def pre_norm(x, fn, base, scale, w):
         if config is not None:
-            return hc_fused.pre_kernel(x, fn, base, scale, config=config, **kw)
-        return hc_pre(x, fn, base, scale, sinkhorn_impl=impl, **kw)
+            return hc_fused.pre_kernel(x, fn, base, scale, norm_weight=w, config=config, **kw)
+        return hc_pre_norm(x, fn, base, scale, w, sinkhorn_impl=impl, **kw)
 
-    return {"hc_pre": pre,
-            "hc_post": lambda f, x, post_w, comb: hc_post(f, x, post_w, comb, fused=fused),
-            "hc_head": lambda x, fn, base, scale: hc_head(x, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                                                          fused=fused)}
+    return {"pre_norm": pre_norm,
+            "post_pre_norm": lambda f, x, post_w, comb, fn, base, scale, w: hc_post_pre_norm(
+                f, x, post_w, comb, fn, base, scale, w, sinkhorn_impl=impl, **kw),
+            "post": lambda f, x, post_w, comb: hc_post(f, x, post_w, comb, fused=fused),
+            "head_norm": lambda x, fn, base, scale, w: hc_head(x, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS,
+                                                               fused=fused, norm_weight=w, out_eps=NORM_EPS)}
 
 
-def unit_chain(path: str, units: int):
-    """``units`` dependent mHC units: x -> hc_pre -> hc_post(f = y) -> x' (arguments: hc_pre's)."""
-    impl = {"fused": "fused", "current": "kernel"}[path]
+def layer_chain(path: str, layers: int):
+    """``layers`` dependent layers' mHC steps: x -> pre_norm -> post_pre_norm(f = y) -> post(f = y')
+    -> x' (arguments: pre_norm's)."""
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, out_eps=NORM_EPS,
+              sinkhorn_impl={"fused": "fused", "current": "kernel"}[path])
 
-    def chain(x, fn, base, scale):
-        for _ in range(units):
-            y, post_w, comb = hc_pre(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                                     sinkhorn_impl=impl)
+    def chain(x, fn, base, scale, w):
+        for _ in range(layers):
+            y, post_w, comb = hc_pre_norm(x, fn, base, scale, w, **kw)
+            x, y, post_w, comb = hc_post_pre_norm(y, x, post_w, comb, fn, base, scale, w, **kw)
             x = hc_post(y, x, post_w, comb, fused=path == "fused")
         return x
 
@@ -108,9 +118,11 @@ def compile_highest(fn, name: str, *args):
 
 def piece_bytes(name: str, tokens: int, d: int) -> int:
     stream, k = 2 * tokens * d, N * d  # bf16 bytes of one stream (or of y, f)
-    return {"hc_pre": 4 * (2 + N) * N * k + N * stream + stream,
-            "hc_post": N * stream + stream + N * stream,
-            "hc_head": 4 * N * k + N * stream + stream}[name]
+    pre = 4 * (2 + N) * N * k + 4 * d  # the unit's fn and the norm weight
+    return {"pre_norm": pre + N * stream + stream,
+            "post_pre_norm": pre + stream + N * stream + N * stream + stream,
+            "post": N * stream + stream + N * stream,
+            "head_norm": 4 * N * k + 4 * d + N * stream + stream}[name]
 
 
 def device_times(compiled: dict, calls: int, trace_root: str) -> dict:
@@ -145,7 +157,7 @@ def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
     inp = inputs(tokens, d)
     row = {"tokens": tokens}
     compiled, outs = {}, {}
-    for path in ("current", "fused"):
+    for path in ("reference", "current", "fused"):
         for name, fn in pieces(path).items():
             try:
                 c, module, kernels, secs = compile_highest(fn, f"{path}_{name}_t{tokens}", *inp[name])
@@ -154,47 +166,45 @@ def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
                 row[f"{path}/{name}"] = {"error": f"{type(err).__name__}: {str(err)[:2000]}"}
                 print(f"T={tokens} {path}/{name} FAILED:", row[f"{path}/{name}"]["error"], flush=True)
                 continue
+            if path == "reference":
+                continue
             compiled[(path, name)] = (c, module, inp[name])
             row[f"{path}/{name}"] = {"kernels": kernels, "compile_s": round(secs, 2)}
-    # the references: plain XLA with the Sinkhorn iterations as a loop for hc_pre; the current
-    # path (plain XLA) for hc_post and hc_head
-    c = compile_highest(pieces("reference")["hc_pre"], f"reference_hc_pre_t{tokens}", *inp["hc_pre"])[0]
-    ref = {"hc_pre": c(*inp["hc_pre"]), "hc_post": outs.get(("current", "hc_post")),
-           "hc_head": outs.get(("current", "hc_head"))}
     for (path, name), out in outs.items():
-        if ref[name] is not None:
-            row[f"{path}/{name}"]["max_rel_err"] = rel_err(out, ref[name])
-        row[f"{path}/{name}"]["roofline_us"] = piece_bytes(name, tokens, d) / ceil["copy_GBps"] / 1e3
+        if path != "reference" and ("reference", name) in outs:
+            row[f"{path}/{name}"]["max_rel_err"] = rel_err(out, outs[("reference", name)])
+            row[f"{path}/{name}"]["roofline_us"] = piece_bytes(name, tokens, d) / ceil["copy_GBps"] / 1e3
     for path in ("current", "fused"):
-        print(f"[{time.time() - T0:.0f} s] T={tokens} {path}:", {n: row[f"{path}/{n}"] for n in
-                                                               ("hc_pre", "hc_post", "hc_head")}, flush=True)
+        print(f"[{time.time() - T0:.0f} s] T={tokens} {path}:", {n: row.get(f"{path}/{n}") for n in PIECES},
+              flush=True)
     for key, times in device_times(compiled, args.calls, trace_root).items():
         row[f"{key[0]}/{key[1]}"].update(times)
     print(f"[{time.time() - T0:.0f} s] T={tokens} device us, launches per call:",
           {k: (round(v.get("device_us", float("nan")), 2), v.get("launches")) for k, v in row.items()
            if isinstance(v, dict)}, flush=True)
     for path in ("current", "fused"):
-        if any(f"{path}/{n}" not in {f"{p}/{m}" for p, m in compiled} for n in ("hc_pre", "hc_post")):
+        if any((path, n) not in compiled for n in ("pre_norm", "post_pre_norm", "post")):
             continue  # (a piece failed above)
-        c, _, kernels, secs = compile_highest(unit_chain(path, args.chain), f"{path}_unit_t{tokens}", *inp["hc_pre"])
-        row[f"{path}/unit"] = {"unit_us": 1e6 * median_time(c, *inp["hc_pre"], repeat=args.repeat) / args.chain,
-                               "kernels_per_unit": kernels / args.chain, "compile_s": round(secs, 2)}
-    print(f"[{time.time() - T0:.0f} s] T={tokens} unit (hc_pre + hc_post):",
-          {p: row.get(f"{p}/unit") for p in ("current", "fused")}, flush=True)
+        a = inp["pre_norm"]
+        c, _, kernels, secs = compile_highest(layer_chain(path, args.chain), f"{path}_layers_t{tokens}", *a)
+        row[f"{path}/layer"] = {"layer_us": 1e6 * median_time(c, *a, repeat=args.repeat) / args.chain,
+                                "kernels_per_layer": kernels / args.chain, "compile_s": round(secs, 2)}
+    print(f"[{time.time() - T0:.0f} s] T={tokens} a layer's mHC steps:",
+          {p: row.get(f"{p}/layer") for p in ("current", "fused")}, flush=True)
     return row
 
 
-SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(split_k=512), hc_fused.HcConfig(split_k=2048),
-         hc_fused.HcConfig(block_k=64, split_k=512), hc_fused.HcConfig(block_t=64, num_warps=8),
-         hc_fused.HcConfig(block_d=256, num_stages=3))
+SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(split_k=256), hc_fused.HcConfig(split_k=1024),
+         hc_fused.HcConfig(block_k=64), hc_fused.HcConfig(collapse_warps=4), hc_fused.HcConfig(collapse_warps=16),
+         hc_fused.HcConfig(num_warps=2, num_stages=1))
 
 
 def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
-    """Device time of the fused hc_pre under a few tilings."""
-    a = inputs(tokens, d)["hc_pre"]
+    """Device time of the fused pre_norm under a few tilings."""
+    a = inputs(tokens, d)["pre_norm"]
     compiled = {}
     for i, cfg in enumerate(SWEEP):
-        c, module, _, _ = compile_highest(pieces("fused", cfg)["hc_pre"], f"sweep{i}_t{tokens}", *a)
+        c, module, _, _ = compile_highest(pieces("fused", cfg)["pre_norm"], f"sweep{i}_t{tokens}", *a)
         compiled[i] = (c, module, a)
     rows = []
     for i, times in device_times(compiled, args.calls, trace_root).items():
@@ -207,9 +217,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,6,32,192,2048", help="tokens per call (comma-separated)")
     p.add_argument("--calls", type=int, default=20, help="calls of each piece under the profiler")
-    p.add_argument("--chain", type=int, default=4, help="dependent units per program for unit_us")
+    p.add_argument("--chain", type=int, default=4, help="dependent layers per program for layer_us")
     p.add_argument("--repeat", type=int, default=10, help="timed runs of the chain (median)")
-    p.add_argument("--sweep", action="store_true", help="also time a few tilings of the fused hc_pre")
+    p.add_argument("--sweep", action="store_true", help="also time a few tilings of the fused pre_norm")
     p.add_argument("--smoke", action="store_true", help="d = 128, T <= 6 (on a CPU: interpret mode)")
     args = p.parse_args()
     d = 128 if args.smoke else 4096

@@ -492,6 +492,8 @@ def build(args):
         if args.experts:
             cfg = cfg.replace(n_routed_experts=args.experts)
     model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
+    if args.sinkhorn != "auto":
+        model = dspark_jax.with_numerics(model, sinkhorn=args.sinkhorn)
     return dspark_jax.with_dense_copies(model) if args.dense_copies else model
 
 
@@ -667,6 +669,8 @@ def main():
                     help="a folder for JAX's persistent compilation cache (a second run loads instead of compiling)")
     ap.add_argument("--dense-copies", action="store_true",
                     help="hold the FP8 linears also dequantised (dspark_jax.with_dense_copies)")
+    ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
+                    help="how mHC's steps run (Numerics.sinkhorn; fused: the hc_fused kernels)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
@@ -686,7 +690,8 @@ def main():
     model = build(args)
     jax.block_until_ready(model.state)
     cfg = model.config
-    info = {"layers": cfg.num_hidden_layers, "split_programs": args.split_programs, "experts": cfg.n_routed_experts,
+    info = {"layers": cfg.num_hidden_layers, "sinkhorn": model.numerics.sinkhorn, "split_programs": args.split_programs,
+            "experts": cfg.n_routed_experts,
             "batch": args.batch, "context": args.context, "rounds": args.rounds, "weights": args.weights,
             "kv_layout": args.kv_layout, "prefill": args.prefill, "smoke": args.smoke,
             "weight_bytes": model.weight_bytes, "init_s": time.time() - t0}

@@ -3,6 +3,7 @@ and ``Model.logits`` (one-shot scoring of token sequences)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -165,6 +166,24 @@ def with_dense_copies(model: Model) -> Model:
     for _, mod in nnx.iter_modules(module):
         if isinstance(mod, Linear):
             mod.keep_dense_copy()
+    return Model(module, tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures, path=model.path)
+
+
+def with_numerics(model: Model, **changes) -> Model:
+    """The same model (the same parameter arrays) computing with other ``Numerics`` options, e.g.
+    ``with_numerics(model, sinkhorn="fused")`` or ``kernels="xla"``: a new ``Model``; ``model`` is
+    unchanged. Options that decide what the parameters are (``dtype``, ``param_dtype``,
+    ``weight_format``) cannot change here: load or init the model with them."""
+    fixed = {"dtype", "param_dtype", "weight_format"} & set(changes)
+    if fixed:
+        raise ValueError(f"with_numerics cannot change {sorted(fixed)}: they decide the parameters' arrays; "
+                         "load or init the model with them")
+    num = dataclasses.replace(model.numerics, **changes)  # validates the options
+    graphdef, state = nnx.split(model.module)
+    module = nnx.merge(graphdef, state)
+    for _, mod in nnx.iter_graph(module):
+        if isinstance(getattr(mod, "num", None), Numerics):
+            mod.num = num
     return Model(module, tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures, path=model.path)
 
 

@@ -1,41 +1,49 @@
-"""mHC units in fused Pallas kernels: hc_pre, hc_post and hc_head, beside their references.
+"""mHC units in fused Pallas kernels, beside their references: hc_pre (optionally after the
+previous unit's hc_post, optionally followed by the sub-block's RMSNorm), hc_post and hc_head.
 
 An mHC unit (``dspark_jax.model.hyper``) keeps n residual streams of width d per token. Here the
 caller's leading dims are flattened to T tokens and a token's streams lie side by side:
 x_flat [T, K], K = n * d, stream i in columns [i d, (i + 1) d). In plain XLA one unit is a chain of
 small kernels (the RMS statistic, the mixes GEMV, scale / base, gates + Sinkhorn, the collapse, the
-expansion): about 7 launches per unit on a GPU for almost no bytes. Here:
+expansion, the sub-block's norm): about 10 launches per unit on a GPU for almost no bytes. Here:
 
-- ``pre_kernel`` (hc_pre), two launches:
+- ``pre_kernel`` (hc_pre [+ RMSNorm]) and ``post_pre_kernel`` (hc_post of the previous unit, then
+  hc_pre [+ RMSNorm] of the next), two launches each:
 
-  1. ``_mixes_kernel``, grid (token tiles, K splits): over its range of K, partial sums of the
-     mixes x_flat @ fn^T (M = (2 + n) n columns) and of x_flat^2, stored as partials
+  1. ``_mixes_kernel``, grid (token tiles, d splits): over its columns of every stream, partial sums
+     of the mixes x_flat @ fn^T (M = (2 + n) n columns) and of x_flat^2, stored as partials
      [T, S * MP] float32: split s in columns [s MP, (s + 1) MP), MP a power of two > M (at least
-     16), column M of each split holding its sum of squares;
-  2. ``_collapse_kernel``, grid (token tiles, d chunks): the S partials summed in order,
-     rsqrt(mean(x^2) + eps), scale and base, the gates, and the collapse y = sum_i pre_i X_i of its
-     d chunk; the first chunk of each token tile also runs the Sinkhorn iterations
-     (``hyper.sinkhorn`` itself, on a [tokens, n, n] tile in registers) and writes post [T, n] and
-     comb [T, n n].
+     16), column M of each split holding its sum of squares. ``post_pre_kernel``'s version first
+     expands its columns, X'_j = post_j f + sum_i C[i, j] X_i, writes them (rounded to x's dtype)
+     and takes the mixes of the rounded values, as the reference does;
+  2. ``_collapse_kernel``, grid (token tiles): the S partials summed in order,
+     rsqrt(mean(x^2) + eps), scale and base, the gates, the Sinkhorn iterations on per-entry
+     vectors (``hc_weights``: no cross-lane work), post [T, n] and comb [T, n n], and the collapse
+     y = sum_i pre_i X_i of whole rows, which the RMSNorm (when given its weight) needs: y rounded
+     to x's dtype, then ``(w * (y * 1 / sqrt(mean(y^2) + eps)))`` as ``norms_rope.rms_norm``.
 
-- ``head_kernel`` (hc_head): the same two kernels with M = n sigmoid gates, no post, no comb.
+- ``head_kernel`` (hc_head [+ RMSNorm]): the same two kernels with M = n sigmoid gates, no post,
+  no comb.
 - ``post_kernel`` (hc_post), one launch, grid (token tiles, d chunks):
   X'_j = post_j f + sum_i C[i, j] X_i.
 
 Why the mixes take a launch of their own: at decode (T = 1 to a few hundred tokens) the bytes of
 hc_pre are fn [M, K] float32 (1.5 MiB per unit at Flash dims); one program per token tile would
-stream all of it through one SM. Split over K it streams through S SMs at once, and adding the S
+stream all of it through one SM. Split over d it streams through S SMs at once, and adding the S
 partial sums up needs a second launch (float atomics would make the result depend on timing). S
-depends on K only, not on T.
+depends on d only, not on T. The collapse holds a token's n whole streams in registers (one
+token per program: 16 Ki values at Flash dims), so the norm's statistic and its output take one
+pass.
 
 Numerics: float32 as the references; the mixes' dot is an IEEE float32 dot (precision HIGHEST:
 Triton's default for float32 operands is TF32), the rest elementwise. Results differ from the
-references (``pre_reference`` etc.: ``hyper.hc_pre`` / ``hc_post`` / ``hc_head``) only by the
-order of float32 sums. Outputs keep the references' dtypes: y and X' in x's dtype, post and comb
-float32. Inference only (no gradient).
+references (``pre_reference`` etc.: ``hyper.hc_pre`` / ``hc_post`` / ``hc_head`` and
+``norms_rope.rms_norm``) only by the order of float32 sums. Outputs keep the references' dtypes:
+y and X' in x's dtype, post and comb float32. Inference only (no gradient).
 
 Refs are whole arrays indexed with broadcast integer arrays and masks (``pltriton.load`` /
-``store``), which the Triton lowering and interpret mode both take; token tiles past T are masked.
+``store``), which the Triton lowering and interpret mode both take; token tiles past T and
+columns past d are masked.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend
+from pallas_kernels.hc_weights import sinkhorn_lists
 
 if TYPE_CHECKING:
     from jaxtyping import Array, Float
@@ -58,12 +67,13 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class HcConfig:
-    """Tiles (powers of two). ``block_t``: most tokens per program (a call with fewer tokens takes
-    the next power of two >= T, at least 16: the mixes' dot needs 16 rows); ``block_k``: columns
-    of x_flat per step of the mixes' loop; ``split_k``: at most this many columns per program of
-    the mixes (K is split over S >= K / split_k programs per token tile, a whole number of loop
-    steps each); ``block_d``: stream columns per program of the collapse and the expansion. The
-    tiles shrink to divide K and d."""
+    """Tiles (powers of two). ``block_t``: most tokens per mixes program (a call with fewer tokens
+    takes the next power of two >= T, at least 16: the mixes' dot needs 16 rows); ``block_k``:
+    columns of each stream per step of the mixes' loop; ``split_k``: at most this many columns of
+    x_flat (split_k / n of each stream) per program of the mixes (d is split over S >= K / split_k
+    programs per token tile, a whole number of loop steps each); ``block_d``: stream columns per
+    program of the expansion (``post_kernel``). ``num_warps`` / ``num_stages``: the mixes' and the
+    expansion's; ``collapse_warps``: the collapse's (one token's whole streams per program)."""
 
     block_t: int = 32
     block_k: int = 128
@@ -71,6 +81,7 @@ class HcConfig:
     block_d: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    collapse_warps: int = 8
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_k", "block_d"):
@@ -82,27 +93,28 @@ class HcConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
-    bt: int  # tokens per program
-    bk: int  # columns per step of the mixes' loop
+    bt: int  # tokens per mixes / expansion program
+    bk: int  # columns of each stream per step of the mixes' loop
     steps: int  # loop steps per mixes program
     splits: int  # S: mixes programs per token tile
-    bd: int  # stream columns per collapse / expansion program
+    bd: int  # stream columns per expansion program
     mp: int  # MP: padded mixes per split (column M: the sum of squares)
+    dp: int  # d padded to a power of two: the collapse's columns
 
 
 def _tiles(tokens: int, n: int, d: int, m: int, config: HcConfig) -> _Tiles:
     """The tiles of a call of T = ``tokens`` tokens, n streams of d and M = ``m`` mixes."""
     if not backend.is_power_of_2(n):
         raise ValueError(f"mHC kernels need a power-of-two number of streams, got n = {n}")
-    k = n * d
-    bk = backend.largest_pow2_divisor(k, config.block_k)
+    bk = backend.largest_pow2_divisor(d, config.block_k)
     bd = backend.largest_pow2_divisor(d, config.block_d)
     if bk < 16 or bd < 16:
         raise ValueError(f"mHC kernels need the stream width d to be a multiple of 16, got n = {n}, d = {d}")
-    chunks = k // bk
-    steps = max(s for s in range(1, max(1, config.split_k // bk) + 1) if chunks % s == 0)
+    chunks = d // bk
+    steps = max(s for s in range(1, max(1, config.split_k // n // bk) + 1) if chunks % s == 0)
     bt = min(config.block_t, max(16, backend.next_power_of_2(tokens)))
-    return _Tiles(bt=bt, bk=bk, steps=steps, splits=chunks // steps, bd=bd, mp=max(16, backend.next_power_of_2(m + 1)))
+    return _Tiles(bt=bt, bk=bk, steps=steps, splits=chunks // steps, bd=bd, mp=max(16, backend.next_power_of_2(m + 1)),
+                  dp=backend.next_power_of_2(d))
 
 
 # ------------------------------------------------------------------------------ kernel helpers
@@ -116,165 +128,271 @@ def _rows(bt: int, tokens: int) -> tuple[Array, Array]:
     return rows, rows < tokens
 
 
-def _at(ref, rows: Array, ok: Array, cols: Array):
-    """(``ref.at[rows, cols]``, its row mask) for an integer array of columns of any shape: a
-    [len(rows), *cols.shape] block."""
+def _at(ref, rows: Array, ok: Array, cols: Array, col_ok: Array | None = None):
+    """(``ref.at[rows, cols]``, its mask) for an integer array of columns of any shape: a
+    [len(rows), *cols.shape] block; ``col_ok`` (cols' shape) masks columns too."""
     lead = (slice(None),) + (None,) * cols.ndim
-    return ref.at[rows[lead], cols[None]], ok[lead]
+    mask = ok[lead] if col_ok is None else ok[lead] & col_ok[None]
+    return ref.at[rows[lead], cols[None]], mask
 
 
-def _load(ref, rows: Array, ok: Array, cols: Array) -> Array:
-    """``ref[rows, cols]`` as float32 [len(rows), *cols.shape], zero on rows that are not ``ok``."""
-    at, mask = _at(ref, rows, ok, cols)
+def _load(ref, rows: Array, ok: Array, cols: Array, col_ok: Array | None = None) -> Array:
+    """``ref[rows, cols]`` as float32 [len(rows), *cols.shape], zero where masked."""
+    at, mask = _at(ref, rows, ok, cols, col_ok)
     return pltriton.load(at, mask=mask, other=0).astype(jnp.float32)
 
 
-def _store(ref, rows: Array, ok: Array, cols: Array, value: Array):
-    at, mask = _at(ref, rows, ok, cols)
+def _store(ref, rows: Array, ok: Array, cols: Array, value: Array, col_ok: Array | None = None):
+    at, mask = _at(ref, rows, ok, cols, col_ok)
     pltriton.store(at, value.astype(ref.dtype), mask=mask)
 
 
+def _rounded(value: Array, dtype) -> Array:
+    """float32 ``value`` rounded to ``dtype`` and back (what a store and reload would give)."""
+    return value.astype(dtype).astype(jnp.float32)
+
+
+def _expand(comb: list[Array], post: list[Array], f: Array, x: list[Array]) -> list[Array]:
+    """hc_post on [bt, cols] blocks: X'_j = post_j f + sum_i C[i, j] X_i (comb[i * n + j] and
+    post[j] are [bt] vectors), in float32."""
+    n = len(x)
+    out = []
+    for j in range(n):
+        mixed = comb[j][:, None] * x[0]
+        for i in range(1, n):
+            mixed = mixed + comb[i * n + j][:, None] * x[i]
+        out.append(post[j][:, None] * f + mixed)
+    return out
+
+
+def _columns(ref, rows: Array, ok: Array, count: int) -> list[Array]:
+    """Columns 0 .. count - 1 of ``ref``'s rows, each a float32 [len(rows)] vector."""
+    return [_load(ref, rows, ok, jnp.full((1,), c, jnp.int32))[:, 0] for c in range(count)]
+
+
 # ------------------------------------------------------------------------------ kernels
-def _mixes_kernel(x_ref, fn_ref, part_ref, *, m: int, t: _Tiles):
-    rows, ok = _rows(t.bt, x_ref.shape[0])
+def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool):
+    """Partial mixes and sum of squares of this program's columns (see the module docstring);
+    with ``expand`` (refs f, post, comb, then outputs partials, X') the columns are first expanded
+    by the previous unit's hc_post."""
+    if expand:
+        f_ref, post_ref, comb_ref, part_ref, xo_ref = refs
+    else:
+        (part_ref,) = refs
+    tokens, k = x_ref.shape
+    d = k // n
+    rows, ok = _rows(t.bt, tokens)
     split = pl.program_id(1)
     w_rows = _iota(t.mp)
+    if expand:
+        post = _columns(post_ref, rows, ok, n)
+        comb = _columns(comb_ref, rows, ok, n * n)
 
     def step(i, carry):
         acc, sq = carry
         cols = (split * t.steps + i) * t.bk + _iota(t.bk)
-        xk = _load(x_ref, rows, ok, cols)  # [bt, bk]
-        w = _load(fn_ref, w_rows, w_rows < m, cols)  # [mp, bk], zero rows past M
-        acc = acc + lax.dot_general(xk, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float32)
-        return acc, sq + jnp.sum(xk * xk, axis=1)
+        xs = [_load(x_ref, rows, ok, j * d + cols) for j in range(n)]  # [bt, bk] each
+        if expand:
+            xs = [_rounded(v, xo_ref.dtype) for v in _expand(comb, post, _load(f_ref, rows, ok, cols), xs)]
+            for j, v in enumerate(xs):
+                _store(xo_ref, rows, ok, j * d + cols, v)
+        for j, xj in enumerate(xs):
+            w = _load(fn_ref, w_rows, w_rows < m, j * d + cols)  # [mp, bk], zero rows past M
+            acc = acc + lax.dot_general(xj, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=jnp.float32)
+            sq = sq + jnp.sum(xj * xj, axis=1)
+        return acc, sq
 
     acc, sq = lax.fori_loop(0, t.steps, step, (jnp.zeros((t.bt, t.mp), jnp.float32), jnp.zeros((t.bt,), jnp.float32)))
     _store(part_ref, rows, ok, split * t.mp + w_rows, jnp.where(w_rows[None, :] == m, sq[:, None], acc))
 
 
-def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, y_ref, *weight_refs, n: int, m: int, t: _Tiles,
-                     iters: int, hc_eps: float, norm_eps: float):
-    """hc_pre (``weight_refs`` = post, comb) or hc_head (no ``weight_refs``): see the module docstring."""
-    from dspark_jax.model.hyper import sinkhorn
-
+def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, *refs, n: int, m: int, t: _Tiles, iters: int,
+                     hc_eps: float, norm_eps: float, out_eps: float | None):
+    """hc_pre (outputs y, post, comb) or hc_head (output y), one token per program, y followed by
+    the RMSNorm when ``out_eps`` is set (then the first ref is its weight): see the module
+    docstring."""
+    if out_eps is not None:
+        w_ref, *refs = refs
+    y_ref, *weight_refs = refs
     tokens, k = x_ref.shape
     d = k // n
-    rows, ok = _rows(t.bt, tokens)
-    streams = _iota(n)
-    # the partials' columns: sum of squares, then the mixes of each gate group (comb as [n, n])
-    groups = [jnp.full((1,), m, jnp.int32), streams]
-    if weight_refs:
-        groups += [n + streams, 2 * n + n * streams[:, None] + streams[None, :]]
-    sums = [_load(part_ref, rows, ok, c) for c in groups]
-    for s in range(1, t.splits):  # the S splits added in order (unrolled: all loads in flight at once)
-        sums = [a + _load(part_ref, rows, ok, s * t.mp + c) for a, c in zip(sums, groups)]
-    r = lax.rsqrt(jnp.sum(sums[0], axis=1) / k + norm_eps)  # [bt]
-    # the reference's order: (mixes * r) * scale + base
-    z = [(a * r.reshape(-1, *(1,) * (a.ndim - 1))) * scale_ref[g] + pltriton.load(base_ref.at[c])[None]
-         for g, (a, c) in enumerate(zip(sums[1:], groups[1:]))]
-    pre = jax.nn.sigmoid(z[0]) + hc_eps  # [bt, n]
+    rows, ok = _rows(1, tokens)
+    cols = _iota(t.mp)
+    sums = lax.fori_loop(0, t.splits, lambda s, a: a + _load(part_ref, rows, ok, s * t.mp + cols),
+                         jnp.zeros((1, t.mp), jnp.float32))  # the S splits added in order
 
-    cols = pl.program_id(1) * t.bd + _iota(t.bd)
-    x = _load(x_ref, rows, ok, d * streams[:, None] + cols[None, :])  # [bt, n, bd]
-    _store(y_ref, rows, ok, cols, jnp.sum(pre[:, :, None] * x, axis=1))
+    def column(c: int) -> Array:
+        return jnp.sum(jnp.where(cols[None, :] == c, sums, 0.0), axis=1)  # [1]
+
+    r = lax.rsqrt(column(m) / k + norm_eps)
+    # the reference's order: (mixes * r) * scale + base, scale per gate group (pre, post, comb)
+    z = [(column(c) * r) * scale_ref[0 if c < n else 1 if c < 2 * n else 2] + base_ref[c] for c in range(m)]
+    pre = [jax.nn.sigmoid(v) + hc_eps for v in z[:n]]
+
+    dcols = _iota(t.dp)
+    dok = dcols < d
+    y = None  # sum_i pre_i X_i, the streams added in order: [1, dp]
+    for i in range(n):
+        term = pre[i][:, None] * _load(x_ref, rows, ok, d * i + dcols, dok)
+        y = term if y is None else y + term
+    if out_eps is None:
+        _store(y_ref, rows, ok, dcols, y, dok)
+    else:
+        yr = _rounded(y, y_ref.dtype)
+        inv = 1.0 / jnp.sqrt(jnp.sum(yr * yr, axis=1) / d + out_eps)
+        w = pltriton.load(w_ref.at[dcols], mask=dok, other=0).astype(jnp.float32)
+        _store(y_ref, rows, ok, dcols, w[None, :] * (yr * inv[:, None]), dok)
 
     if weight_refs:
         post_ref, comb_ref = weight_refs
-
-        @pl.when(pl.program_id(1) == 0)
-        def _weights():
-            _store(post_ref, rows, ok, streams, 2.0 * jax.nn.sigmoid(z[1]))
-            _store(comb_ref, rows, ok, groups[3] - 2 * n, sinkhorn(z[2], iters, hc_eps, unroll=False))
+        for j, v in enumerate(z[n:2 * n]):
+            _store(post_ref, rows, ok, jnp.full((1,), j, jnp.int32), (2.0 * jax.nn.sigmoid(v))[:, None])
+        comb = sinkhorn_lists([z[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, hc_eps)
+        for c, v in enumerate(x for row in comb for x in row):
+            _store(comb_ref, rows, ok, jnp.full((1,), c, jnp.int32), v[:, None])
 
 
 def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
     tokens, k = x_ref.shape
     d = k // n
     rows, ok = _rows(t.bt, tokens)
-    streams = _iota(n)
     cols = pl.program_id(1) * t.bd + _iota(t.bd)
-    mixed = None  # sum_i C[i, :] X_i: [bt, n, bd]
-    for i in range(n):
-        term = _load(comb_ref, rows, ok, n * i + streams)[:, :, None] * _load(x_ref, rows, ok, d * i + cols)[:, None, :]
-        mixed = term if mixed is None else mixed + term
-    post_f = _load(post_ref, rows, ok, streams)[:, :, None] * _load(f_ref, rows, ok, cols)[:, None, :]
-    _store(o_ref, rows, ok, d * streams[:, None] + cols[None, :], post_f + mixed)
+    xs = [_load(x_ref, rows, ok, d * i + cols) for i in range(n)]
+    out = _expand(_columns(comb_ref, rows, ok, n * n), _columns(post_ref, rows, ok, n), _load(f_ref, rows, ok, cols), xs)
+    for j, v in enumerate(out):
+        _store(o_ref, rows, ok, d * j + cols, v)
 
 
 # ------------------------------------------------------------------------------ pallas calls
-def _call(kernel, grid, out_shape, config: HcConfig, interpret: bool, name: str, *args):
+def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool, name: str, *args):
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-                              compiler_params=backend.compiler_params(config.num_warps, config.num_stages))(*args)
+                              compiler_params=backend.compiler_params(warps, config.num_stages))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "iters", "hc_eps", "norm_eps", "config", "interpret"))
-def _gates_and_collapse(x_flat, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float,
-                        config: HcConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("n", "iters", "hc_eps", "norm_eps", "out_eps", "config", "interpret"))
+def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: float, norm_eps: float,
+          out_eps: float | None, config: HcConfig, interpret: bool):
     """Both launches of hc_pre (fn with (2 + n) n rows: returns y, post, comb) or of hc_head (n rows:
-    returns y)."""
+    returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
+    (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
+    result."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
-    tiles = pl.cdiv(tokens, t.bt)
-    part = _call(functools.partial(_mixes_kernel, m=m, t=t), (tiles, t.splits),
-                 jax.ShapeDtypeStruct((tokens, t.splits * t.mp), jnp.float32), config, interpret, "hc_mixes",
-                 x_flat, fn)
+    part_shape = jax.ShapeDtypeStruct((tokens, t.splits * t.mp), jnp.float32)
+    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None)
+    grid = (pl.cdiv(tokens, t.bt), t.splits)
+    if prev is None:
+        part = _call(mixes, grid, part_shape, config.num_warps, config, interpret, "hc_mixes", x_flat, fn)
+        expanded = ()
+    else:
+        part, x_flat = _call(mixes, grid, (part_shape, jax.ShapeDtypeStruct(x_flat.shape, x_flat.dtype)),
+                             config.num_warps, config, interpret, "hc_post_mixes", x_flat, fn, *prev)
+        expanded = (x_flat,)
     outs = [jax.ShapeDtypeStruct((tokens, k // n), x_flat.dtype)]
     if m != n:
         outs += [jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n * n), jnp.float32)]
-    kernel = functools.partial(_collapse_kernel, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    return _call(kernel, (tiles, k // n // t.bd), tuple(outs), config, interpret,
-                 "hc_pre" if m != n else "hc_head", part, scale, base, x_flat)
+    kernel = functools.partial(_collapse_kernel, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                               out_eps=out_eps)
+    args = (part, scale, base, x_flat) + (() if out_eps is None else (norm_w,))
+    name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
+    return expanded + tuple(_call(kernel, (tokens,), tuple(outs), config.collapse_warps, config, interpret, name,
+                                  *args))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _expand(f, x_flat, post, comb, *, config: HcConfig, interpret: bool):
+def _expand_call(f, x_flat, post, comb, *, config: HcConfig, interpret: bool):
     tokens, k = x_flat.shape
     n = post.shape[1]
     t = _tiles(tokens, n, k // n, n, config)
     return _call(functools.partial(_post_kernel, n=n, t=t), (pl.cdiv(tokens, t.bt), k // n // t.bd),
-                 jax.ShapeDtypeStruct(x_flat.shape, x_flat.dtype), config, interpret, "hc_post", f, x_flat, post, comb)
+                 jax.ShapeDtypeStruct(x_flat.shape, x_flat.dtype), config.num_warps, config, interpret, "hc_post",
+                 f, x_flat, post, comb)
 
 
 # ------------------------------------------------------------------------------ entry points
-def _check_unit(x, fn, base, scale, rows: int, n_scale: int):
+def _check_unit(x, fn, base, scale, rows: int, n_scale: int, norm_weight):
     if x.ndim < 2:
         raise ValueError(f"x must be [..., n, d] streams, got shape {x.shape}")
     n, d = x.shape[-2:]
     if fn.shape != (rows, n * d) or base.shape != (rows,) or scale.shape != (n_scale,):
         raise ValueError(f"for n = {n} streams of d = {d}: fn must be [{rows}, {n * d}], base [{rows}] and scale "
                          f"[{n_scale}], got {fn.shape}, {base.shape} and {scale.shape}")
+    if norm_weight is not None and norm_weight.shape != (d,):
+        raise ValueError(f"the norm weight must be [{d}] for streams of d = {d}, got {norm_weight.shape}")
+
+
+def _check_prev(f, x, post, comb):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    if f.shape != (*lead, d) or post.shape != (*lead, n) or comb.shape != (*lead, n, n):
+        raise ValueError(f"for x of shape {x.shape}: f must be {(*lead, d)}, post {(*lead, n)} and comb "
+                         f"{(*lead, n, n)}, got {f.shape}, {post.shape} and {comb.shape}")
+
+
+def _flat_prev(f, post, comb, n: int, d: int) -> tuple:
+    return (f.reshape(-1, d), post.reshape(-1, n).astype(jnp.float32), comb.reshape(-1, n * n).astype(jnp.float32))
 
 
 def pre_kernel(x: Float[Array, "... n d"], fn: Float[Array, "m k"], base: Float[Array, " m"],
-               scale: Float[Array, " 3"], *, iters: int, hc_eps: float, norm_eps: float, config: HcConfig = HcConfig(),
-               interpret: bool | None = None
+               scale: Float[Array, " 3"], *, iters: int, hc_eps: float, norm_eps: float,
+               norm_weight: Float[Array, " d"] | None = None, out_eps: float | None = None,
+               config: HcConfig = HcConfig(), interpret: bool | None = None
                ) -> tuple[Float[Array, "... d"], Float[Array, "... n"], Float[Array, "... n n"]]:
-    """hc_pre in two launches: (block input y [..., d] in x's dtype, post [..., n], comb [..., n, n])."""
+    """hc_pre in two launches: (block input y [..., d] in x's dtype, post [..., n], comb [..., n, n]);
+    with ``norm_weight`` (and its ``out_eps``) y comes out through that RMSNorm."""
     n, d = x.shape[-2:] if x.ndim >= 2 else (0, 0)
-    _check_unit(x, fn, base, scale, (2 + n) * n, 3)
+    _check_unit(x, fn, base, scale, (2 + n) * n, 3, norm_weight)
     if iters < 1:
         raise ValueError(f"Sinkhorn needs iters >= 1, got {iters}")
     lead = x.shape[:-2]
     if x.size == 0:
-        return pre_reference(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    y, post, comb = _gates_and_collapse(x.reshape(-1, n * d), fn, base, scale, n=n, iters=iters, hc_eps=hc_eps,
-                                        norm_eps=norm_eps, config=config, interpret=backend.interpret_mode(interpret))
+        return pre_reference(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                             norm_weight=norm_weight, out_eps=out_eps)
+    y, post, comb = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, None, n=n, iters=iters, hc_eps=hc_eps,
+                          norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
+                          interpret=backend.interpret_mode(interpret))
     return y.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
 
 
-def head_kernel(x: Float[Array, "... n d"], fn: Float[Array, "n k"], base: Float[Array, " n"],
-                scale: Float[Array, " 1"], *, hc_eps: float, norm_eps: float, config: HcConfig = HcConfig(),
-                interpret: bool | None = None) -> Float[Array, "... d"]:
-    """hc_head in two launches: the sigmoid-gated collapse [..., d] in x's dtype."""
+def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: Float[Array, "... n"],
+                    comb: Float[Array, "... n n"], fn: Float[Array, "m k"], base: Float[Array, " m"],
+                    scale: Float[Array, " 3"], *, iters: int, hc_eps: float, norm_eps: float,
+                    norm_weight: Float[Array, " d"] | None = None, out_eps: float | None = None,
+                    config: HcConfig = HcConfig(), interpret: bool | None = None):
+    """hc_post(f, x, post, comb) -> X', then hc_pre of X' (with the RMSNorm as in ``pre_kernel``), in
+    two launches: (X' [..., n, d] in x's dtype, y [..., d], post' [..., n], comb' [..., n, n])."""
     n, d = x.shape[-2:] if x.ndim >= 2 else (0, 0)
-    _check_unit(x, fn, base, scale, n, 1)
+    _check_unit(x, fn, base, scale, (2 + n) * n, 3, norm_weight)
+    _check_prev(f, x, post, comb)
+    if iters < 1:
+        raise ValueError(f"Sinkhorn needs iters >= 1, got {iters}")
+    lead = x.shape[:-2]
     if x.size == 0:
-        return head_reference(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
-    (y,) = _gates_and_collapse(x.reshape(-1, n * d), fn, base, scale, n=n, iters=1, hc_eps=hc_eps, norm_eps=norm_eps,
-                               config=config, interpret=backend.interpret_mode(interpret))
+        return post_pre_reference(f, x, post, comb, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                                  norm_weight=norm_weight, out_eps=out_eps)
+    xo, y, post2, comb2 = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, _flat_prev(f, post, comb, n, d),
+                                n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                                out_eps=_out_eps(norm_weight, out_eps), config=config,
+                                interpret=backend.interpret_mode(interpret))
+    return xo.reshape(x.shape), y.reshape(*lead, d), post2.reshape(*lead, n), comb2.reshape(*lead, n, n)
+
+
+def head_kernel(x: Float[Array, "... n d"], fn: Float[Array, "n k"], base: Float[Array, " n"],
+                scale: Float[Array, " 1"], *, hc_eps: float, norm_eps: float,
+                norm_weight: Float[Array, " d"] | None = None, out_eps: float | None = None,
+                config: HcConfig = HcConfig(), interpret: bool | None = None) -> Float[Array, "... d"]:
+    """hc_head in two launches: the sigmoid-gated collapse [..., d] in x's dtype (through the RMSNorm
+    as in ``pre_kernel``)."""
+    n, d = x.shape[-2:] if x.ndim >= 2 else (0, 0)
+    _check_unit(x, fn, base, scale, n, 1, norm_weight)
+    if x.size == 0:
+        return head_reference(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps, norm_weight=norm_weight,
+                              out_eps=out_eps)
+    (y,) = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, None, n=n, iters=1, hc_eps=hc_eps,
+                 norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
+                 interpret=backend.interpret_mode(interpret))
     return y.reshape(*x.shape[:-2], d)
 
 
@@ -284,30 +402,50 @@ def post_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: Floa
     """hc_post in one launch: X'_j = post_j f + sum_i C[i, j] X_i, in x's dtype."""
     if x.ndim < 2:
         raise ValueError(f"x must be [..., n, d] streams, got shape {x.shape}")
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    if f.shape != (*lead, d) or post.shape != (*lead, n) or comb.shape != (*lead, n, n):
-        raise ValueError(f"for x of shape {x.shape}: f must be {(*lead, d)}, post {(*lead, n)} and comb "
-                         f"{(*lead, n, n)}, got {f.shape}, {post.shape} and {comb.shape}")
+    _check_prev(f, x, post, comb)
     if x.size == 0:
         return post_reference(f, x, post, comb)
-    out = _expand(f.reshape(-1, d), x.reshape(-1, n * d), post.reshape(-1, n).astype(jnp.float32),
-                  comb.reshape(-1, n * n).astype(jnp.float32), config=config,
-                  interpret=backend.interpret_mode(interpret))
+    n, d = x.shape[-2:]
+    f_flat, post_flat, comb_flat = _flat_prev(f, post, comb, n, d)
+    out = _expand_call(f_flat, x.reshape(-1, n * d), post_flat, comb_flat, config=config,
+                       interpret=backend.interpret_mode(interpret))
     return out.reshape(x.shape)
 
 
-def pre_reference(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float):
-    """Pure JAX: ``model.hyper.hc_pre`` with the Sinkhorn iterations as a loop."""
+def _out_eps(norm_weight, out_eps: float | None) -> float | None:
+    if (norm_weight is None) != (out_eps is None):
+        raise ValueError("the RMSNorm after the collapse needs both norm_weight and out_eps (or neither)")
+    return None if out_eps is None else float(out_eps)
+
+
+def _normed(y, norm_weight, out_eps):
+    from dspark_jax.model.norms_rope import rms_norm
+
+    return y if norm_weight is None else rms_norm(y, norm_weight, out_eps)
+
+
+def pre_reference(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float, norm_weight=None,
+                  out_eps: float | None = None):
+    """Pure JAX: ``model.hyper.hc_pre`` with the Sinkhorn iterations as a loop (then
+    ``norms_rope.rms_norm``)."""
     from dspark_jax.model.hyper import hc_pre
 
-    return hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_impl="loop")
+    y, post, comb = hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_impl="loop")
+    return _normed(y, norm_weight, out_eps), post, comb
 
 
-def head_reference(x, fn, base, scale, *, hc_eps: float, norm_eps: float):
-    """Pure JAX: ``model.hyper.hc_head``."""
+def post_pre_reference(f, x, post, comb, fn, base, scale, **kw):
+    """Pure JAX: ``post_reference`` then ``pre_reference``."""
+    xo = post_reference(f, x, post, comb)
+    return (xo, *pre_reference(xo, fn, base, scale, **kw))
+
+
+def head_reference(x, fn, base, scale, *, hc_eps: float, norm_eps: float, norm_weight=None,
+                   out_eps: float | None = None):
+    """Pure JAX: ``model.hyper.hc_head`` (then ``norms_rope.rms_norm``)."""
     from dspark_jax.model.hyper import hc_head
 
-    return hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
+    return _normed(hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps), norm_weight, out_eps)
 
 
 def post_reference(f, x, post, comb):

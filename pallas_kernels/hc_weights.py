@@ -33,7 +33,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _sinkhorn_lists(c: list[list], iters: int, eps: float) -> list[list]:
+def sinkhorn_lists(c: list[list], iters: int, eps: float) -> list[list]:
     """Sinkhorn on an n x n matrix held as lists of same-shaped arrays c[i][j] (one per entry):
     softmax over j plus eps, column-normalise, then (iters - 1) x (row-, column-normalise)."""
     n = len(c)
@@ -67,7 +67,7 @@ def _weights_kernel(z_ref, o_ref, *, n: int, iters: int, eps: float):
     row = [z_ref[r, :].astype(jnp.float32) for r in range(k)]
     pre = [_sigmoid(x) + eps for x in row[:n]]
     post = [2.0 * _sigmoid(x) for x in row[n:2 * n]]
-    comb = _sinkhorn_lists([row[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, eps)
+    comb = sinkhorn_lists([row[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, eps)
     for r, v in enumerate(pre + post + [x for c_i in comb for x in c_i]):
         o_ref[r, :] = v
     for r in range(k, o_ref.shape[0]):  # the padding rows

@@ -1,5 +1,6 @@
-"""The fused mHC kernels (hc_pre, hc_post, hc_head) against their references, their lowering for
-gfx950 and NVIDIA GPUs, and their place in the model.
+"""The fused mHC kernels (hc_pre, hc_post, hc_head; hc_post + hc_pre; each collapse with and
+without the sub-block's RMSNorm) against their references, their lowering for gfx950 and NVIDIA
+GPUs, and their place in the model.
 
 Interpret mode fills every output of a ``pallas_call`` with NaN before the kernel runs
 (``test_kernels_attention.test_interpret_mode_poisons_outputs``), so finite outputs mean every
@@ -21,6 +22,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
+import dspark_jax
 from dspark_jax import config, sharding
 from dspark_jax.api import forward_step
 from dspark_jax.cache import init_cache
@@ -28,7 +30,7 @@ from dspark_jax.model.block import hc_head_of
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.dspark import DSparkStage, draft_block, init_draft_cache
-from dspark_jax.model.hyper import hc_head, hc_post, hc_pre
+from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm
 from pallas_kernels import hc_fused, lowering
 from tests.helpers import matmul_precisions, pallas_calls
 
@@ -90,6 +92,36 @@ def test_fused_unit_matches_reference(lead, d, dtype):
         _close(y, hc_head(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS), dtype, "hc_head")
 
 
+@pytest.mark.parametrize("lead,d,dtype", [
+    # 74 tokens: 3 mixes tiles of 32 (the last partial), 74 collapse programs; 4 d splits
+    ((2, 37), 512, jnp.float32),
+    # one token; d = 96 not a power of two (the collapse's 128 columns masked); bf16 streams
+    ((1, 1), 96, jnp.bfloat16),
+])
+def test_fused_transitions_match_reference(lead, d, dtype):
+    """The model's fused steps between sub-blocks (``hyper.hc_pre_norm`` / ``hc_post_pre_norm`` /
+    ``hc_head`` with a norm weight, ``sinkhorn_impl="fused"``: interpret mode here) against the same
+    entry points in plain JAX (hc_post, hc_pre with the Sinkhorn loop, ``rms_norm``)."""
+    rng = np.random.default_rng(3)
+    x, f, (fn, base, scale), head = _unit(rng, lead, d, dtype)
+    w = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)  # a misplaced column shows
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, out_eps=1e-5)
+    want = hc_pre_norm(x, fn, base, scale, w, sinkhorn_impl="loop", **kw)
+    got = hc_pre_norm(x, fn, base, scale, w, sinkhorn_impl="fused", **kw)
+    for g, v, name in zip(got, want, ("normed y", "post", "comb")):
+        assert g.dtype == v.dtype, name
+        _close(g, v, dtype if name == "normed y" else jnp.float32, name)
+    _, post, comb = want
+    want = hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, sinkhorn_impl="loop", **kw)
+    got = hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, sinkhorn_impl="fused", **kw)
+    for g, v, name in zip(got, want, ("X'", "normed y", "post", "comb")):
+        assert g.dtype == v.dtype, name
+        _close(g, v, dtype if name in ("X'", "normed y") else jnp.float32, name)
+    np.testing.assert_allclose(np.asarray(got[3]).sum(-2), 1.0, atol=1e-5)
+    hkw = dict(hc_eps=HC_EPS, norm_eps=NORM_EPS, norm_weight=w, out_eps=1e-5)
+    _close(hc_head(x, *head, fused=True, **hkw), hc_head(x, *head, **hkw), dtype, "hc_head + norm")
+
+
 def test_mixes_dot_is_ieee_float32():
     """The kernels' only dot (the mixes) asks for precision HIGHEST, which the Triton lowering
     turns into an IEEE float32 dot (its default for float32 operands, like HIGH, is TF32),
@@ -100,19 +132,24 @@ def test_mixes_dot_is_ieee_float32():
             hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS),
             hc_fused.head_kernel(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS)))(x)
     assert [name for name, _ in pallas_calls(jaxpr.jaxpr)] == ["hc_mixes", "hc_pre", "hc_mixes", "hc_head"]
-    assert matmul_precisions(jaxpr.jaxpr) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)] * 2
+    # one dot per stream in each mixes kernel
+    assert matmul_precisions(jaxpr.jaxpr) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)] * (2 * N)
 
 
 def _lower_unit(tokens: int, d: int, dtype, arch: str, platform: str) -> str:
-    def unit(x, f, fn, base, scale, hfn, hbase, hscale):
-        y, post, comb = hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                                            interpret=False)
+    def unit(x, f, fn, base, scale, hfn, hbase, hscale, w):
+        kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, interpret=False)
+        hkw = dict(hc_eps=HC_EPS, norm_eps=NORM_EPS, interpret=False)
+        normed = dict(norm_weight=w, out_eps=1e-5)
+        y, post, comb = hc_fused.pre_kernel(x, fn, base, scale, **kw)
         return (y, hc_fused.post_kernel(f, x, post, comb, interpret=False),
-                hc_fused.head_kernel(x, hfn, hbase, hscale, hc_eps=HC_EPS, norm_eps=NORM_EPS, interpret=False))
+                hc_fused.head_kernel(x, hfn, hbase, hscale, **hkw),
+                hc_fused.post_pre_kernel(f, x, post, comb, fn, base, scale, **kw, **normed),
+                hc_fused.head_kernel(x, hfn, hbase, hscale, **hkw, **normed))
 
     m, f32 = (2 + N) * N, jnp.float32
     args = (SD((tokens, N, d), dtype), SD((tokens, d), dtype), SD((m, N * d), f32), SD((m,), f32), SD((3,), f32),
-            SD((N, N * d), f32), SD((N,), f32), SD((1,), f32))
+            SD((N, N * d), f32), SD((N,), f32), SD((1,), f32), SD((d,), f32))
     return lowering.lower(unit, *args, arch=arch, platform=platform)
 
 
@@ -123,9 +160,10 @@ def _lower_unit(tokens: int, d: int, dtype, arch: str, platform: str) -> str:
     ("NVIDIA H200", "cuda", 12, 256, jnp.float32),  # the shipped model's width, float32
 ])
 def test_lowers_for_gpus(arch, platform, tokens, d, dtype):
-    """hc_pre (2 kernels), hc_post (1) and hc_head (2): five Triton calls, through JAX's Triton
-    lowering for an abstract gfx950 (ROCm) and H200 (CUDA) device (no GPU needed)."""
-    assert lowering.count_triton_calls(_lower_unit(tokens, d, dtype, arch, platform)) == 5
+    """hc_pre (2 kernels), hc_post (1), hc_head (2), hc_post + hc_pre + norm (2) and hc_head + norm
+    (2): nine Triton calls, through JAX's Triton lowering for an abstract gfx950 (ROCm) and H200
+    (CUDA) device (no GPU needed)."""
+    assert lowering.count_triton_calls(_lower_unit(tokens, d, dtype, arch, platform)) == 9
 
 
 def test_bad_input_is_named():
@@ -145,16 +183,19 @@ def test_bad_input_is_named():
         hc_fused.HcConfig(block_d=96)
 
 
-def _kernels(blocks: int) -> dict:
-    """The fused mHC kernels of ``blocks`` blocks (two units each) and one head."""
-    return {"hc_mixes": 2 * blocks + 1, "hc_pre": 2 * blocks, "hc_post": 2 * blocks, "hc_head": 1}
+def _kernels(blocks: int, head_norm: bool) -> dict:
+    """The fused mHC kernels of ``blocks`` blocks and one head (with its norm or without)."""
+    return {"hc_mixes": blocks + 1, "hc_post_mixes": blocks, "hc_pre_norm": 2 * blocks, "hc_post": blocks,
+            "hc_head_norm" if head_norm else "hc_head": 1}
 
 
 def test_model_runs_every_mhc_unit_fused():
-    """With ``Numerics.sinkhorn="fused"`` every mHC unit of the target and of the
-    drafter goes through the kernels: per layer and drafter stage two hc_pre (mixes + collapse)
-    and two hc_post; hc_head (mixes + collapse) once for the target, once for the drafter. (The
-    programs are traced on the abstract model, not run.)"""
+    """With ``Numerics.sinkhorn="fused"`` every mHC unit of the target and of the drafter goes
+    through the kernels: per layer and drafter stage hc_pre + attn_norm (mixes + collapse), the
+    attention's hc_post + hc_pre + ffn_norm (expansion and mixes + collapse) and the MoE's hc_post;
+    hc_head (mixes + collapse) once for the target (with its norm), once for the drafter (without:
+    the confidence head reads the hidden before the norm). (The programs are traced on the
+    abstract model, not run.)"""
     cfg = config.tiny()
     num = Numerics(dtype=jnp.float32, param_dtype=jnp.float32, sinkhorn="fused")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
@@ -162,14 +203,14 @@ def test_model_runs_every_mhc_unit_fused():
     cache = init_cache(cfg, 1, 32, jnp.float32)
     fwd = forward_step.trace(graphdef, state, ids, jnp.full((1,), 4, jnp.int32), cache).jaxpr.jaxpr
     layers, stages = cfg.num_hidden_layers, cfg.dspark.num_stages
-    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == _kernels(layers)
+    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == _kernels(layers, head_norm=True)
 
     def draft(state, anchor, lengths):
         return draft_block(nnx.merge(graphdef, state), init_draft_cache(cfg, 1, jnp.float32), anchor, lengths,
                            lambda lg, k: jnp.argmax(lg, -1)).logits
 
     jaxpr = jax.make_jaxpr(draft)(state, jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32))
-    assert collections.Counter(name for name, _ in pallas_calls(jaxpr.jaxpr)) == _kernels(stages)
+    assert collections.Counter(name for name, _ in pallas_calls(jaxpr.jaxpr)) == _kernels(stages, head_norm=False)
 
 
 def test_fused_mhc_runs_per_device_on_a_mesh():
@@ -191,5 +232,21 @@ def test_fused_mhc_runs_per_device_on_a_mesh():
             return hc_head_of(s, s.post(y, x, post, comb))
 
         calls = pallas_calls(jax.make_jaxpr(unit)(state, x).jaxpr)
-        assert [name for name, _ in calls] == ["hc_mixes", "hc_pre", "hc_post", "hc_mixes", "hc_head"]
+        assert [name for name, _ in calls] == ["hc_mixes", "hc_pre_norm", "hc_post", "hc_mixes", "hc_head"]
         assert all(i == inside for _, i in calls), calls
+
+
+def test_fused_model_matches_the_plain_one():
+    """The shipped model's dims, float32: the logits of a prompt with every mHC
+    step in the fused kernels (``with_numerics(sinkhorn="fused")``, interpret mode) against plain
+    JAX (the Sinkhorn loop), within float32 summation-order error."""
+    plain = dspark_jax.init(config.tiny(), 7, dtype=jnp.float32, param_dtype=jnp.float32)
+    fused = dspark_jax.with_numerics(plain, sinkhorn="fused")
+    assert fused.numerics.sinkhorn == "fused" and plain.numerics.sinkhorn == "auto"
+    assert all(b.num.sinkhorn == "fused" for b in fused.module.layers)
+    ids = np.random.default_rng(4).integers(0, plain.config.vocab_size, (2, 12))
+    want, got = np.asarray(plain.logits(ids)), np.asarray(fused.logits(ids))
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="weight_format"):
+        dspark_jax.with_numerics(plain, weight_format="fp8")

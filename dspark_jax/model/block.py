@@ -1,6 +1,10 @@
 """One DeepSeek-V4 block: mHC around attention and around the MoE.
 
 X -> hc_pre(attn) -> attn_norm -> attention -> hc_post -> hc_pre(ffn) -> ffn_norm -> MoE -> hc_post
+
+With ``Numerics.sinkhorn="fused"`` the steps between the sub-blocks run as fused kernels
+(``pallas_kernels.hc_fused``): hc_pre + attn_norm in two launches, hc_post + hc_pre + ffn_norm in
+two, the last hc_post in one.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dspark_jax.cache import LayerCache
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.attention import Attention
 from dspark_jax.model.common import Chunk, Numerics
-from dspark_jax.model.hyper import hc_head, hc_post, hc_pre, hc_unit_params
+from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre_norm, hc_unit_params
 from dspark_jax.model.moe import MoE
 from dspark_jax.model.norms_rope import RMSNorm
 from dspark_jax.sharding import per_request
@@ -30,15 +34,19 @@ def mhc_mesh(owner) -> Mesh | None:
     return owner.mesh if owner.num.mhc_fused() else None
 
 
-def hc_head_of(owner, x: Float[Array, "b t n d"]) -> Float[Array, "b t d"]:
-    """``hc_head`` with ``owner``'s head parameters: the model's, or the last drafter stage's."""
+def hc_head_of(owner, x: Float[Array, "b t n d"], norm: RMSNorm | None = None) -> Float[Array, "b t d"]:
+    """``hc_head`` with ``owner``'s head parameters (the model's, or the last drafter stage's),
+    followed by ``norm`` when given."""
     c = owner.cfg
+    norm_args = () if norm is None else (norm.weight[...],)
 
-    def head(fn, base, scale, x):
-        return hc_head(x, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, fused=owner.num.mhc_fused())
+    def head(fn, base, scale, *rest):
+        *w, x = rest
+        return hc_head(x, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, fused=owner.num.mhc_fused(),
+                       norm_weight=w[0] if w else None, out_eps=None if norm is None else norm.eps)
 
     return per_request(head, mhc_mesh(owner), x,
-                       replicated=(owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...]))
+                       replicated=(owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...], *norm_args))
 
 
 class Block(nnx.Module):
@@ -53,15 +61,10 @@ class Block(nnx.Module):
         self.cfg, self.num = cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: fused mHC kernels then run per device
 
-    def _pre(self, x, fn, base, scale):
+    def _unit_kw(self, norm: RMSNorm) -> dict:
         c = self.cfg
-
-        def pre(fn, base, scale, x):
-            return hc_pre(x, fn, base, scale, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
-                          sinkhorn_impl=self.num.sinkhorn_impl())
-
-        with jax.named_scope("mhc"):
-            return per_request(pre, mhc_mesh(self), x, replicated=(fn[...], base[...], scale[...]))
+        return dict(iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, out_eps=norm.eps,
+                    sinkhorn_impl=self.num.sinkhorn_impl())
 
     def post(self, f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
              comb: Float[Array, "b t n n"]) -> Float[Array, "b t n d"]:
@@ -71,14 +74,33 @@ class Block(nnx.Module):
 
     def attn_in(self, x: Float[Array, "b t n d"]):
         """Collapsed, normalised attention input and the mHC weights to expand its output."""
-        y, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        with jax.named_scope("attention"):
-            return self.attn_norm(y), post, comb
+        kw = self._unit_kw(self.attn_norm)
 
-    def ffn_residual(self, x: Float[Array, "b t n d"], ids: Int[Array, "b t"]) -> Float[Array, "b t n d"]:
-        y, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        def pre(fn, base, scale, w, x):
+            return hc_pre_norm(x, fn, base, scale, w, **kw)
+
+        with jax.named_scope("mhc"):
+            return per_request(pre, mhc_mesh(self), x, replicated=(
+                self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.attn_norm.weight[...]))
+
+    def ffn_in(self, f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
+               comb: Float[Array, "b t n n"]):
+        """The attention output f expanded into the streams (hc_post), and the MoE's collapsed,
+        normalised input: (X', input, post, comb)."""
+        kw = self._unit_kw(self.ffn_norm)
+
+        def post_pre(fn, base, scale, w, f, x, post, comb):
+            return hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, **kw)
+
+        with jax.named_scope("mhc"):
+            return per_request(post_pre, mhc_mesh(self), f, x, post, comb, replicated=(
+                self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.ffn_norm.weight[...]))
+
+    def ffn_out(self, x: Float[Array, "b t n d"], y: Float[Array, "b t d"], post: Float[Array, "b t n"],
+                comb: Float[Array, "b t n n"], ids: Int[Array, "b t"]) -> Float[Array, "b t n d"]:
+        """The MoE on its input y, expanded into the streams X (hc_post)."""
         with jax.named_scope("moe"):
-            f = self.ffn(self.ffn_norm(y), ids)
+            f = self.ffn(y, ids)
         return self.post(f, x, post, comb)
 
     def __call__(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache
@@ -86,4 +108,4 @@ class Block(nnx.Module):
         y, post, comb = self.attn_in(x)
         with jax.named_scope("attention"):
             f, cache = self.attn(y, chunk, cache)
-        return self.ffn_residual(self.post(f, x, post, comb), chunk.ids), cache
+        return self.ffn_out(*self.ffn_in(f, x, post, comb), chunk.ids), cache

@@ -48,8 +48,7 @@ class DeepSeekV4(nnx.Module):
     def logits_from_streams(self, x: Float[Array, "b t n d"]) -> Float[Array, "b t v"]:
         """hc_head -> norm -> lm_head, fp32 logits."""
         with jax.named_scope("head"):
-            y = hc_head_of(self, x)
-            return self.head(self.norm(y), jnp.float32)
+            return self.head(hc_head_of(self, x, self.norm), jnp.float32)
 
     def forward(self, ids: Int[Array, "b t"], n_valid: Int[Array, " b"], cache: TargetCache, *,
                 capture: tuple[int, ...] = (), logits: Literal["all", "last", "none"] = "all",

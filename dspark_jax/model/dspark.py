@@ -79,7 +79,7 @@ class DSparkStage(Block):
         y, post, comb = self.attn_in(x)
         with jax.named_scope("attention"):
             f = self._block_attention(y, pos, ring, ring_visible, lengths)
-        return self.ffn_residual(self.post(f, x, post, comb), ids)
+        return self.ffn_out(*self.ffn_in(f, x, post, comb), ids)
 
     def _block_attention(self, y, pos, ring, ring_visible, lengths) -> Float[Array, "b g d"]:
         q, _ = self.attn.project_q(y, pos)

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from dspark_jax.model.common import normal_init
+from dspark_jax.model.norms_rope import rms_norm
 
 
 def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float, *, unroll: bool | None = None
@@ -96,15 +97,50 @@ def hc_post(f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Ar
 
 
 def hc_head(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, hc_eps: float,
-            norm_eps: float, fused: bool = False) -> Float[Array, "b t d"]:
-    """Final collapse: sigmoid-gated sum of the streams (no Sinkhorn, no post).
-    fused: in Pallas kernels (``pallas_kernels.hc_fused``: two launches)."""
+            norm_eps: float, fused: bool = False, norm_weight: Array | None = None, out_eps: float | None = None
+            ) -> Float[Array, "b t d"]:
+    """Final collapse: sigmoid-gated sum of the streams (no Sinkhorn, no post); with
+    ``norm_weight`` (and ``out_eps``) followed by that RMSNorm.
+    fused: in Pallas kernels (``pallas_kernels.hc_fused``: two launches, the norm included)."""
     if fused:
         from pallas_kernels.hc_fused import head_kernel
 
-        return head_kernel(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
+        return head_kernel(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps, norm_weight=norm_weight,
+                           out_eps=out_eps)
     pre = jax.nn.sigmoid(_mixes(x, fn, norm_eps) * scale[0] + base) + hc_eps
-    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+    y = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+    return y if norm_weight is None else rms_norm(y, norm_weight, out_eps)
+
+
+def hc_pre_norm(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, norm_weight: Array, *, iters: int,
+                hc_eps: float, norm_eps: float, out_eps: float, sinkhorn_impl: str = "loop"
+                ) -> tuple[Float[Array, "b t d"], Float[Array, "b t n"], Float[Array, "b t n n"]]:
+    """``hc_pre``, then the sub-block's RMSNorm (weight ``norm_weight``, epsilon ``out_eps``) of its
+    input: (normalised block input, post, comb). "fused": both in ``pallas_kernels.hc_fused``'s two
+    launches."""
+    if sinkhorn_impl == "fused":
+        from pallas_kernels.hc_fused import pre_kernel
+
+        return pre_kernel(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, norm_weight=norm_weight,
+                          out_eps=out_eps)
+    y, post, comb = hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                           sinkhorn_impl=sinkhorn_impl)
+    return rms_norm(y, norm_weight, out_eps), post, comb
+
+
+def hc_post_pre_norm(f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
+                     comb: Float[Array, "b t n n"], fn: Array, base: Array, scale: Array, norm_weight: Array, *,
+                     iters: int, hc_eps: float, norm_eps: float, out_eps: float, sinkhorn_impl: str = "loop"):
+    """One sub-block's ``hc_post``, then the next one's ``hc_pre_norm``: (X', normalised input of the
+    next sub-block, its post, its comb). "fused": all of it in two launches
+    (``pallas_kernels.hc_fused.post_pre_kernel``)."""
+    kw = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, out_eps=out_eps)
+    if sinkhorn_impl == "fused":
+        from pallas_kernels.hc_fused import post_pre_kernel
+
+        return post_pre_kernel(f, x, post, comb, fn, base, scale, norm_weight=norm_weight, **kw)
+    x = hc_post(f, x, post, comb)
+    return (x, *hc_pre_norm(x, fn, base, scale, norm_weight, sinkhorn_impl=sinkhorn_impl, **kw))
 
 
 def hc_unit_params(rngs: nnx.Rngs, n: int, dim: int, rows: int) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
