@@ -27,16 +27,19 @@ def subjaxprs(value):
             yield from subjaxprs(v)
 
 
-def matmul_precisions(jaxpr) -> list:
-    """The precision parameter of every matmul in ``jaxpr`` and its sub-programs."""
-    out = []
+def equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (kernels of pallas_calls included), in
+    program order."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in MATMULS:
-            out.append(eqn.params.get("precision"))
+        yield eqn
         for v in eqn.params.values():
             for sub in subjaxprs(v):
-                out.extend(matmul_precisions(sub))
-    return out
+                yield from equations(sub)
+
+
+def matmul_precisions(jaxpr) -> list:
+    """The precision parameter of every matmul in ``jaxpr`` and its sub-programs."""
+    return [eqn.params.get("precision") for eqn in equations(jaxpr) if eqn.primitive.name in MATMULS]
 
 
 def pallas_calls(jaxpr, inside: bool = False) -> list[tuple[str, bool]]:

@@ -32,7 +32,7 @@ from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.dspark import DSparkStage, draft_block, init_draft_cache
 from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm
 from pallas_kernels import hc_fused, lowering
-from tests.helpers import matmul_precisions, pallas_calls
+from tests.helpers import equations, matmul_precisions, pallas_calls
 
 N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
 F32_TOL, BF16_TOL = 2e-6, 2.0**-8  # of the largest magnitude of each output
@@ -122,18 +122,37 @@ def test_fused_transitions_match_reference(lead, d, dtype):
     _close(hc_head(x, *head, fused=True, **hkw), hc_head(x, *head, **hkw), dtype, "hc_head + norm")
 
 
-def test_mixes_dot_is_ieee_float32():
-    """The kernels' only dot (the mixes) asks for precision HIGHEST, which the Triton lowering
-    turns into an IEEE float32 dot (its default for float32 operands, like HIGH, is TF32),
-    whatever the caller's default matmul precision."""
-    x, f, (fn, base, scale), head = _unit(np.random.default_rng(1), (1, 2), 32, jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mixes_dots_keep_float32_products(dtype):
+    """The kernels' only dots (the mixes, one per stream): float32 streams ask for precision
+    HIGHEST, which the Triton lowering turns into an IEEE float32 dot (its default for float32
+    operands, like HIGH, is TF32), whatever the caller's default matmul precision; bf16 streams
+    multiply by fn split into three bf16 parts (exact products, float32 sums)."""
+    x, f, (fn, base, scale), head = _unit(np.random.default_rng(1), (1, 2), 32, dtype)
     with jax.default_matmul_precision("tensorfloat32"):
         jaxpr = jax.make_jaxpr(lambda x: (
             hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS),
             hc_fused.head_kernel(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS)))(x)
     assert [name for name, _ in pallas_calls(jaxpr.jaxpr)] == ["hc_mixes", "hc_pre", "hc_mixes", "hc_head"]
-    # one dot per stream in each mixes kernel
-    assert matmul_precisions(jaxpr.jaxpr) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)] * (2 * N)
+    if dtype == jnp.float32:
+        assert matmul_precisions(jaxpr.jaxpr) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)] * (2 * N)
+    else:
+        dots = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        assert len(dots) == 2 * N * 3
+        assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+        assert all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
+
+
+def test_bf16_split_dot_equals_a_float32_dot():
+    """``_mixes_dot`` on bf16 values: three bf16 products sum to the float32 dot (within float32
+    summation order), far closer than a single bf16 dot of fn."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((16, 128)), jnp.bfloat16).astype(jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 128)) * 0.05, jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    got = np.asarray(hc_fused._mixes_dot(x, w, exact_bf16=True))
+    one = np.asarray(jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32))
+    assert np.abs(got - want).max() < 2e-6 * np.abs(want).max() < np.abs(one - want).max()
 
 
 def _lower_unit(tokens: int, d: int, dtype, arch: str, platform: str) -> str:
