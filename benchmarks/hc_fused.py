@@ -76,9 +76,12 @@ def pieces(path: str, config: hc_fused.HcConfig | None = None) -> dict:
             return hc_fused.pre_kernel(x, fn, base, scale, norm_weight=w, config=config, **kw)
         return hc_pre_norm(x, fn, base, scale, w, sinkhorn_impl=impl, **kw)
 
-    return {"pre_norm": pre_norm,
-            "post_pre_norm": lambda f, x, post_w, comb, fn, base, scale, w: hc_post_pre_norm(
-                f, x, post_w, comb, fn, base, scale, w, sinkhorn_impl=impl, **kw),
+    def post_pre_norm(f, x, post_w, comb, fn, base, scale, w):
+        if config is not None:
+            return hc_fused.post_pre_kernel(f, x, post_w, comb, fn, base, scale, norm_weight=w, config=config, **kw)
+        return hc_post_pre_norm(f, x, post_w, comb, fn, base, scale, w, sinkhorn_impl=impl, **kw)
+
+    return {"pre_norm": pre_norm, "post_pre_norm": post_pre_norm,
             "post": lambda f, x, post_w, comb: hc_post(f, x, post_w, comb, fused=fused),
             "head_norm": lambda x, fn, base, scale, w: hc_head(x, fn, base, scale, hc_eps=HC_EPS, norm_eps=NORM_EPS,
                                                                fused=fused, norm_weight=w, out_eps=NORM_EPS)}
@@ -194,21 +197,22 @@ def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
     return row
 
 
-SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(split_k=256), hc_fused.HcConfig(split_k=1024),
-         hc_fused.HcConfig(block_k=64), hc_fused.HcConfig(collapse_warps=4), hc_fused.HcConfig(collapse_warps=16),
-         hc_fused.HcConfig(num_warps=2, num_stages=1))
+SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(block_k=128), hc_fused.HcConfig(block_k=32),
+         hc_fused.HcConfig(block_k=32, split_k=256), hc_fused.HcConfig(block_k=32, block_t=16),
+         hc_fused.HcConfig(num_warps=8), hc_fused.HcConfig(collapse_warps=8), hc_fused.HcConfig(collapse_warps=2))
 
 
 def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
-    """Device time of the fused pre_norm under a few tilings."""
-    a = inputs(tokens, d)["pre_norm"]
+    """Device time of the fused pre_norm and post_pre_norm under a few tilings."""
+    inp = inputs(tokens, d)
     compiled = {}
     for i, cfg in enumerate(SWEEP):
-        c, module, _, _ = compile_highest(pieces("fused", cfg)["pre_norm"], f"sweep{i}_t{tokens}", *a)
-        compiled[i] = (c, module, a)
+        for name in ("pre_norm", "post_pre_norm"):
+            c, module, _, _ = compile_highest(pieces("fused", cfg)[name], f"sweep{i}_{name}_t{tokens}", *inp[name])
+            compiled[(i, name)] = (c, module, inp[name])
     rows = []
-    for i, times in device_times(compiled, args.calls, trace_root).items():
-        rows.append({"tokens": tokens, "config": repr(SWEEP[i]), **times})
+    for (i, name), times in device_times(compiled, args.calls, trace_root).items():
+        rows.append({"tokens": tokens, "piece": name, "config": repr(SWEEP[i]), **times})
         print("sweep", rows[-1], flush=True)
     return rows
 
@@ -219,7 +223,8 @@ def main():
     p.add_argument("--calls", type=int, default=20, help="calls of each piece under the profiler")
     p.add_argument("--chain", type=int, default=4, help="dependent layers per program for layer_us")
     p.add_argument("--repeat", type=int, default=10, help="timed runs of the chain (median)")
-    p.add_argument("--sweep", action="store_true", help="also time a few tilings of the fused pre_norm")
+    p.add_argument("--sweep", action="store_true", help="also time a few tilings of the fused pre_norm and post_pre_norm")
+    p.add_argument("--sweep-tokens", default=None, help="tokens per call of the sweep (default: --tokens)")
     p.add_argument("--smoke", action="store_true", help="d = 128, T <= 6 (on a CPU: interpret mode)")
     args = p.parse_args()
     d = 128 if args.smoke else 4096
@@ -238,7 +243,7 @@ def main():
         out["results"].append(run_tokens(t, d, args, ceil, trace_root))
         write_json("hc_fused.json", out)
     if args.sweep:
-        for t in tokens:
+        for t in ([int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else tokens):
             out["sweep"] += sweep(t, d, args, trace_root)
             write_json("hc_fused.json", out)
 
