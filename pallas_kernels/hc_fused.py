@@ -16,11 +16,12 @@ expansion, the sub-block's norm): about 10 launches per unit on a GPU for almost
      16), column M of each split holding its sum of squares. ``post_pre_kernel``'s version first
      expands its columns, X'_j = post_j f + sum_i C[i, j] X_i, writes them (rounded to x's dtype)
      and takes the mixes of the rounded values, as the reference does;
-  2. ``_collapse_kernel``, grid (token tiles): the S partials summed,
-     rsqrt(mean(x^2) + eps), scale and base, the gates, the Sinkhorn iterations on per-entry
-     vectors (``hc_weights``: no cross-lane work), post [T, n] and comb [T, n n], and the collapse
-     y = sum_i pre_i X_i of whole rows, which the RMSNorm (when given its weight) needs: y rounded
-     to x's dtype, then ``(w * (y * 1 / sqrt(mean(y^2) + eps)))`` as ``norms_rope.rms_norm``.
+  2. ``_collapse_kernel``, grid (tokens, 2): the S partials summed,
+     rsqrt(mean(x^2) + eps), scale and base, the gates; then the first program of a token the
+     collapse y = sum_i pre_i X_i of whole rows, which the RMSNorm (when given its weight) needs:
+     y rounded to x's dtype, then ``(w * (y * 1 / sqrt(mean(y^2) + eps)))`` as
+     ``norms_rope.rms_norm``; the second, at the same time, post [T, n] and the Sinkhorn iterations
+     on per-entry vectors (``hc_weights``: no cross-lane work) -> comb [T, n n].
 
 - ``head_kernel`` (hc_head [+ RMSNorm]): the same two kernels with M = n sigmoid gates, no post,
   no comb.
@@ -255,27 +256,32 @@ def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, *refs, n: int, m: int
     z = [(column(c) * r) * scale_ref[0 if c < n else 1 if c < 2 * n else 2] + base_ref[c] for c in range(m)]
     pre = [jax.nn.sigmoid(v) + hc_eps for v in z[:n]]
 
-    dcols = _iota(t.dp)
-    dok = dcols < d
-    y = None  # sum_i pre_i X_i, the streams added in order: [1, dp]
-    for i in range(n):
-        term = pre[i][:, None] * _load(x_ref, rows, ok, d * i + dcols, dok)
-        y = term if y is None else y + term
-    if out_eps is None:
-        _store(y_ref, rows, ok, dcols, y, dok)
-    else:
-        yr = _rounded(y, y_ref.dtype)
-        inv = 1.0 / jnp.sqrt(jnp.sum(yr * yr, axis=1) / d + out_eps)
-        w = pltriton.load(w_ref.at[dcols], mask=dok, other=0).astype(jnp.float32)
-        _store(y_ref, rows, ok, dcols, w[None, :] * (yr * inv[:, None]), dok)
+    @pl.when(pl.program_id(1) == 0)
+    def _collapse():
+        dcols = _iota(t.dp)
+        dok = dcols < d
+        y = None  # sum_i pre_i X_i, the streams added in order: [1, dp]
+        for i in range(n):
+            term = pre[i][:, None] * _load(x_ref, rows, ok, d * i + dcols, dok)
+            y = term if y is None else y + term
+        if out_eps is None:
+            _store(y_ref, rows, ok, dcols, y, dok)
+        else:
+            yr = _rounded(y, y_ref.dtype)
+            inv = 1.0 / jnp.sqrt(jnp.sum(yr * yr, axis=1) / d + out_eps)
+            w = pltriton.load(w_ref.at[dcols], mask=dok, other=0).astype(jnp.float32)
+            _store(y_ref, rows, ok, dcols, w[None, :] * (yr * inv[:, None]), dok)
 
-    if weight_refs:
+    if weight_refs:  # a second program per token, beside the collapse: post and the Sinkhorn iterations
         post_ref, comb_ref = weight_refs
-        for j, v in enumerate(z[n:2 * n]):
-            _store(post_ref, rows, ok, jnp.full((1,), j, jnp.int32), (2.0 * jax.nn.sigmoid(v))[:, None])
-        comb = sinkhorn_lists([z[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, hc_eps)
-        for c, v in enumerate(x for row in comb for x in row):
-            _store(comb_ref, rows, ok, jnp.full((1,), c, jnp.int32), v[:, None])
+
+        @pl.when(pl.program_id(1) == 1)
+        def _weights():
+            for j, v in enumerate(z[n:2 * n]):
+                _store(post_ref, rows, ok, jnp.full((1,), j, jnp.int32), (2.0 * jax.nn.sigmoid(v))[:, None])
+            comb = sinkhorn_lists([z[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, hc_eps)
+            for c, v in enumerate(x for row in comb for x in row):
+                _store(comb_ref, rows, ok, jnp.full((1,), c, jnp.int32), v[:, None])
 
 
 def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
@@ -323,7 +329,7 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
                                out_eps=out_eps)
     args = (part, scale, base, x_flat) + (() if out_eps is None else (norm_w,))
     name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
-    return expanded + tuple(_call(kernel, (tokens,), tuple(outs), config.collapse_warps, config, interpret, name,
+    return expanded + tuple(_call(kernel, (tokens, 2 if m != n else 1), tuple(outs), config.collapse_warps, config, interpret, name,
                                   *args))
 
 
