@@ -198,8 +198,7 @@ def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
 
 
 SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(block_k=128), hc_fused.HcConfig(block_k=32),
-         hc_fused.HcConfig(block_k=32, split_k=256), hc_fused.HcConfig(block_k=32, block_t=16),
-         hc_fused.HcConfig(num_warps=8), hc_fused.HcConfig(collapse_warps=8), hc_fused.HcConfig(collapse_warps=2))
+         hc_fused.HcConfig(block_k=32, block_t=16), hc_fused.HcConfig(num_warps=8), hc_fused.HcConfig(collapse_warps=8))
 
 
 def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
