@@ -77,8 +77,9 @@ class HcConfig:
     program of the expansion (``post_kernel``). ``num_warps`` / ``num_stages``: the mixes' and the
     expansion's; ``collapse_warps``: the collapse's (one token's whole streams per program)."""
 
-    block_t: int = 32
-    block_k: int = 64
+    # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens
+    block_t: int = 16
+    block_k: int = 32
     split_k: int = 512
     block_d: int = 128
     num_warps: int = 4
