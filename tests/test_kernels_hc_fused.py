@@ -62,9 +62,9 @@ def _close(got, want, dtype, name):
 
 
 @pytest.mark.parametrize("lead,d,dtype", [
-    # 74 tokens: 3 token tiles of 32, the last one partial; K = 2048 in 4 splits; 4 d chunks of 128
+    # 74 tokens: 5 token tiles of 16, the last one partial; d = 512 in 4 splits; 4 d chunks of 128
     ((2, 37), 512, jnp.float32),
-    # 3 tokens in one tile of 16; K = 128 in 1 split; one d chunk of 32; bf16 streams
+    # 3 tokens in one tile of 16; d = 32 in 1 split; one d chunk of 32; bf16 streams
     ((1, 3), 32, jnp.bfloat16),
 ])
 def test_fused_unit_matches_reference(lead, d, dtype):
@@ -93,7 +93,7 @@ def test_fused_unit_matches_reference(lead, d, dtype):
 
 
 @pytest.mark.parametrize("lead,d,dtype", [
-    # 74 tokens: 3 mixes tiles of 32 (the last partial), 74 collapse programs; 4 d splits
+    # 74 tokens: 5 mixes tiles of 16 (the last partial), 74 x 2 collapse programs; 4 d splits
     ((2, 37), 512, jnp.float32),
     # one token; d = 96 not a power of two (the collapse's 128 columns masked); bf16 streams
     ((1, 1), 96, jnp.bfloat16),

@@ -41,14 +41,17 @@ def test_sinkhorn_is_doubly_stochastic():
         np.testing.assert_allclose(np.asarray(sinkhorn(logits, 20, 1e-6, unroll=unroll)), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_numerics_sinkhorn_choice():
+def test_numerics_sinkhorn_choice(monkeypatch):
     from dspark_jax.model.common import Numerics
+    from pallas_kernels import backend
 
     assert Numerics(sinkhorn="loop").sinkhorn_impl() == "loop"
     assert Numerics(sinkhorn="unrolled").sinkhorn_impl() == "unrolled"
     assert Numerics(sinkhorn="kernel").sinkhorn_impl() == "kernel"
     assert Numerics(sinkhorn="fused").sinkhorn_impl() == "fused" and Numerics(sinkhorn="fused").mhc_fused()
-    assert Numerics().sinkhorn_impl() == "loop" and not Numerics().mhc_fused()  # "auto" on the CPU; fused on a GPU
+    assert Numerics().sinkhorn_impl() == "loop" and not Numerics().mhc_fused()  # "auto" on the CPU
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    assert Numerics().sinkhorn_impl() == "fused" and Numerics().mhc_fused()  # "auto" on a GPU
     with pytest.raises(ValueError, match="sinkhorn must be"):
         Numerics(sinkhorn="scan")
 

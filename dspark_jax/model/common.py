@@ -46,9 +46,12 @@ class Numerics:
     sinkhorn: how mHC's units run: "loop" (plain JAX, the Sinkhorn iterations as a loop: fast to
         compile; training uses it), "unrolled" (no per-iteration loop overhead, but tens of small
         fusions per mHC unit on a GPU and a long compile), "kernel" (plain JAX with the gates and
-        Sinkhorn in ``pallas_kernels.hc_weights``: one launch for them), "fused" (every mHC unit in
-        ``pallas_kernels.hc_fused``: hc_pre and hc_head in two launches, hc_post in one) or "auto"
-        (the Sinkhorn kernel on a GPU, the loop elsewhere; "fused" is opt-in until it measures faster, see docs/benchmarks.md). The kernels are for inference only (no gradient).
+        Sinkhorn in ``pallas_kernels.hc_weights``: one launch for them), "fused" (mHC's steps
+        between sub-blocks in ``pallas_kernels.hc_fused``, each with the sub-block's RMSNorm:
+        hc_pre + attn_norm and hc_post + hc_pre + ffn_norm in two launches each, the last hc_post
+        in one, hc_head + norm in two: 5 launches per layer instead of 18-20) or "auto" (fused on a
+        GPU, where it measured faster, docs/benchmarks.md; the loop elsewhere). The kernels are for
+        inference only (no gradient).
     matmul_precision: float32 matmuls (the lm_head, router and compressor of every model; all of
         an fp32 model) in true float32 like the PyTorch reference ("highest"), or at the backend's
         default ("default": TF32 on NVIDIA GPUs). Set by ``precision_scope`` in inference entry
@@ -97,7 +100,7 @@ class Numerics:
         if self.sinkhorn == "auto":
             from pallas_kernels.backend import on_gpu
 
-            return "kernel" if on_gpu() else "loop"
+            return "fused" if on_gpu() else "loop"
         return self.sinkhorn
 
     def mhc_fused(self) -> bool:
