@@ -222,7 +222,8 @@ def main():
     p.add_argument("--calls", type=int, default=20, help="calls of each piece under the profiler")
     p.add_argument("--chain", type=int, default=4, help="dependent layers per program for layer_us")
     p.add_argument("--repeat", type=int, default=10, help="timed runs of the chain (median)")
-    p.add_argument("--sweep", action="store_true", help="also time a few tilings of the fused pre_norm and post_pre_norm")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time a few tilings of the fused pre_norm and post_pre_norm")
     p.add_argument("--sweep-tokens", default=None, help="tokens per call of the sweep (default: --tokens)")
     p.add_argument("--smoke", action="store_true", help="d = 128, T <= 6 (on a CPU: interpret mode)")
     args = p.parse_args()

@@ -291,7 +291,8 @@ def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
     rows, ok = _rows(t.bt, tokens)
     cols = pl.program_id(1) * t.bd + _iota(t.bd)
     xs = [_load(x_ref, rows, ok, d * i + cols) for i in range(n)]
-    out = _expand(_columns(comb_ref, rows, ok, n * n), _columns(post_ref, rows, ok, n), _load(f_ref, rows, ok, cols), xs)
+    comb, post = _columns(comb_ref, rows, ok, n * n), _columns(post_ref, rows, ok, n)
+    out = _expand(comb, post, _load(f_ref, rows, ok, cols), xs)
     for j, v in enumerate(out):
         _store(o_ref, rows, ok, d * j + cols, v)
 
@@ -330,8 +331,8 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
                                out_eps=out_eps)
     args = (part, scale, base, x_flat) + (() if out_eps is None else (norm_w,))
     name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
-    return expanded + tuple(_call(kernel, (tokens, 2 if m != n else 1), tuple(outs), config.collapse_warps, config, interpret, name,
-                                  *args))
+    grid = (tokens, 2 if m != n else 1)  # a token's collapse, and its Sinkhorn program beside it (hc_pre)
+    return expanded + tuple(_call(kernel, grid, tuple(outs), config.collapse_warps, config, interpret, name, *args))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

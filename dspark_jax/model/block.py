@@ -46,7 +46,8 @@ def hc_head_of(owner, x: Float[Array, "b t n d"], norm: RMSNorm | None = None) -
                        norm_weight=w[0] if w else None, out_eps=None if norm is None else norm.eps)
 
     return per_request(head, mhc_mesh(owner), x,
-                       replicated=(owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...], *norm_args))
+                       replicated=(owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...],
+                                   *norm_args))
 
 
 class Block(nnx.Module):
