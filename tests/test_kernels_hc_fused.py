@@ -255,29 +255,34 @@ def test_fused_mhc_runs_per_device_on_a_mesh():
         assert all(i == inside for _, i in calls), calls
 
 
-def test_fused_model_matches_the_plain_one():
-    """The shipped model's dims, float32: the logits of a prompt with every mHC
-    step in the fused kernels (``with_numerics(sinkhorn="fused")``, interpret mode) against plain
-    JAX (the Sinkhorn loop), within float32 summation-order error."""
+@pytest.fixture(scope="module")
+def fused_tiny():
+    """The shipped model's dims in float32 with random weights, the same model with every mHC step
+    in the fused kernels (``with_numerics(sinkhorn="fused")``, interpret mode), two prompts, and
+    the fused model's logits of them."""
     plain = dspark_jax.init(config.tiny(), 7, dtype=jnp.float32, param_dtype=jnp.float32)
     fused = dspark_jax.with_numerics(plain, sinkhorn="fused")
+    ids = np.random.default_rng(4).integers(0, plain.config.vocab_size, (2, 12))
+    return plain, fused, ids, np.asarray(fused.logits(ids))
+
+
+def test_fused_model_matches_the_plain_one(fused_tiny):
+    """The logits of the fused model against plain JAX (the Sinkhorn loop), within float32
+    summation-order error."""
+    plain, fused, ids, got = fused_tiny
     assert fused.numerics.sinkhorn == "fused" and plain.numerics.sinkhorn == "auto"
     assert all(b.num.sinkhorn == "fused" for b in fused.module.layers)
-    ids = np.random.default_rng(4).integers(0, plain.config.vocab_size, (2, 12))
-    want, got = np.asarray(plain.logits(ids)), np.asarray(fused.logits(ids))
+    want = np.asarray(plain.logits(ids))
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="weight_format"):
         dspark_jax.with_numerics(plain, weight_format="fp8")
 
 
-def test_fused_model_on_a_mesh_matches_one_device():
+def test_fused_model_on_a_mesh_matches_one_device(fused_tiny):
     """The fused mHC steps inside ``shard_map`` on a (data 2, model 4) mesh of virtual CPU devices,
     each device on its own request: the logits of two prompts as on one device."""
-    one = dspark_jax.with_numerics(dspark_jax.init(config.tiny(), 8, dtype=jnp.float32, param_dtype=jnp.float32),
-                                   sinkhorn="fused")
-    ids = np.random.default_rng(6).integers(0, one.config.vocab_size, (2, 10))
-    want = np.asarray(one.logits(ids))
+    _, one, ids, want = fused_tiny
     mesh = sharding.make_mesh(model=4, data=2)
     sharded = sharding.shard_model(one, mesh)
     assert all(b.mesh is mesh for b in sharded.module.layers)  # the fused kernels then run per device
