@@ -107,7 +107,8 @@ def main():
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
-        print("RESULT " + json.dumps(probe(args.probe, args.batch, args.rounds, tuple(args.modes.split(",")))), flush=True)
+        result = probe(args.probe, args.batch, args.rounds, tuple(args.modes.split(",")))
+        print("RESULT " + json.dumps(result), flush=True)
         return
     procs, start = {}, time.time()
     for v in args.only.split(","):

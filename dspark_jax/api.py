@@ -81,7 +81,8 @@ class Model:
     def __repr__(self):
         c = self.config
         return (f"Model(layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
-                f"dspark={c.dspark is not None}, dtype={self.numerics.dtype.name}, quant_sim={self.numerics.quant_sim}, "
+                f"dspark={c.dspark is not None}, dtype={self.numerics.dtype.name}, "
+                f"quant_sim={self.numerics.quant_sim}, "
                 f"weights={self.numerics.weight_format} {self.weight_bytes / 2**20:,.1f} MiB)")
 
     @property
