@@ -451,20 +451,16 @@ def _out_eps(norm_weight, out_eps: float | None) -> float | None:
     return None if out_eps is None else float(out_eps)
 
 
-def _normed(y, norm_weight, out_eps):
-    from dspark_jax.model.norms_rope import rms_norm
-
-    return y if norm_weight is None else rms_norm(y, norm_weight, out_eps)
-
-
 def pre_reference(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float, norm_weight=None,
                   out_eps: float | None = None):
-    """Pure JAX: ``model.hyper.hc_pre`` with the Sinkhorn iterations as a loop (then
-    ``norms_rope.rms_norm``)."""
-    from dspark_jax.model.hyper import hc_pre
+    """Pure JAX: ``model.hyper.hc_pre`` with the Sinkhorn iterations as a loop (with a norm weight:
+    ``hyper.hc_pre_norm``, i.e. followed by ``norms_rope.rms_norm``)."""
+    from dspark_jax.model.hyper import hc_pre, hc_pre_norm
 
-    y, post, comb = hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_impl="loop")
-    return _normed(y, norm_weight, out_eps), post, comb
+    kw = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, sinkhorn_impl="loop")
+    if norm_weight is None:
+        return hc_pre(x, fn, base, scale, **kw)
+    return hc_pre_norm(x, fn, base, scale, norm_weight, out_eps=out_eps, **kw)
 
 
 def post_pre_reference(f, x, post, comb, fn, base, scale, **kw):
@@ -475,10 +471,10 @@ def post_pre_reference(f, x, post, comb, fn, base, scale, **kw):
 
 def head_reference(x, fn, base, scale, *, hc_eps: float, norm_eps: float, norm_weight=None,
                    out_eps: float | None = None):
-    """Pure JAX: ``model.hyper.hc_head`` (then ``norms_rope.rms_norm``)."""
+    """Pure JAX: ``model.hyper.hc_head`` (with a norm weight followed by ``norms_rope.rms_norm``)."""
     from dspark_jax.model.hyper import hc_head
 
-    return _normed(hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps), norm_weight, out_eps)
+    return hc_head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps, norm_weight=norm_weight, out_eps=out_eps)
 
 
 def post_reference(f, x, post, comb):
