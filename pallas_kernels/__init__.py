@@ -6,6 +6,8 @@
 - ``ragged_attention`` + ``attention_metadata``: ragged MQA latent attention with a sink over a
   window ring and compressed entries (bf16 or fp8 pools); ``attention_configs``: its tile
   configurations by shape, from the tuned table ``attention_configs.json``.
+- ``compressor_pool``: the compressors' gather, softmax pool and ring update at decode / verify
+  in one launch.
 - ``lowering``: deviceless lowering for a gfx950 (ROCm) target, the CI legality check.
 
 gfx950 (AMD MI350X / MI355X) support is verified by lowering only until the kernels have run on

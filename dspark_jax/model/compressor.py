@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from dspark_jax.cache import CompressorState, KVPool, ring_write_slots, scatter_rows, write_kv
+from dspark_jax.cache import CompressorState, KVPool, write_kv
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import fp4_sim, hadamard, kv_sim
 from dspark_jax.sharding import per_request
+from pallas_kernels import compressor_pool
 
 
 class Compressor(nnx.Module):
@@ -59,38 +60,16 @@ class Compressor(nnx.Module):
     def _pool(self, kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], chunk: Chunk,
               state: CompressorState) -> tuple[KVPool, CompressorState]:
         """Pool the chunk's projected rows (per-request layout) with the ring's into the entries."""
-        m, w = self.ratio, self.width
-        b, t = chunk.ids.shape
-        ring = state.kv.shape[1]
-        start = chunk.start
-
-        # Candidate windows: those whose closing token may lie in this chunk.
-        k_max = -(-t // m)
-        win = start[:, None] // m + jnp.arange(k_max, dtype=jnp.int32)[None]  # [b, k]
-        win_ok = win < (start + chunk.n_valid)[:, None] // m
-        span = 2 * m if self.overlap else m
-        first = (win - 1) * m if self.overlap else win * m
-        pos = first[..., None] + jnp.arange(span, dtype=jnp.int32)  # [b, k, span]
-
-        # Each token comes from the chunk (pos >= start) or from the ring of recent tokens.
-        src = jnp.where(pos >= start[:, None, None], ring + pos - start[:, None, None], jnp.mod(pos, ring))
-        src = jnp.clip(src, 0, ring + t - 1).reshape(b, k_max * span, 1)
-        kv = jnp.take_along_axis(jnp.concatenate([state.kv, kv_new], 1), src, 1).reshape(b, k_max, span, -1)
-        sc = jnp.take_along_axis(jnp.concatenate([state.score, score_new], 1), src, 1).reshape(b, k_max, span, -1)
-        sc = sc + self.ape[...][jnp.mod(pos, m)]
-        sc = jnp.where((pos >= 0)[..., None], sc, -jnp.inf)
-        if self.overlap:  # slots 0..m-1: Ca of window w-1; slots m..2m-1: Cb of window w
-            kv = jnp.concatenate([kv[:, :, :m, :w], kv[:, :, m:, w:]], axis=2)
-            sc = jnp.concatenate([sc[:, :, :m, :w], sc[:, :, m:, w:]], axis=2)
-        c = jnp.sum(kv * jax.nn.softmax(sc, axis=2), axis=2)  # [b, k, w] fp32
-
+        m = self.ratio
+        c, ring_kv, ring_score = compressor_pool.pool(
+            state.kv, state.score, kv_new, score_new, self.ape[...], chunk.start, chunk.n_valid, ratio=m,
+            overlap=self.overlap, impl=self.num.kernel_impl())  # [b, k, w] fp32: windows start // m + k
+        win = chunk.start[:, None] // m + jnp.arange(c.shape[1], dtype=jnp.int32)[None]  # [b, k]
+        win_ok = win < (chunk.start + chunk.n_valid)[:, None] // m
         c = self.norm(c.astype(self.num.dtype))
         c = apply_rope(c, win * m, layer_inv_freq(self.cfg, m), heads=False)
         if self.num.quant_sim:  # without quantisation the indexer's Hadamard rotation cancels in q.k
             c = fp4_sim(hadamard(c), 32) if self.rotate else kv_sim(c, self.cfg.qk_rope_head_dim)
         n = state.entries.shape[1]
         entries = write_kv(state.entries, jnp.where(win_ok, win, n), c, impl=self.num.kernel_impl())
-
-        slots = ring_write_slots(start, chunk.n_valid, t, ring)
-        return entries, dataclasses.replace(state, kv=scatter_rows(state.kv, slots, kv_new),
-                                            score=scatter_rows(state.score, slots, score_new), entries=entries)
+        return entries, dataclasses.replace(state, kv=ring_kv, score=ring_score, entries=entries)

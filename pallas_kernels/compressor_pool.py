@@ -1,0 +1,219 @@
+"""The compressors' gated pooling at decode and verify: gather, softmax pool and ring update in one
+kernel, beside its pure-JAX reference.
+
+A Cm compressor (``dspark_jax.model.compressor``) turns every window of m tokens into one entry:
+per channel, a softmax over the window's token slots of (gate score + ape[pos % m]) weights the
+projected kv. C4 overlaps windows: slots 0..m-1 take the first half of the channels ("Ca") of
+window w-1's tokens, slots m..2m-1 the second half ("Cb") of window w's: a span of 2m slots and
+entries of width w = C / 2; other ratios have a span of m slots and w = C. The projected kv and
+scores of recent tokens live in a ring of R rows per request (row = position % R); a chunk brings
+t new rows at positions start .. start + t - 1, of which the first ``n_valid`` are real.
+
+``pool(...)`` returns the pooled rows of the chunk's k_max = ceil(t / m) candidate windows
+(window ``start // m + k``; the caller keeps those whose closing token is real) in float32 and
+the ring with the chunk's real rows written. In plain XLA that is a concatenation and two gathers,
+the softmax and the sum, and per ring array a scatter with the copies XLA adds around it: about
+15 launches per compressor at decode. ``pool_kernel`` does it in one, grid (requests, channel
+blocks); each program pools its channels for every candidate window, then writes the chunk's real
+rows into its channels of the ring in place (``input_output_aliases``).
+
+Race-free in place: the windows read ring rows of positions start - span + 1 .. start - 1 and the
+chunk writes rows of positions start .. start + t - 1; with t <= R - span no position written
+shares a row (position % R) with one read, so the order of reads and writes across programs does
+not matter. ``pool`` takes the reference beyond that (prefill chunks).
+
+Numerics: float32 as the reference; the softmax is the reference's (max, exp, sum, divide), the
+sum over slots in another order: results differ by float32 rounding only. Inference only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import backend
+
+if TYPE_CHECKING:  # shape annotations only
+    from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Tiles of ``pool_kernel``: each program holds [span, block_c] values of kv and scores per
+    window, block_c the largest power of two dividing w with span * block_c <= tile."""
+
+    tile: int = 2048
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def geometry(ratio: int, overlap: bool, channels: int) -> tuple[int, int]:
+    """(span, w): token slots per window and the entries' width for ``channels`` projected columns."""
+    if ratio < 1:
+        raise ValueError(f"compression ratio must be positive, got {ratio}")
+    if overlap and channels % 2:
+        raise ValueError(f"an overlapping compressor needs an even number of channels, got {channels}")
+    return (2 * ratio, channels // 2) if overlap else (ratio, channels)
+
+
+def _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap) -> None:
+    if ring_kv.ndim != 3 or ring_kv.shape != ring_score.shape:
+        raise ValueError(f"ring kv / score must both be [b, R, C], got {ring_kv.shape} / {ring_score.shape}")
+    b, ring, c = ring_kv.shape
+    if kv_new.ndim != 3 or kv_new.shape != score_new.shape or kv_new.shape[0] != b or kv_new.shape[2] != c:
+        raise ValueError(f"new kv / score must both be [{b}, t, {c}], got {kv_new.shape} / {score_new.shape}")
+    if ape.shape != (ratio, c):
+        raise ValueError(f"ape must be [{ratio}, {c}], got {ape.shape}")
+    if start.shape != (b,) or n_valid.shape != (b,):
+        raise ValueError(f"start and n_valid must be [{b}], got {start.shape} / {n_valid.shape}")
+    span, _ = geometry(ratio, overlap, c)
+    if ring < span:
+        raise ValueError(f"the ring ({ring} rows) must hold a window's span ({span} slots)")
+
+
+# ------------------------------------------------------------------------------ pure-JAX reference
+def pool_reference(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"],
+                   kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], ape: Float[Array, "m c"],
+                   start: Int[Array, " b"], n_valid: Int[Array, " b"], *, ratio: int, overlap: bool
+                   ) -> tuple[Float[Array, "b k w"], Float[Array, "b r c"], Float[Array, "b r c"]]:
+    """(pooled rows of the candidate windows [b, ceil(t / m), w] float32, new ring kv, new ring score)."""
+    from dspark_jax.cache import ring_write_slots, scatter_rows
+
+    _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap)
+    m = ratio
+    b, t, _ = kv_new.shape
+    ring = ring_kv.shape[1]
+    span, w = geometry(ratio, overlap, ring_kv.shape[2])
+    k_max = -(-t // m)
+    win = start[:, None] // m + jnp.arange(k_max, dtype=jnp.int32)[None]  # [b, k]
+    first = (win - 1) * m if overlap else win * m
+    pos = first[..., None] + jnp.arange(span, dtype=jnp.int32)  # [b, k, span]
+
+    # Each token comes from the chunk (pos >= start) or from the ring of recent tokens.
+    src = jnp.where(pos >= start[:, None, None], ring + pos - start[:, None, None], jnp.mod(pos, ring))
+    src = jnp.clip(src, 0, ring + t - 1).reshape(b, k_max * span, 1)
+    kv = jnp.take_along_axis(jnp.concatenate([ring_kv, kv_new], 1), src, 1).reshape(b, k_max, span, -1)
+    sc = jnp.take_along_axis(jnp.concatenate([ring_score, score_new], 1), src, 1).reshape(b, k_max, span, -1)
+    sc = sc + ape[jnp.mod(pos, m)]
+    sc = jnp.where((pos >= 0)[..., None], sc, -jnp.inf)
+    if overlap:  # slots 0..m-1: Ca of window w-1; slots m..2m-1: Cb of window w
+        kv = jnp.concatenate([kv[:, :, :m, :w], kv[:, :, m:, w:]], axis=2)
+        sc = jnp.concatenate([sc[:, :, :m, :w], sc[:, :, m:, w:]], axis=2)
+    c = jnp.sum(kv * jax.nn.softmax(sc, axis=2), axis=2)  # [b, k, w] fp32
+
+    slots = ring_write_slots(start, n_valid, t, ring)
+    return c, scatter_rows(ring_kv, slots, kv_new), scatter_rows(ring_score, slots, score_new)
+
+
+# ------------------------------------------------------------------------------ Pallas kernel
+def _iota(n: int) -> Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _pool_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, ring_kv_in, ring_score_in,
+                 c_ref, ring_kv_ref, ring_score_ref, *, m: int, span: int, overlap: bool, w: int, bc: int):
+    del ring_kv_in, ring_score_in  # aliased to ring_kv_ref / ring_score_ref
+    t, ring = kv_new_ref.shape[1], ring_kv_ref.shape[1]
+    req, blk = pl.program_id(0), pl.program_id(1)
+    start, n_valid = start_ref[req], n_valid_ref[req]
+    chan = blk * bc + _iota(bc)  # this program's output channels [bc]
+    sp = backend.next_power_of_2(span)
+    slot = _iota(sp)[:, None]  # [sp, 1]
+    # ring / chunk column of each (slot, channel): C4's slots m.. read the second half (Cb)
+    col = chan[None, :] + (jnp.where(slot >= m, w, 0) if overlap else 0 * slot)  # [sp, bc]
+
+    for k in range(-(-t // m)):  # candidate windows
+        win = start // m + k
+        pos = (win - 1) * m + slot if overlap else win * m + slot  # [sp, 1]
+        real = (slot < span) & (pos >= 0)
+        new = real & (pos >= start)
+        old = real & (pos < start)
+        row_new = jnp.clip(pos - start, 0, t - 1)
+        row_old = jnp.where(old, pos, 0) % ring
+        new_m, old_m = jnp.broadcast_to(new, col.shape), jnp.broadcast_to(old, col.shape)
+        kv = jnp.where(new, pltriton.load(kv_new_ref.at[req, row_new, col], mask=new_m, other=0.0),
+                       pltriton.load(ring_kv_ref.at[req, row_old, col], mask=old_m, other=0.0))
+        sc = jnp.where(new, pltriton.load(score_new_ref.at[req, row_new, col], mask=new_m, other=0.0),
+                       pltriton.load(ring_score_ref.at[req, row_old, col], mask=old_m, other=0.0))
+        sc = sc + pltriton.load(ape_ref.at[jnp.where(real, pos, 0) % m, col])
+        sc = jnp.where(real, sc, -jnp.inf)
+        e = jnp.exp(sc - jnp.max(sc, axis=0, keepdims=True))
+        c = jnp.sum(kv * (e / jnp.sum(e, axis=0, keepdims=True)), axis=0)  # [bc]
+        pltriton.store(c_ref.at[req, k, chan], c)
+
+    # The chunk's real rows into this program's columns of the ring (t <= R - span: no row read above).
+    # Masked rows point one past the ring: never accessed on a GPU, and in interpret mode a masked
+    # store to a real row could overwrite it.
+    i = _iota(backend.next_power_of_2(t))[:, None]
+    real = (i < n_valid) & (i < t)
+    ok = jnp.broadcast_to(real, (i.shape[0], bc))
+    dest = jnp.where(real, (start + i) % ring, ring)
+    src = jnp.where(i < t, i, 0)
+    halves = (chan, chan + w) if overlap else (chan,)
+    for cols in halves:
+        for new_ref, ring_ref in ((kv_new_ref, ring_kv_ref), (score_new_ref, ring_score_ref)):
+            rows = pltriton.load(new_ref.at[req, src, cols[None, :]], mask=ok, other=0.0)
+            pltriton.store(ring_ref.at[req, dest, cols[None, :]], rows, mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "overlap", "config", "interpret"))
+def _pool_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, *, ratio: int, overlap: bool,
+                 config: PoolConfig, interpret: bool):
+    b, t, c = kv_new.shape
+    span, w = geometry(ratio, overlap, c)
+    bc = backend.largest_pow2_divisor(w, max(1, config.tile // backend.next_power_of_2(span)))
+    kernel = functools.partial(_pool_kernel, m=ratio, span=span, overlap=overlap, w=w, bc=bc)
+    with backend.quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            grid=(b, w // bc),
+            out_shape=(jax.ShapeDtypeStruct((b, -(-t // ratio), w), jnp.float32),
+                       jax.ShapeDtypeStruct(ring_kv.shape, jnp.float32),
+                       jax.ShapeDtypeStruct(ring_score.shape, jnp.float32)),
+            input_output_aliases={5: 1, 6: 2},
+            compiler_params=backend.compiler_params(config.num_warps, config.num_stages),
+            interpret=interpret,
+            name="compressor_pool",
+        )(start.astype(jnp.int32), n_valid.astype(jnp.int32), ape.astype(jnp.float32),
+          kv_new.astype(jnp.float32), score_new.astype(jnp.float32), ring_kv, ring_score)
+
+
+def pool_kernel(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"],
+                kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], ape: Float[Array, "m c"],
+                start: Int[Array, " b"], n_valid: Int[Array, " b"], *, ratio: int, overlap: bool,
+                config: PoolConfig = PoolConfig(), interpret: bool | None = None
+                ) -> tuple[Float[Array, "b k w"], Float[Array, "b r c"], Float[Array, "b r c"]]:
+    """The Pallas kernel (same contract as ``pool_reference``); the rings are float32 and updated
+    in place (jit the caller with them donated to avoid a copy). Needs t <= R - span."""
+    _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap)
+    span, _ = geometry(ratio, overlap, ring_kv.shape[2])
+    if kv_new.shape[1] > ring_kv.shape[1] - span:
+        raise ValueError(f"the kernel takes chunks of at most R - span = {ring_kv.shape[1] - span} tokens, "
+                         f"got {kv_new.shape[1]}")
+    if ring_kv.dtype != jnp.float32 or ring_score.dtype != jnp.float32:
+        raise ValueError(f"the rings must be float32, got {ring_kv.dtype} / {ring_score.dtype}")
+    return _pool_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap,
+                        config=config, interpret=backend.interpret_mode(interpret))
+
+
+def pool(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"], kv_new: Float[Array, "b t c"],
+         score_new: Float[Array, "b t c"], ape: Float[Array, "m c"], start: Int[Array, " b"],
+         n_valid: Int[Array, " b"], *, ratio: int, overlap: bool, impl: str | None = None
+         ) -> tuple[Float[Array, "b k w"], Float[Array, "b r c"], Float[Array, "b r c"]]:
+    """The backend switch: the kernel for chunks of up to R - span tokens (decode and verify)
+    when ``impl`` resolves to "pallas", else the reference."""
+    span, _ = geometry(ratio, overlap, ring_kv.shape[-1])
+    fits = kv_new.shape[1] <= ring_kv.shape[1] - span and ring_kv.dtype == jnp.float32
+    if backend.resolve(impl) == "pallas" and fits:
+        return pool_kernel(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap)
+    return pool_reference(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap)
+
+
+kernel = pool_kernel
+reference = pool_reference

@@ -1,0 +1,113 @@
+"""The compressors' pooling kernel (gather, softmax pool and in-place ring update in one launch)
+against its pure-JAX reference, its lowering for gfx950 and NVIDIA, and its bad-input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compressor_pool, lowering
+
+SD = jax.ShapeDtypeStruct
+
+
+def _case(rng, b: int, ratio: int, overlap: bool, channels: int, t: int, start, n_valid):
+    span = 2 * ratio if overlap else ratio
+    ring = span + 16  # as ``ModelConfig.compressor_ring_size``
+    f32 = jnp.float32
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), f32)  # noqa: E731
+    return (normal(b, ring, channels), 2 * normal(b, ring, channels), normal(b, t, channels),
+            2 * normal(b, t, channels), normal(ratio, channels), jnp.asarray(start, jnp.int32),
+            jnp.asarray(n_valid, jnp.int32))
+
+
+def _real_windows(start, n_valid, ratio: int, k: int) -> np.ndarray:
+    """[b, k]: candidate windows whose closing token is a real row of the chunk (the ones kept)."""
+    win = np.asarray(start)[:, None] // ratio + np.arange(k)[None]
+    return win < (np.asarray(start) + np.asarray(n_valid))[:, None] // ratio
+
+
+@pytest.mark.parametrize("ratio,overlap,channels,t,start,n_valid", [
+    (4, True, 64, 1, [0, 3, 7, 101], [1, 1, 0, 1]),  # C4 decode: first window (slots before 0), idle row
+    (4, True, 64, 6, [0, 2, 29, 50], [6, 3, 6, 0]),  # C4 verify: two windows close, a short and an empty request
+    (4, True, 96, 16, [5, 64, 8, 250], [16, 16, 11, 1]),  # C4, the longest chunk the kernel takes; w = 48
+    (128, False, 32, 6, [0, 125, 250, 1021], [6, 6, 2, 6]),  # C128: a window closes at 127 / 255 / 1023
+    (8, False, 48, 16, [3, 8, 60, 1000], [16, 9, 16, 4]),  # C8: two windows close, ring wraps many times
+])
+def test_kernel_matches_reference(ratio, overlap, channels, t, start, n_valid):
+    """Pooled rows of every window closed in the chunk agree to float32 rounding; the rings after
+    the write are equal bit for bit (rows not written keep their values, padding rows are dropped)."""
+    args = _case(np.random.default_rng(ratio + t), len(start), ratio, overlap, channels, t, start, n_valid)
+    kw = dict(ratio=ratio, overlap=overlap)
+    c_ref, kv_ref, sc_ref = compressor_pool.pool_reference(*args, **kw)
+    c, kv, sc = compressor_pool.pool_kernel(*args, **kw)
+    assert c.shape == c_ref.shape == (len(start), -(-t // ratio), channels // 2 if overlap else channels)
+    real = _real_windows(start, n_valid, ratio, c.shape[1])
+    assert real.any()
+    np.testing.assert_allclose(np.asarray(c)[real], np.asarray(c_ref)[real], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(kv), np.asarray(kv_ref))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(sc_ref))
+    assert not np.array_equal(np.asarray(kv), np.asarray(args[0]))  # some rows were written
+
+
+def test_rows_of_padding_and_other_requests_stay():
+    """Poisoned rings: a request with no real rows keeps its ring bit for bit; a request writes
+    exactly the rows (start + i) % R for its real rows i and nothing else."""
+    t, ratio = 6, 4
+    args = list(_case(np.random.default_rng(7), 2, ratio, True, 32, t, [40, 13], [0, 2]))
+    args[0] = args[0].at[:].set(jnp.nan)
+    args[1] = args[1].at[:].set(jnp.nan)
+    _, kv, sc = compressor_pool.pool_kernel(*args, ratio=ratio, overlap=True)
+    kv, sc = np.asarray(kv), np.asarray(sc)
+    assert np.isnan(kv[0]).all() and np.isnan(sc[0]).all()
+    ring = kv.shape[1]
+    written = [(13 + i) % ring for i in range(2)]
+    np.testing.assert_array_equal(kv[1, written], np.asarray(args[2])[1, :2])
+    np.testing.assert_array_equal(sc[1, written], np.asarray(args[3])[1, :2])
+    others = np.setdiff1d(np.arange(ring), written)
+    assert np.isnan(kv[1, others]).all() and np.isnan(sc[1, others]).all()
+
+
+def test_dispatcher_takes_the_reference_for_long_chunks():
+    """Chunks longer than R - span (prefill) go through the reference even with impl="pallas"."""
+    ratio, t = 4, 40
+    args = _case(np.random.default_rng(3), 2, ratio, True, 32, t, [0, 17], [40, 33])
+    hlo = jax.jit(lambda *a: compressor_pool.pool(*a, ratio=ratio, overlap=True, impl="pallas")).lower(*args).as_text()
+    assert "compressor_pool" not in hlo
+    out = compressor_pool.pool(*args, ratio=ratio, overlap=True, impl="pallas")
+    ref = compressor_pool.pool_reference(*args, ratio=ratio, overlap=True)
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"at most R - span = 16 tokens, got 40"):
+        compressor_pool.pool_kernel(*args, ratio=ratio, overlap=True)
+
+
+@pytest.mark.parametrize("arch,platform,ratio,overlap,channels,b,t", [
+    ("gfx950", "rocm", 4, True, 1024, 1, 1),  # Flash's C4 attention compressor, a decode step
+    ("gfx950", "rocm", 4, True, 256, 8, 6),  # Flash's C4 indexer compressor, a verify chunk
+    ("NVIDIA H200", "cuda", 128, False, 512, 32, 16),  # Flash's C128 compressor, batch 32
+])
+def test_lowers_for_gpus(arch, platform, ratio, overlap, channels, b, t):
+    """One Triton call through JAX's Triton lowering for an abstract gfx950 (ROCm) and H200 (CUDA)
+    device (no GPU needed)."""
+    span = 2 * ratio if overlap else ratio
+    f32, i32 = jnp.float32, jnp.int32
+    args = (SD((b, span + 16, channels), f32), SD((b, span + 16, channels), f32), SD((b, t, channels), f32),
+            SD((b, t, channels), f32), SD((ratio, channels), f32), SD((b,), i32), SD((b,), i32))
+    fn = lambda *a: compressor_pool.pool_kernel(*a, ratio=ratio, overlap=overlap, interpret=False)  # noqa: E731
+    assert lowering.count_triton_calls(lowering.lower(fn, *args, arch=arch, platform=platform)) == 1
+
+
+def test_bad_input_is_named():
+    args = list(_case(np.random.default_rng(1), 2, 4, True, 32, 1, [0, 1], [1, 1]))
+    kw = dict(ratio=4, overlap=True)
+    with pytest.raises(ValueError, match=r"ape must be \[4, 32\]"):
+        compressor_pool.pool_kernel(*args[:4], args[4][:3], *args[5:], **kw)
+    with pytest.raises(ValueError, match=r"new kv / score must both be \[2, t, 32\]"):
+        compressor_pool.pool_kernel(args[0], args[1], args[2][..., :16], *args[3:], **kw)
+    with pytest.raises(ValueError, match=r"start and n_valid must be \[2\]"):
+        compressor_pool.pool_kernel(*args[:5], args[5][:1], args[6], **kw)
+    with pytest.raises(ValueError, match="even number of channels"):
+        compressor_pool.geometry(4, True, 31)
+    with pytest.raises(ValueError, match="rings must be float32"):
+        compressor_pool.pool_kernel(args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), *args[2:], **kw)
