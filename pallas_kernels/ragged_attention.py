@@ -434,9 +434,10 @@ def _merge_kernel(o_ref, lse_ref, sink_ref, out_ref, *, splits: int, heads: int)
 
 def merge_kernel(o: Float[Array, "p n d"], lse: Float[Array, "p n"], sink: Float[Array, " h"], out_dtype, *,
                  num_warps: int = 4, interpret: bool | None = None) -> Float[Array, "n d"]:
-    """``merge_splits`` as one Pallas launch, grid (rows,): a row's P partials in one tile. XLA's
-    fusion of the reference took 10.5 us for 16 splits of 64 heads x 512 at a Flash decode step
-    (1 MiB, docs/benchmarks.md). Differs from it by the order of float32 sums."""
+    """``merge_splits`` as one Pallas launch, grid (rows,): a row's P partials in one tile. At a Flash C4
+    decode step (16 splits of 64 heads x 512, 1 MiB) it takes 2 us where XLA's fusion of the
+    reference (with the output's inverse rope, which XLA fused into it) took 10.3
+    (docs/benchmarks.md). Differs from it by the order of float32 sums."""
     p, n, d = o.shape
     if lse.shape != (p, n) or n % sink.shape[0]:
         raise ValueError(f"lse must be [{p}, {n}] and the rows a multiple of the heads, got {lse.shape} / {sink.shape}")
