@@ -21,13 +21,14 @@ sub-block replaced by its input) of a chain of ``--chain`` dependent layers in o
 launch included as in a step.
 
     python -m benchmarks.hc_fused                     # writes hc_fused.json under $OUT
-    python -m benchmarks.hc_fused --tokens 1,6 --sweep  # also a few tilings of the fused pre_norm
+    python -m benchmarks.hc_fused --tokens 1,6 --sweep  # also tilings of the fused pre_norm (dots, multiply-adds)
     python -m benchmarks.hc_fused --smoke             # tiny widths on CPU (interpret mode): the script runs
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import os
 import tempfile
@@ -197,8 +198,12 @@ def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
     return row
 
 
-SWEEP = (hc_fused.HcConfig(), hc_fused.HcConfig(block_k=128), hc_fused.HcConfig(block_k=32),
-         hc_fused.HcConfig(block_k=32, block_t=16), hc_fused.HcConfig(num_warps=8), hc_fused.HcConfig(collapse_warps=8))
+_DOTS, _FMA = hc_fused.HcConfig(fma_tokens=0), hc_fused.HcConfig(fma_tokens=64)
+SWEEP = (_DOTS, dataclasses.replace(_DOTS, split_k=128), dataclasses.replace(_DOTS, split_k=256),
+         dataclasses.replace(_DOTS, block_k=64), _FMA,
+         *(dataclasses.replace(_FMA, fma_split_k=k) for k in (128, 256, 1024)),
+         *(dataclasses.replace(_FMA, fma_block=b) for b in (2048, 8192)),
+         *(dataclasses.replace(_FMA, fma_split_k=256, num_warps=w) for w in (2, 8)))
 
 
 def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:

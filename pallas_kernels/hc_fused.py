@@ -75,7 +75,11 @@ class HcConfig:
     x_flat (split_k / n of each stream) per program of the mixes (d is split over S >= K / split_k
     programs per token tile, a whole number of loop steps each); ``block_d``: stream columns per
     program of the expansion (``post_kernel``). ``num_warps`` / ``num_stages``: the mixes' and the
-    expansion's; ``collapse_warps``: the collapse's (one token's whole streams per program)."""
+    expansion's; ``collapse_warps``: the collapse's (one token's whole streams per program).
+
+    Calls of at most ``fma_tokens`` tokens (0: none) take the mixes as float32 multiply-adds
+    instead of dots (``_mixes_fma``): all T tokens in one tile, each program over at most
+    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns)."""
 
     # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens
     block_t: int = 16
@@ -85,17 +89,23 @@ class HcConfig:
     num_warps: int = 4
     num_stages: int = 2
     collapse_warps: int = 4
+    fma_tokens: int = 8
+    fma_split_k: int = 512
+    fma_block: int = 4096
 
     def __post_init__(self):
-        for name in ("block_t", "block_k", "split_k", "block_d"):
+        for name in ("block_t", "block_k", "split_k", "block_d", "fma_split_k", "fma_block"):
             if not backend.is_power_of_2(getattr(self, name)):
                 raise ValueError(f"HcConfig.{name} must be a power of two, got {getattr(self, name)}")
         if self.block_t < 16 or self.block_k < 16:
             raise ValueError(f"HcConfig needs block_t >= 16 and block_k >= 16 (dot tiles), got {self}")
+        if not 0 <= self.fma_tokens <= 64:
+            raise ValueError(f"HcConfig.fma_tokens must be in [0, 64], got {self.fma_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
+    fma: bool  # the mixes as multiply-adds (``_mixes_fma``), not dots
     bt: int  # tokens per mixes / expansion program
     bk: int  # columns of each stream per step of the mixes' loop
     steps: int  # loop steps per mixes program
@@ -109,14 +119,22 @@ def _tiles(tokens: int, n: int, d: int, m: int, config: HcConfig) -> _Tiles:
     """The tiles of a call of T = ``tokens`` tokens, n streams of d and M = ``m`` mixes."""
     if not backend.is_power_of_2(n):
         raise ValueError(f"mHC kernels need a power-of-two number of streams, got n = {n}")
-    bk = backend.largest_pow2_divisor(d, config.block_k)
+    mp = max(16, backend.next_power_of_2(m + 1))
     bd = backend.largest_pow2_divisor(d, config.block_d)
-    if bk < 16 or bd < 16:
+    if d % 16 or bd < 16:
         raise ValueError(f"mHC kernels need the stream width d to be a multiple of 16, got n = {n}, d = {d}")
+    fma = tokens <= config.fma_tokens
+    if fma:  # all tokens in one tile; a step's products bt x mp x bk within fma_block
+        bt = backend.next_power_of_2(tokens)
+        bk = backend.largest_pow2_divisor(d, max(1, config.fma_block // (bt * mp)))
+        split = config.fma_split_k
+    else:
+        bt = min(config.block_t, max(16, backend.next_power_of_2(tokens)))
+        bk = backend.largest_pow2_divisor(d, config.block_k)
+        split = config.split_k
     chunks = d // bk
-    steps = max(s for s in range(1, max(1, config.split_k // n // bk) + 1) if chunks % s == 0)
-    bt = min(config.block_t, max(16, backend.next_power_of_2(tokens)))
-    return _Tiles(bt=bt, bk=bk, steps=steps, splits=chunks // steps, bd=bd, mp=max(16, backend.next_power_of_2(m + 1)),
+    steps = max(s for s in range(1, max(1, split // n // bk) + 1) if chunks % s == 0)
+    return _Tiles(fma=fma, bt=bt, bk=bk, steps=steps, splits=chunks // steps, bd=bd, mp=mp,
                   dp=backend.next_power_of_2(d))
 
 
@@ -194,6 +212,13 @@ def _mixes_dot(x: Array, w: Array, *, exact_bf16: bool) -> Array:
     return out
 
 
+def _mixes_fma(x: Array, w: Array) -> Array:
+    """x [bt, bk] times w [mp, bk] as float32 products [bt, mp, bk], summed over the columns by the
+    caller once per program (``_mixes_kernel``): at a few tokens the dots' tiles would be mostly
+    padding, and a program's chain of small dots takes longer than the multiply-adds."""
+    return x[:, None, :] * w[None, :, :]
+
+
 # ------------------------------------------------------------------------------ kernels
 def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool):
     """Partial mixes and sum of squares of this program's columns (see the module docstring);
@@ -224,11 +249,20 @@ def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool)
         for j in range(n):
             xj = xs[j] if expand else _load(x_ref, rows, ok, j * d + cols)
             w = _load(fn_ref, w_rows, w_rows < m, j * d + cols)  # [mp, bk], zero rows past M
-            acc = acc + _mixes_dot(xj, w, exact_bf16=x_dtype == jnp.bfloat16)
-            sq = sq + jnp.sum(xj * xj, axis=1)
+            if t.fma:  # products kept per column, summed after the loop
+                acc, sq = acc + _mixes_fma(xj, w), sq + xj * xj
+            else:
+                acc = acc + _mixes_dot(xj, w, exact_bf16=x_dtype == jnp.bfloat16)
+                sq = sq + jnp.sum(xj * xj, axis=1)
         return acc, sq
 
-    acc, sq = lax.fori_loop(0, t.steps, step, (jnp.zeros((t.bt, t.mp), jnp.float32), jnp.zeros((t.bt,), jnp.float32)))
+    if t.fma:
+        init = (jnp.zeros((t.bt, t.mp, t.bk), jnp.float32), jnp.zeros((t.bt, t.bk), jnp.float32))
+    else:
+        init = (jnp.zeros((t.bt, t.mp), jnp.float32), jnp.zeros((t.bt,), jnp.float32))
+    acc, sq = lax.fori_loop(0, t.steps, step, init)
+    if t.fma:
+        acc, sq = jnp.sum(acc, axis=2), jnp.sum(sq, axis=1)
     _store(part_ref, rows, ok, split * t.mp + w_rows, jnp.where(w_rows[None, :] == m, sq[:, None], acc))
 
 

@@ -127,12 +127,22 @@ def test_mixes_dots_keep_float32_products(dtype):
     """The kernels' only dots (the mixes, one per stream): float32 streams ask for precision
     HIGHEST, which the Triton lowering turns into an IEEE float32 dot (its default for float32
     operands, like HIGH, is TF32), whatever the caller's default matmul precision; bf16 streams
-    multiply by fn split into three bf16 parts (exact products, float32 sums)."""
+    multiply by fn split into three bf16 parts (exact products, float32 sums). A call of few
+    tokens (``fma_tokens``) has no dot: its products are float32 multiplications."""
     x, f, (fn, base, scale), head = _unit(np.random.default_rng(1), (1, 2), 32, dtype)
-    with jax.default_matmul_precision("tensorfloat32"):
-        jaxpr = jax.make_jaxpr(lambda x: (
-            hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS),
-            hc_fused.head_kernel(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS)))(x)
+
+    def jaxpr_of(config):
+        with jax.default_matmul_precision("tensorfloat32"):
+            return jax.make_jaxpr(lambda x: (
+                hc_fused.pre_kernel(x, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, config=config),
+                hc_fused.head_kernel(x, *head, hc_eps=HC_EPS, norm_eps=NORM_EPS, config=config)))(x)
+
+    fma = jaxpr_of(hc_fused.HcConfig())
+    assert [name for name, _ in pallas_calls(fma.jaxpr)] == ["hc_mixes", "hc_pre", "hc_mixes", "hc_head"]
+    assert not [e for e in equations(fma.jaxpr) if e.primitive.name == "dot_general"]
+    products = [e for e in equations(fma.jaxpr) if e.primitive.name == "mul" and len(e.outvars[0].aval.shape) == 3]
+    assert len(products) == 2 * N and all(e.outvars[0].aval.dtype == jnp.float32 for e in products)
+    jaxpr = jaxpr_of(hc_fused.HcConfig(fma_tokens=0))
     assert [name for name, _ in pallas_calls(jaxpr.jaxpr)] == ["hc_mixes", "hc_pre", "hc_mixes", "hc_head"]
     if dtype == jnp.float32:
         assert matmul_precisions(jaxpr.jaxpr) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)] * (2 * N)
@@ -141,6 +151,32 @@ def test_mixes_dots_keep_float32_products(dtype):
         assert len(dots) == 2 * N * 3
         assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
         assert all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
+
+
+@pytest.mark.parametrize("tokens,dtype", [(6, jnp.bfloat16), (1, jnp.float32), (8, jnp.float32)])
+def test_mixes_as_multiply_adds_match_dots_and_reference(tokens, dtype):
+    """The mixes of a few tokens as float32 multiply-adds (``HcConfig.fma_tokens``) and as dots
+    give hc_pre and hc_post + hc_pre (with the norm) within the references' tolerance; d = 512 in
+    several splits of several steps each, so every partial sum is used."""
+    rng = np.random.default_rng(6)
+    d = 512
+    x, f, (fn, base, scale), _ = _unit(rng, (1, tokens), d, dtype)
+    w = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
+    fma, dots = hc_fused.HcConfig(fma_split_k=256, fma_block=1024), hc_fused.HcConfig(fma_tokens=0)
+    t = hc_fused._tiles(tokens, N, d, (2 + N) * N, fma)
+    assert t.fma and t.splits > 1 and t.steps > 1 and not hc_fused._tiles(tokens, N, d, (2 + N) * N, dots).fma
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+    want = hc_pre(x, fn, base, scale, sinkhorn_impl="loop", **kw)
+    _, post, comb = want
+    want_pp = hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, sinkhorn_impl="loop", out_eps=1e-5, **kw)
+    for config in (fma, dots):
+        got = hc_fused.pre_kernel(x, fn, base, scale, config=config, **kw)
+        for g, v, name in zip(got, want, ("y", "post", "comb")):
+            _close(g, v, dtype if name == "y" else jnp.float32, f"{name} {config}")
+        got = hc_fused.post_pre_kernel(f, x, post, comb, fn, base, scale, norm_weight=w, out_eps=1e-5, config=config,
+                                       **kw)
+        for g, v, name in zip(got, want_pp, ("X'", "normed y", "post", "comb")):
+            _close(g, v, dtype if name in ("X'", "normed y") else jnp.float32, f"{name} {config}")
 
 
 def test_bf16_split_dot_equals_a_float32_dot():
@@ -200,6 +236,8 @@ def test_bad_input_is_named():
         hc_fused.post_kernel(f, x, jnp.ones((1, 2, 3)), jnp.ones((1, 2, 4, 4)))
     with pytest.raises(ValueError, match="block_d must be a power of two"):
         hc_fused.HcConfig(block_d=96)
+    with pytest.raises(ValueError, match="fma_tokens must be in"):
+        hc_fused.HcConfig(fma_tokens=-1)
 
 
 def _kernels(blocks: int, head_norm: bool) -> dict:
