@@ -90,7 +90,7 @@ class HcConfig:
     num_stages: int = 2
     collapse_warps: int = 4
     fma_tokens: int = 8
-    fma_split_k: int = 512
+    fma_split_k: int = 128
     fma_block: int = 4096
 
     def __post_init__(self):

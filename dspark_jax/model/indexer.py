@@ -18,6 +18,7 @@ from dspark_jax.model.compressor import Compressor
 from dspark_jax.model.norms_rope import apply_rope, layer_inv_freq
 from dspark_jax.model.quant import fp4_sim, hadamard
 from dspark_jax.sharding import per_request
+from pallas_kernels.top_k import top_k
 
 
 def visible_entries(positions: Int[Array, "b t"], ratio: int) -> Int[Array, "b t"]:
@@ -66,5 +67,6 @@ class Indexer(nnx.Module):
         n = keys.shape[1]
         limit = visible_entries(chunk.dense.positions, 4)[..., None]
         score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)
-        top = per_request(lambda sc: jax.lax.top_k(sc, min(self.topk, n))[1], self.mesh, score)
+        impl = self.num.kernel_impl()
+        top = per_request(lambda sc: top_k(sc, min(self.topk, n), impl=impl), self.mesh, score)
         return chunk.pack(jnp.where(top < limit, top, -1).astype(jnp.int32)), state
