@@ -81,10 +81,11 @@ class HcConfig:
     instead of dots (``_mixes_fma``): all T tokens in one tile, each program over at most
     ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns)."""
 
-    # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens
+    # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens;
+    # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192
     block_t: int = 16
     block_k: int = 32
-    split_k: int = 512
+    split_k: int = 256
     block_d: int = 128
     num_warps: int = 4
     num_stages: int = 2

@@ -14,8 +14,8 @@ so the k slots are each written once, in ``lax.top_k``'s order: descending, equa
 order. Scores compare in IEEE total order (as ``lax.top_k`` on CPU: +0 above -0, NaN above
 everything), through their bits as ordered integers. Grid (rows, blocks of ``block_i`` elements):
 a program ranks its elements against the whole row in steps of ``block_j``: n^2 comparisons per
-row, so ``top_k`` takes the kernel only while rows x n^2 stays within ``MAX_COMPARISONS`` and
-XLA's sort beyond (long contexts at large batches).
+row, so ``top_k`` takes the kernel only for calls of up to ``MAX_SCORES`` scores (rows x n) and
+XLA's sort beyond (long contexts, large batches).
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ from pallas_kernels import backend
 if TYPE_CHECKING:  # shape annotations only
     from jaxtyping import Array, Float, Int
 
-# The most comparisons (rows x n^2) a call ranks in the kernel: beyond, XLA's sort.
-MAX_COMPARISONS = 1 << 28
+# The most scores (rows x n) a call ranks in the kernel: beyond, XLA's sort. On an H200
+# (``benchmarks/top_k.py``, k = 512, docs/benchmarks.md) the kernel was faster in every measured
+# case within it (1 x 512 to 32 x 512, 1 x 2048 and 6 x 2048, 1 x 8192: 2.2 against 6.1 us at
+# 1 x 512) and slower in every case beyond (192 x 512, 32 x 2048, 6 x 8192).
+MAX_SCORES = 1 << 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,8 @@ class TopKConfig:
     """``block_i`` elements ranked per program, against ``block_j`` of the row per loop step
     (powers of two)."""
 
-    block_i: int = 32
+    # the H200's best or within 10 % of it in each case of ``benchmarks/top_k.py`` within MAX_SCORES
+    block_i: int = 16
     block_j: int = 256
     num_warps: int = 4
     num_stages: int = 2
@@ -123,9 +127,8 @@ def kernel(scores: Float[Array, "... n"], k: int, *, config: TopKConfig = TopKCo
 
 
 def top_k(scores: Float[Array, "... n"], k: int, *, impl: str | None = None) -> Int[Array, "... k"]:
-    """The backend switch: the kernel when ``impl`` resolves to "pallas" and the call's rows x n^2
-    comparisons fit ``MAX_COMPARISONS``, else XLA's ``lax.top_k``."""
-    rows = scores.size // max(scores.shape[-1], 1)
-    if backend.resolve(impl) == "pallas" and rows * scores.shape[-1] ** 2 <= MAX_COMPARISONS:
+    """The backend switch: the kernel when ``impl`` resolves to "pallas" and the call has at most
+    ``MAX_SCORES`` scores, else XLA's ``lax.top_k``."""
+    if backend.resolve(impl) == "pallas" and scores.size <= MAX_SCORES:
         return kernel(scores, k)
     return reference(scores, k)

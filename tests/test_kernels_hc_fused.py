@@ -62,9 +62,9 @@ def _close(got, want, dtype, name):
 
 
 @pytest.mark.parametrize("lead,d,dtype", [
-    # 74 tokens: 5 token tiles of 16, the last one partial; d = 512 in 4 splits; 4 d chunks of 128
+    # 74 tokens: 5 token tiles of 16, the last one partial; d = 512 in 8 splits; 4 d chunks of 128
     ((2, 37), 512, jnp.float32),
-    # 3 tokens in one tile of 16; d = 32 in 1 split; one d chunk of 32; bf16 streams
+    # 3 tokens in one tile of 4 (multiply-add mixes); d = 32 in 1 split; one d chunk of 32; bf16 streams
     ((1, 3), 32, jnp.bfloat16),
 ])
 def test_fused_unit_matches_reference(lead, d, dtype):
@@ -73,7 +73,7 @@ def test_fused_unit_matches_reference(lead, d, dtype):
     the references' output dtypes."""
     x, f, (fn, base, scale), head = _unit(np.random.default_rng(0), lead, d, dtype)
     t = hc_fused._tiles(int(np.prod(lead)), N, d, (2 + N) * N, hc_fused.HcConfig())
-    assert (t.splits, d // t.bd) == ((4, 4) if d == 512 else (1, 1))  # the tiling the cases describe
+    assert (t.splits, d // t.bd) == ((8, 4) if d == 512 else (1, 1))  # the tiling the cases describe
     kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     got = hc_pre(x, fn, base, scale, sinkhorn_impl="fused", **kw)
     want = hc_pre(x, fn, base, scale, sinkhorn_impl="loop", **kw)
@@ -93,7 +93,7 @@ def test_fused_unit_matches_reference(lead, d, dtype):
 
 
 @pytest.mark.parametrize("lead,d,dtype", [
-    # 74 tokens: 5 mixes tiles of 16 (the last partial), 74 x 2 collapse programs; 4 d splits
+    # 74 tokens: 5 mixes tiles of 16 (the last partial), 74 x 2 collapse programs; 8 d splits
     ((2, 37), 512, jnp.float32),
     # one token; d = 96 not a power of two (the collapse's 128 columns masked); bf16 streams
     ((1, 1), 96, jnp.bfloat16),

@@ -50,7 +50,7 @@ def test_dispatcher_keeps_large_calls_on_xla(monkeypatch):
     run = lambda: [name for name, _ in pallas_calls(jax.make_jaxpr(  # noqa: E731
         lambda x: top_k.top_k(x, 8, impl="pallas"))(s).jaxpr)]
     assert run() == ["top_k_rank"]
-    monkeypatch.setattr(top_k, "MAX_COMPARISONS", 4 * 64 * 64 - 1)
+    monkeypatch.setattr(top_k, "MAX_SCORES", 4 * 64 - 1)
     assert run() == []
     np.testing.assert_array_equal(np.asarray(top_k.top_k(s, 8, impl="pallas")), np.asarray(jax.lax.top_k(s, 8)[1]))
 
