@@ -23,9 +23,8 @@ from benchmarks.common import environment, write_json
 from benchmarks.hc_fused import compile_highest, device_times
 from pallas_kernels import top_k
 
-CONFIGS = (top_k.TopKConfig(), top_k.TopKConfig(block_i=16), top_k.TopKConfig(block_i=64),
-           top_k.TopKConfig(block_i=32, block_j=512), top_k.TopKConfig(block_i=16, block_j=128),
-           top_k.TopKConfig(num_warps=8))
+CONFIGS = tuple(top_k.TopKConfig(block_i=i, block_j=j, num_warps=w)
+                for i, j, w in ((32, 256, 4), (16, 256, 4), (64, 256, 4), (32, 512, 4), (16, 128, 4), (32, 256, 8)))
 CASES = ((1, 512), (6, 512), (32, 512), (192, 512), (1, 2048), (6, 2048), (32, 2048), (1, 8192), (6, 8192))
 
 

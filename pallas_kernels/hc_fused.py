@@ -15,7 +15,10 @@ expansion, the sub-block's norm): about 10 launches per unit on a GPU for almost
      [T, S * MP] float32: split s in columns [s MP, (s + 1) MP), MP a power of two > M (at least
      16), column M of each split holding its sum of squares. ``post_pre_kernel``'s version first
      expands its columns, X'_j = post_j f + sum_i C[i, j] X_i, writes them (rounded to x's dtype)
-     and takes the mixes of the rounded values, as the reference does;
+     and takes the mixes of the rounded values, as the reference does. Calls of up to
+     ``HcConfig.fma_tokens`` tokens (decode, a batch-1 verify) take the products as float32
+     multiply-adds held per column and summed once per program, all tokens in one tile: a chain
+     of small dots on a mostly empty 16-row tile was the kernel's latency (``_mixes_fma``);
   2. ``_collapse_kernel``, grid (tokens, 2): the S partials summed,
      rsqrt(mean(x^2) + eps), scale and base, the gates; then the first program of a token the
      collapse y = sum_i pre_i X_i of whole rows, which the RMSNorm (when given its weight) needs:
@@ -32,13 +35,14 @@ Why the mixes take a launch of their own: at decode (T = 1 to a few hundred toke
 hc_pre are fn [M, K] float32 (1.5 MiB per unit at Flash dims); one program per token tile would
 stream all of it through one SM. Split over d it streams through S SMs at once, and adding the S
 partial sums up needs a second launch (float atomics would make the result depend on timing). S
-depends on d only, not on T. The collapse holds a token's n whole streams in registers (one
+depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse holds a token's n whole streams in registers (one
 token per program: 16 Ki values at Flash dims), so the norm's statistic and its output take one
 pass.
 
 Numerics: float32 as the references; the mixes' dot has float32 products and sums (bf16 streams:
 fn split into three bf16 parts, each product exact; float32 streams: an IEEE float32 dot, precision
-HIGHEST, where Triton's default for float32 operands is TF32), the rest elementwise. Results differ from the
+HIGHEST, where Triton's default for float32 operands is TF32; few tokens: float32 multiply-adds),
+the rest elementwise. Results differ from the
 references (``pre_reference`` etc.: ``hyper.hc_pre`` / ``hc_post`` / ``hc_head`` and
 ``norms_rope.rms_norm``) only by the order of float32 sums. Outputs keep the references' dtypes:
 y and X' in x's dtype, post and comb float32. Inference only (no gradient).

@@ -153,7 +153,7 @@ def test_mixes_dots_keep_float32_products(dtype):
         assert all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
 
 
-@pytest.mark.parametrize("tokens,dtype", [(6, jnp.bfloat16), (1, jnp.float32), (8, jnp.float32)])
+@pytest.mark.parametrize("tokens,dtype", [(6, jnp.bfloat16), (1, jnp.float32)])
 def test_mixes_as_multiply_adds_match_dots_and_reference(tokens, dtype):
     """The mixes of a few tokens as float32 multiply-adds (``HcConfig.fma_tokens``) and as dots
     give hc_pre and hc_post + hc_pre (with the norm) within the references' tolerance; d = 512 in
