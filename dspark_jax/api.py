@@ -18,7 +18,7 @@ from flax import nnx
 from dspark_jax.cache import KV_LAYOUTS, commit, init_cache
 from dspark_jax.checkpoint import hf
 from dspark_jax.checkpoint.files import read_json
-from dspark_jax.config import ModelConfig, from_hf_config
+from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 

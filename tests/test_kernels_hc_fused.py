@@ -29,7 +29,7 @@ from dspark_jax.cache import init_cache
 from dspark_jax.model.block import hc_head_of
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
-from dspark_jax.model.dspark import DSparkStage, draft_block, init_draft_cache
+from dspark_jax.model.dspark import draft_block, init_draft_cache
 from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm
 from pallas_kernels import hc_fused, lowering
 from tests.helpers import equations, matmul_precisions, pallas_calls
