@@ -35,15 +35,15 @@ Why the mixes take a launch of their own: at decode (T = 1 to a few hundred toke
 hc_pre are fn [M, K] float32 (1.5 MiB per unit at Flash dims); one program per token tile would
 stream all of it through one SM. Split over d it streams through S SMs at once, and adding the S
 partial sums up needs a second launch (float atomics would make the result depend on timing). S
-depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse holds a token's n whole streams in registers (one
-token per program: 16 Ki values at Flash dims), so the norm's statistic and its output take one
-pass.
+depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse
+holds a token's n whole streams in registers (one token per program: 16 Ki values at Flash dims),
+so the norm's statistic and its output take one pass.
 
 Numerics: float32 as the references; the mixes' dot has float32 products and sums (bf16 streams:
 fn split into three bf16 parts, each product exact; float32 streams: an IEEE float32 dot, precision
 HIGHEST, where Triton's default for float32 operands is TF32; few tokens: float32 multiply-adds),
-the rest elementwise. Results differ from the
-references (``pre_reference`` etc.: ``hyper.hc_pre`` / ``hc_post`` / ``hc_head`` and
+the rest elementwise. Results differ from the references (``pre_reference`` etc.:
+``hyper.hc_pre`` / ``hc_post`` / ``hc_head`` and
 ``norms_rope.rms_norm``) only by the order of float32 sums. Outputs keep the references' dtypes:
 y and X' in x's dtype, post and comb float32. Inference only (no gradient).
 
