@@ -211,7 +211,8 @@ def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
     """Device time of the fused pre_norm and post_pre_norm under a few tilings."""
     inp = inputs(tokens, d)
     compiled = {}
-    for i, cfg in enumerate(SWEEP):
+    chosen = range(len(SWEEP)) if args.sweep_configs is None else [int(i) for i in args.sweep_configs.split(",")]
+    for i, cfg in ((i, SWEEP[i]) for i in chosen):
         for name in ("pre_norm", "post_pre_norm"):
             c, module, _, _ = compile_highest(pieces("fused", cfg)[name], f"sweep{i}_{name}_t{tokens}", *inp[name])
             compiled[(i, name)] = (c, module, inp[name])
@@ -231,6 +232,7 @@ def main():
     p.add_argument("--sweep", action="store_true",
                    help="also time a few tilings of the fused pre_norm and post_pre_norm")
     p.add_argument("--sweep-tokens", default=None, help="tokens per call of the sweep (default: --tokens)")
+    p.add_argument("--sweep-configs", default=None, help="indices into SWEEP to time (default: all)")
     p.add_argument("--smoke", action="store_true", help="d = 128, T <= 6 (on a CPU: interpret mode)")
     args = p.parse_args()
     d = 128 if args.smoke else 4096
