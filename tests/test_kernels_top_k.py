@@ -1,8 +1,8 @@
 """The indexer's top-k kernel (each element's rank counted, written to its slot) against
 ``jax.lax.top_k``, the dispatcher's limit, its lowering for gfx950 and NVIDIA, and bad input.
 
-Interpret mode fills outputs with a poison value before the kernel runs
-(``test_kernels_attention.test_interpret_mode_poisons_outputs``); a slot left unwritten could
+Interpret mode fills outputs with a poison value before the kernel runs (int32: its minimum;
+``test_kernels_attention.test_interpret_mode_poisons_outputs``); a slot left unwritten could
 not equal ``lax.top_k``'s index there."""
 
 import jax
