@@ -8,6 +8,7 @@
   configurations by shape, from the tuned table ``attention_configs.json``.
 - ``compressor_pool``: the compressors' gather, softmax pool and ring update at decode / verify
   in one launch.
+- ``top_k``: the indexer's top-k by rank at decode / verify (``lax.top_k``'s indices, one launch).
 - ``lowering``: deviceless lowering for a gfx950 (ROCm) target, the CI legality check.
 
 gfx950 (AMD MI350X / MI355X) support is verified by lowering only until the kernels have run on
