@@ -156,7 +156,8 @@ def test_moe_decode_step_runs_as_four_kernels(hashed):
 @pytest.mark.parametrize("rows", [1, 6])
 def test_shared_expert_runs_w1_and_w3_as_one_fused_kernel(rows):
     """FP8 shared expert on the Pallas path: w1 and w3 in one SwiGLU kernel, bit-identical to the
-    two GEMMs it replaces (same tiles and K split, the same roundings); the XLA path keeps them apart."""
+    two GEMMs it replaces (same K split, the same roundings; one row: ``gemv``, more: the grouped
+    matmul); the XLA path keeps them apart."""
     cfg = config.tiny().replace(hidden_size=1024, moe_intermediate_size=256)  # w1 / w3: K split in 2
     num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
     shared = SharedExpert(cfg, num, rngs=nnx.Rngs(3))
@@ -169,8 +170,10 @@ def test_shared_expert_runs_w1_and_w3_as_one_fused_kernel(rows):
     graphdef, state = nnx.split(shared)
     jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
     kernels = [o for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
-    # rows quantised inside the kernels (a8q): nothing else launches
-    assert kernels == ["pallas:grouped_matmul_fp8_a8q_swiglu_split2", "pallas:grouped_matmul_fp8_a8q"], kernels
+    # rows quantised inside the kernels: nothing else launches (one row: the multiply-add kernels)
+    want = (["pallas:gemv_fp8_q_swiglu_split4", "pallas:gemv_fp8_q"] if rows == 1
+            else ["pallas:grouped_matmul_fp8_a8q_swiglu_split2", "pallas:grouped_matmul_fp8_a8q"])
+    assert kernels == want, kernels
     for mod in (shared.w1, shared.w2, shared.w3):
         mod.num = dataclasses.replace(num, kernels="xla")
     assert not shared.fused(x)

@@ -1,0 +1,137 @@
+"""The one-row FP8 kernel (``pallas_kernels.gemv``: float32 multiply-adds) against the grouped
+matmul's reference (the row padded to a 16-row tile), with quantised and bf16 rows, several
+groups, K split or not, the fused SwiGLU; the automatic tiles; the lowering for gfx950 and
+NVIDIA; the one-row linears' dispatch; and bad input.
+
+Interpret mode fills outputs with NaN before the kernel runs
+(``test_kernels_attention.test_interpret_mode_poisons_outputs``): a finite result means every
+element was written, including every split's partial sums."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import lowering
+from pallas_kernels.gemv import GemvConfig, gemv, gemv_swiglu
+from tests.helpers import pallas_calls
+from tests.test_kernels_grouped_matmul import _random_weights
+
+SD = jax.ShapeDtypeStruct
+
+
+def _padded(x, quantised: bool):
+    """The rows padded to one 16-row tile each, as the grouped matmul takes them."""
+    xp = jnp.zeros((x.shape[0] * 16, x.shape[1]), x.dtype).at[::16].set(x)
+    return gm.QuantRows(xp) if quantised else xp
+
+
+def _case(seed: int, fmt: str, groups: int, rows: int, n: int, k: int):
+    rng = np.random.default_rng(seed)
+    w = _random_weights(rng, (groups, n, k), fmt)
+    x = jnp.asarray(rng.standard_normal((rows, k)) * np.exp(rng.uniform(-3, 3, (rows, 1))), jnp.bfloat16)
+    group = jnp.asarray(rng.integers(0, groups, rows), jnp.int32)
+    return rng, w, x, group
+
+
+@pytest.mark.parametrize("fmt,groups,rows,n,k,cfg", [
+    ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=256, split_k=2)),  # a plain linear, K split
+    ("fp8", 4, 4, 128, 512, GemvConfig(block_n=32, block_k=128, split_k=1)),  # wo_a's groups, unsplit
+    ("fp8", 8, 3, 256, 512, GemvConfig(block_n=128, block_k=512)),  # one step; the automatic split
+])
+@pytest.mark.parametrize("quantised", [True, False])
+def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quantised):
+    _, w, x, group = _case(n + k + rows, fmt, groups, rows, n, k)
+    xin = gm.QuantRows(x) if quantised else x
+    want = np.asarray(gm.reference(_padded(x, quantised), w, group, jnp.array([rows]), block_m=16,
+                                   out_dtype=jnp.float32))[::16]
+    got = np.asarray(gemv(xin, w, group, out_dtype=jnp.float32, config=cfg))
+    assert got.shape == (rows, n) and np.isfinite(got).all()
+    # every product exact in both; only the float32 sums' order differs
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert np.abs(want).max() > 0
+    got16 = np.asarray(gemv(xin, w, group, config=cfg), np.float32)  # rounded to the rows' dtype
+    np.testing.assert_allclose(got16, want, rtol=2**-8, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_swiglu_equals_the_reference(split):
+    rng, w1, x, group = _case(split, "fp8", 1, 1, 256, 1024)
+    w3 = _random_weights(rng, (1, 256, 1024), "fp8")
+    got = gemv_swiglu(gm.QuantRows(x), w1, w3, group, limit=10.0, config=GemvConfig(block_n=32, split_k=split))
+    want = gm.swiglu_reference(_padded(x, True), w1, w3, jnp.ones((16,)), group, jnp.array([1]), block_m=16,
+                               limit=10.0)[::16]
+    assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
+    w = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), w, rtol=2**-7, atol=1e-5 * np.abs(w).max())
+
+
+def test_config_fits_the_shapes():
+    cfg = GemvConfig(block_n=256, block_k=1024, split_k=2).fit(1, 4096, 8192)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == (128, 1024, 2)  # one 128-column scale block per program
+    assert GemvConfig(block_k=1024).fit(1, 4096, 384).block_k == 128
+    assert GemvConfig(split_k=16).fit(1, 32768, 1024).split_k == 4  # at most K / block_k
+    # automatic: Flash's wq_b unsplit (512 column tiles), wo_b split in 8, wq_a split in 8 on
+    # 16-column tiles (512 programs), wkv (512 outputs) as far as the tiles go, wo_a's 8 groups
+    auto = lambda rows, n, k: GemvConfig().fit(rows, n, k)  # noqa: E731
+    assert (auto(1, 32768, 1024).split_k, auto(1, 32768, 1024).block_n) == (1, 64)
+    assert (auto(1, 4096, 8192).split_k, auto(1, 4096, 8192).block_n) == (8, 64)
+    assert (auto(1, 1024, 4096).split_k, auto(1, 1024, 4096).block_n) == (8, 16)
+    assert (auto(1, 512, 4096).split_k, auto(1, 512, 4096).block_n) == (8, 16)
+    assert (auto(8, 1024, 4096).split_k, auto(8, 1024, 4096).block_n) == (4, 64)
+
+
+def test_one_row_linears_take_gemv():
+    """``batched_matmul`` / ``batched_swiglu`` at one row per group against FP8 weights: the
+    multiply-add kernels, nothing padded; more rows, other formats or the XLA backend: as before."""
+    rng = np.random.default_rng(5)
+    w = _random_weights(rng, (2, 128, 256), "fp8")
+    x = jnp.asarray(rng.standard_normal((2, 1, 256)), jnp.bfloat16)
+    calls = lambda f, *a: [n for n, _ in pallas_calls(jax.make_jaxpr(f)(*a).jaxpr)]  # noqa: E731
+    assert calls(lambda x: gm.batched_matmul(x, w, impl="pallas"), x) == ["gemv_fp8"]
+    assert calls(lambda x: gm.batched_matmul(x[:1], w.group(0), act_quant=True, impl="pallas"), x) == ["gemv_fp8_q"]
+    assert calls(lambda x: gm.batched_swiglu(x[0], w.group(0), w.group(1), limit=1.0, act_quant=True,
+                                             impl="pallas"), x) == ["gemv_fp8_q_swiglu"]
+    x2 = jnp.concatenate([x, x], axis=1)
+    assert calls(lambda x: gm.batched_matmul(x, w, impl="pallas"), x2) == ["grouped_matmul_fp8"]
+    assert calls(lambda x: gm.batched_matmul(x, w, impl="pallas", one_row_gemv=False), x) == ["grouped_matmul_fp8"]
+    assert calls(lambda x: gm.batched_matmul(x, w, impl="xla"), x) == []
+    got = np.asarray(gm.batched_matmul(x, w, out_dtype=jnp.float32, impl="pallas"))
+    want = np.asarray(gm.batched_matmul(x, w, out_dtype=jnp.float32, impl="pallas", one_row_gemv=False))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_flash_linears_lower_for_gpus(arch, platform):
+    x = SD((1, 1024), jnp.bfloat16)
+    wq_b = gm.Weights(SD((1, 32768, 1024), jnp.float8_e4m3fn), SD((1, 256, 8), jnp.uint8), "fp8")
+    text = lowering.lower(lambda x, w: gemv(gm.QuantRows(x), w, jnp.zeros((1,), jnp.int32), interpret=False), x, wq_b,
+                          arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q" in text
+    x = SD((1, 4096), jnp.bfloat16)
+    w = gm.Weights(SD((1, 2048, 4096), jnp.float8_e4m3fn), SD((1, 16, 32), jnp.uint8), "fp8")
+    text = lowering.lower(lambda x, w: gemv_swiglu(gm.QuantRows(x), w, w, jnp.zeros((1,), jnp.int32), limit=10.0,
+                                                   interpret=False), x, w, arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_swiglu_split" in text
+
+
+def test_bad_input_is_named():
+    _, w, x, group = _case(0, "fp8", 2, 2, 128, 256)
+    with pytest.raises(ValueError, match=r"gemv needs rows \[R, 256\]"):
+        gemv(x[:, :128], w, group)
+    with pytest.raises(ValueError, match="one entry per row"):
+        gemv(x, w, group[:1])
+    with pytest.raises(ValueError, match="gemv takes weights of format"):
+        gemv(x, gm.Weights(jnp.zeros((2, 128, 256), jnp.bfloat16), None, "dense"), group)
+    with pytest.raises(ValueError, match="gemv takes weights of format"):
+        gemv(x, dataclasses.replace(w, fmt="fp8_k128"), group)
+    with pytest.raises(ValueError, match="rows must be bf16 / fp32"):
+        gemv(x.astype(jnp.float16), w, group)
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        GemvConfig(block_k=384)
+    with pytest.raises(ValueError, match="block_k must be at least 128"):
+        GemvConfig(block_k=64)
+
