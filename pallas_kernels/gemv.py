@@ -60,19 +60,22 @@ class GemvConfig:
         if self.split_k and not backend.is_power_of_2(self.split_k):
             raise ValueError(f"split_k must be 0 or a power of two, got {self.split_k}")
 
-    def fit(self, rows: int, n: int, k: int) -> "GemvConfig":
-        """Tiles that divide N and K. Automatic split: K is split (up to ``MAX_AUTO_SPLIT``) until
-        the kernel runs ``SPLIT_TARGET_PROGRAMS`` programs, then the column tile halves (down to
-        16) until it does. The partial sums' addition fuses into the consumer (a norm after wq_a /
-        wkv), where 16 partials of a 1024-wide row cost 3-5 us on an H200 against 1.3 for 8."""
-        bn = backend.largest_pow2_divisor(n, min(self.block_n, FP8_BLOCK))
+    def fit(self, rows: int, ns: tuple[int, ...], k: int) -> "GemvConfig":
+        """Tiles that divide every weight's N (``ns``: the output columns one program's tiles
+        range over, e.g. two weights' outputs side by side) and K. Automatic split: K is split
+        (up to ``MAX_AUTO_SPLIT``) until the kernel runs ``SPLIT_TARGET_PROGRAMS`` programs, then
+        the column tile halves (down to 16) until it does. The partial sums' addition fuses into
+        the consumer (a norm after wq_a / wkv), where 16 partials of a 1024-wide row cost 3-5 us on
+        an H200 against 1.3 for 8."""
+        bn = min(backend.largest_pow2_divisor(n, min(self.block_n, FP8_BLOCK)) for n in ns)
         bk = FP8_BLOCK * backend.largest_pow2_divisor(k // FP8_BLOCK, self.block_k // FP8_BLOCK)
         steps = k // bk
         if self.split_k:
             return dataclasses.replace(self, block_n=bn, block_k=bk,
                                        split_k=backend.largest_pow2_divisor(steps, self.split_k))
-        split = min(split_for(rows * (n // bn), steps, target=SPLIT_TARGET_PROGRAMS, min_steps=1), MAX_AUTO_SPLIT)
-        while rows * (n // bn) * split < SPLIT_TARGET_PROGRAMS and bn > 16:
+        tiles = lambda bn: rows * sum(n // bn for n in ns)  # noqa: E731
+        split = min(split_for(tiles(bn), steps, target=SPLIT_TARGET_PROGRAMS, min_steps=1), MAX_AUTO_SPLIT)
+        while tiles(bn) * split < SPLIT_TARGET_PROGRAMS and bn > 16:
             bn //= 2
         return dataclasses.replace(self, block_n=bn, block_k=bk, split_k=split)
 
@@ -99,36 +102,28 @@ def takes(rows_per_group: int, w: Weights, impl: str | None) -> bool:
             and backend.resolve(impl) == "pallas")
 
 
-def check_inputs(x: Array | QuantRows, ws: tuple[Weights, ...], group: Array) -> None:
+def check_inputs(x: Array | QuantRows, ws: tuple[Weights, ...], group: Array, same_n: bool) -> None:
     rows = x.rows if isinstance(x, QuantRows) else x
     if rows.ndim != 2 or jnp.dtype(rows.dtype) not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"gemv rows must be bf16 / fp32 [R, K], got {rows.dtype} {rows.shape}")
+    g, _, k = ws[0].shape
     for w in ws:
         if w.fmt not in FORMATS:
             raise ValueError(f"gemv takes weights of format {FORMATS}, got {w.fmt!r}")
-        if w.shape != ws[0].shape or w.fmt != ws[0].fmt:
-            raise ValueError("fused gemv weights must share their format and shape")
-    _, n, k = ws[0].shape
-    if k != rows.shape[1] or k % FP8_BLOCK or n % 16:
-        raise ValueError(f"gemv needs rows [R, {k}] with K a multiple of {FP8_BLOCK} and N a multiple of 16; got "
-                         f"rows {rows.shape}, weights N = {n}, K = {k}")
+        if (w.shape if same_n else (w.shape[0], w.shape[2])) != (ws[0].shape if same_n else (g, k)):
+            raise ValueError(f"gemv weights must share their groups and K{' and N' if same_n else ''}, got "
+                             f"{[w.shape for w in ws]}")
+        if k != rows.shape[1] or k % FP8_BLOCK or w.shape[1] % 16:
+            raise ValueError(f"gemv needs rows [R, {k}] with K a multiple of {FP8_BLOCK} and N a multiple of 16; "
+                             f"got rows {rows.shape}, weights N = {w.shape[1]}, K = {k}")
     if group.shape != (rows.shape[0],) or not jnp.issubdtype(group.dtype, jnp.integer):
         raise ValueError(f"gemv group must be an int vector of one entry per row ({rows.shape[0]}), got "
                          f"{group.dtype} {group.shape}")
 
 
-def _kernel(group_ref, x_ref, *refs, rows: int, n: int, cfg: GemvConfig, n_weights: int, quantise: bool,
-            limit: float | None, dt):
-    w_sets = [refs[2 * i:2 * i + 2] for i in range(n_weights)]
-    o_ref = refs[-1]
-    r, j = pl.program_id(0), pl.program_id(1)
-    s_id = pl.program_id(2) if cfg.split_k > 1 else 0
-    bn, bk = cfg.block_n, cfg.block_k
-    n0, g = j * bn, group_ref[r]
-    steps = x_ref.shape[1] // bk // cfg.split_k
-    k_base = s_id * steps * bk
-    n_blocks = -(-n // FP8_BLOCK)
-
+def _products(x_ref, w_sets, ns, r, g, n0, k_base, steps: int, bk: int, bn: int, quantise: bool) -> list[Array]:
+    """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
+    (group g, N ``ns[i]``) over inputs k_base .. k_base + steps * bk."""
     def body(step, accs):
         accs = list(accs)
         for c in range(0, bk, FP8_BLOCK):
@@ -139,60 +134,101 @@ def _kernel(group_ref, x_ref, *refs, rows: int, n: int, cfg: GemvConfig, n_weigh
                 xs = codes.astype(jnp.float32) * sx  # [1, 128], exact: an e4m3 value times a power of two
             else:
                 xs = xb.astype(jnp.float32)
-            for i, (w_ref, s_ref) in enumerate(w_sets):
+            for i, ((w_ref, s_ref), n) in enumerate(zip(w_sets, ns)):
                 w = w_ref[pl.ds(g * n + n0, bn), pl.ds(kb, FP8_BLOCK)].astype(jnp.float32)
-                accs[i] = accs[i] + w * (xs * _scale_f32(s_ref[g * n_blocks + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
+                blocks = -(-n // FP8_BLOCK)
+                accs[i] = accs[i] + w * (xs * _scale_f32(s_ref[g * blocks + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
         return tuple(accs)
 
     zero = jnp.zeros((bn, FP8_BLOCK), jnp.float32)
-    accs = lax.fori_loop(0, steps, body, (zero,) * n_weights)
-    sums = [jnp.sum(a, axis=1)[None, :] for a in accs]  # [1, bn] each
-    if cfg.split_k == 1:
-        y = sums[0] if limit is None else _swiglu_rows(sums[0], sums[1], jnp.ones((1,), jnp.float32), limit, dt)
-        o_ref[pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_ref.dtype)
-    else:  # float32 partial sums: split s at rows s * R.., weight i at columns i * N..
-        for i, part in enumerate(sums):
-            o_ref[pl.ds(s_id * rows + r, 1), pl.ds(i * n + n0, bn)] = part
+    accs = lax.fori_loop(0, steps, body, (zero,) * len(w_sets))
+    return [jnp.sum(a, axis=1)[None, :] for a in accs]  # summed over the 128 lanes once
+
+
+def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], cfg: GemvConfig, quantise: bool,
+            limit: float | None, dt):
+    n_weights = 2 if limit is not None else len(ns)  # the SwiGLU: w1 and w3 over the same columns
+    w_sets = [refs[2 * i:2 * i + 2] for i in range(n_weights)]
+    o_refs = refs[2 * n_weights:]
+    r, j = pl.program_id(0), pl.program_id(1)
+    s_id = pl.program_id(2) if cfg.split_k > 1 else 0  # (read here: interpret mode has none in branches)
+    bn, bk, split = cfg.block_n, cfg.block_k, cfg.split_k
+    g = group_ref[r]
+    steps = x_ref.shape[1] // bk // split
+    k_base = s_id * steps * bk
+    out_row = r if split == 1 else s_id * rows + r  # split: float32 partial sums, split s at rows s * R..
+
+    if limit is not None:  # the SwiGLU: both weights' columns n0.. in one program
+        n0 = j * bn
+        gate, up = _products(x_ref, w_sets, ns * 2, r, g, n0, k_base, steps, bk, bn, quantise)
+        if split == 1:
+            y = _swiglu_rows(gate, up, jnp.ones((1,), jnp.float32), limit, dt)
+            o_refs[0][pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_refs[0].dtype)
+        else:  # gate at columns 0.., up at N..
+            for i, part in enumerate((gate, up)):
+                o_refs[0][pl.ds(out_row, 1), pl.ds(i * ns[0] + n0, bn)] = part
+        return
+
+    start = 0  # one output per weight: program j's tile among the weights' columns side by side
+    for i, n in enumerate(ns):
+        @pl.when((j >= start // bn) & (j < (start + n) // bn))
+        def _one(i=i, n=n, start=start):
+            n0 = j * bn - start
+            (y,) = _products(x_ref, [w_sets[i]], (n,), r, g, n0, k_base, steps, bk, bn, quantise)
+            o_refs[i][pl.ds(out_row, 1), pl.ds(n0, bn)] = y.astype(o_refs[i].dtype)
+        start += n
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "limit", "out_dtype", "interpret"))
-def _pallas(x, ws, group, *, cfg: GemvConfig, limit, out_dtype, interpret: bool):
+def _pallas(x, ws, group, *, cfg: GemvConfig, limit, out_dtype, interpret: bool) -> tuple[Array, ...]:
     quantise = isinstance(x, QuantRows)
     rows_in = x.rows if quantise else x
-    _, n, k = ws[0].shape
-    r = rows_in.shape[0]
-    cfg = cfg.fit(r, n, k)
+    k, r = ws[0].shape[2], rows_in.shape[0]
+    ns = (ws[0].shape[1],) if limit is not None else tuple(w.shape[1] for w in ws)
+    cfg = cfg.fit(r, ns, k)
     split, dt = cfg.split_k, jnp.dtype(rows_in.dtype)
     args = [group.astype(jnp.int32), rows_in]
     for w in ws:
         args += [w.values.reshape(-1, k), w.scales.reshape(-1, w.scales.shape[-1])]
-    kernel = functools.partial(_kernel, rows=r, n=n, cfg=cfg, n_weights=len(ws), quantise=quantise, limit=limit,
-                               dt=dt)
-    grid = (r, n // cfg.block_n) + ((split,) if split > 1 else ())
-    out_shape = (jax.ShapeDtypeStruct((r, n), out_dtype) if split == 1
-                 else jax.ShapeDtypeStruct((split * r, len(ws) * n), jnp.float32))
+    kernel = functools.partial(_kernel, rows=r, ns=ns, cfg=cfg, quantise=quantise, limit=limit, dt=dt)
+    grid = (r, sum(ns) // cfg.block_n) + ((split,) if split > 1 else ())
+    if limit is not None:
+        out_shape = [jax.ShapeDtypeStruct((r, ns[0]), out_dtype) if split == 1
+                     else jax.ShapeDtypeStruct((split * r, 2 * ns[0]), jnp.float32)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((split * r, n), out_dtype if split == 1 else jnp.float32) for n in ns]
     with backend.quiet_triton_deprecation():
-        y = pl.pallas_call(
+        ys = pl.pallas_call(
             kernel, grid=grid, out_shape=out_shape, interpret=interpret,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
             name="gemv_fp8" + ("_q" if quantise else "") + ("_swiglu" if limit is not None else "")
-                 + (f"_split{split}" if split > 1 else ""),
+                 + (f"_x{len(ws)}" if limit is None and len(ws) > 1 else "") + (f"_split{split}" if split > 1 else ""),
         )(*args)
     if split == 1:
-        return y
-    parts = jnp.sum(y.reshape(split, r, len(ws), n), axis=0)  # float32 [R, weights, N]
+        return tuple(ys)
+    parts = [jnp.sum(y.reshape(split, r, -1), axis=0) for y in ys]  # float32 sums of the splits
     if limit is None:
-        return parts[:, 0].astype(out_dtype)
-    return _swiglu_rows(parts[:, 0], parts[:, 1], jnp.ones((r,), jnp.float32), limit, dt).astype(out_dtype)
+        return tuple(p.astype(out_dtype) for p in parts)
+    n = ns[0]
+    return (_swiglu_rows(parts[0][:, :n], parts[0][:, n:], jnp.ones((r,), jnp.float32), limit, dt).astype(out_dtype),)
 
 
 def gemv(x: Float[Array, "r k"] | QuantRows, w: Weights, group: Int[Array, " r"], *, out_dtype=None,
          config: GemvConfig | None = None, interpret: bool | None = None) -> Float[Array, "r n"]:
     """``x[r] @ W[group[r]]^T`` for every row r (``QuantRows``: the rows quantised as the reference's
     FP8 GEMM input first)."""
-    check_inputs(x, (w,), group)
+    return gemv_many(x, (w,), group, out_dtype=out_dtype, config=config, interpret=interpret)[0]
+
+
+def gemv_many(x: Float[Array, "r k"] | QuantRows, ws: tuple[Weights, ...], group: Int[Array, " r"], *,
+              out_dtype=None, config: GemvConfig | None = None,
+              interpret: bool | None = None) -> tuple[Float[Array, "r n"], ...]:
+    """``gemv`` of the same rows with several weights (same groups and K, any N) in one launch: the
+    rows read and quantised by every program, each program's tile in one weight's columns (e.g.
+    wq_a and wkv of an attention layer)."""
+    check_inputs(x, tuple(ws), group, same_n=False)
     dtype = jnp.dtype(out_dtype or x.dtype)
-    return _pallas(x, (w,), group, cfg=config or default_config(1), limit=None, out_dtype=dtype,
+    return _pallas(x, tuple(ws), group, cfg=config or default_config(1), limit=None, out_dtype=dtype,
                    interpret=backend.interpret_mode(interpret))
 
 
@@ -201,6 +237,6 @@ def gemv_swiglu(x: Float[Array, "r k"] | QuantRows, w1: Weights, w3: Weights, gr
                 interpret: bool | None = None) -> Float[Array, "r n"]:
     """``swiglu(x W1^T, x W3^T)`` per row (routing weight 1) in x's dtype: the grouped-matmul
     SwiGLU's roundings."""
-    check_inputs(x, (w1, w3), group)
+    check_inputs(x, (w1, w3), group, same_n=True)
     return _pallas(x, (w1, w3), group, cfg=config or default_config(2), limit=float(limit),
-                   out_dtype=jnp.dtype(x.dtype), interpret=backend.interpret_mode(interpret))
+                   out_dtype=jnp.dtype(x.dtype), interpret=backend.interpret_mode(interpret))[0]

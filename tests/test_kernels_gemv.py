@@ -16,7 +16,7 @@ import pytest
 
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering
-from pallas_kernels.gemv import GemvConfig, gemv, gemv_swiglu
+from pallas_kernels.gemv import GemvConfig, gemv, gemv_many, gemv_swiglu
 from tests.helpers import pallas_calls
 from tests.test_kernels_grouped_matmul import _random_weights
 
@@ -69,14 +69,32 @@ def test_swiglu_equals_the_reference(split):
     np.testing.assert_allclose(np.asarray(got, np.float32), w, rtol=2**-7, atol=1e-5 * np.abs(w).max())
 
 
+@pytest.mark.parametrize("cfg", [GemvConfig(), GemvConfig(block_n=32, split_k=1)])
+def test_several_weights_in_one_launch(cfg):
+    """``gemv_many``: the same rows times weights of different N (wq_a's and wkv's shapes scaled
+    down; 48 columns: tiles of 16) in one launch, each output the reference's."""
+    rng, w, x, group = _case(7, "fp8", 2, 2, 256, 512)
+    ws = (w, _random_weights(rng, (2, 128, 512), "fp8"), _random_weights(rng, (2, 48, 512), "fp8"))
+    outs = gemv_many(gm.QuantRows(x), ws, group, out_dtype=jnp.float32, config=cfg)
+    assert [o.shape for o in outs] == [(2, 256), (2, 128), (2, 48)]
+    for got, wi in zip(outs, ws):
+        want = np.asarray(gm.reference(_padded(x, True), wi, group, jnp.array([2]), block_m=16,
+                                       out_dtype=jnp.float32))[::16]
+        assert np.isfinite(np.asarray(got)).all() and np.abs(want).max() > 0
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    jaxpr = jax.make_jaxpr(lambda x: gemv_many(gm.QuantRows(x), ws, group, config=cfg))(x)
+    names = [n for n, _ in pallas_calls(jaxpr.jaxpr)]
+    assert len(names) == 1 and names[0].startswith("gemv_fp8_q_x3"), names
+
+
 def test_config_fits_the_shapes():
-    cfg = GemvConfig(block_n=256, block_k=1024, split_k=2).fit(1, 4096, 8192)
+    cfg = GemvConfig(block_n=256, block_k=1024, split_k=2).fit(1, (4096,), 8192)
     assert (cfg.block_n, cfg.block_k, cfg.split_k) == (128, 1024, 2)  # one 128-column scale block per program
-    assert GemvConfig(block_k=1024).fit(1, 4096, 384).block_k == 128
-    assert GemvConfig(split_k=16).fit(1, 32768, 1024).split_k == 4  # at most K / block_k
+    assert GemvConfig(block_k=1024).fit(1, (4096,), 384).block_k == 128
+    assert GemvConfig(split_k=16).fit(1, (32768,), 1024).split_k == 4  # at most K / block_k
     # automatic: Flash's wq_b unsplit (512 column tiles), wo_b split in 8, wq_a split in 8 on
     # 16-column tiles (512 programs), wkv (512 outputs) as far as the tiles go, wo_a's 8 groups
-    auto = lambda rows, n, k: GemvConfig().fit(rows, n, k)  # noqa: E731
+    auto = lambda rows, n, k: GemvConfig().fit(rows, (n,), k)  # noqa: E731
     assert (auto(1, 32768, 1024).split_k, auto(1, 32768, 1024).block_n) == (1, 64)
     assert (auto(1, 4096, 8192).split_k, auto(1, 4096, 8192).block_n) == (8, 64)
     assert (auto(1, 1024, 4096).split_k, auto(1, 1024, 4096).block_n) == (8, 16)
@@ -128,6 +146,8 @@ def test_bad_input_is_named():
         gemv(x, gm.Weights(jnp.zeros((2, 128, 256), jnp.bfloat16), None, "dense"), group)
     with pytest.raises(ValueError, match="gemv takes weights of format"):
         gemv(x, dataclasses.replace(w, fmt="fp8_k128"), group)
+    with pytest.raises(ValueError, match="must share their groups and K"):
+        gemv_many(x, (w, w.group(0)), group)
     with pytest.raises(ValueError, match="rows must be bf16 / fp32"):
         gemv(x.astype(jnp.float16), w, group)
     with pytest.raises(ValueError, match="block_k must be a power of two"):
@@ -135,3 +155,27 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="block_k must be at least 128"):
         GemvConfig(block_k=64)
 
+
+
+def test_linears_of_one_input_share_a_launch():
+    """``model.common.shared_input`` (an attention layer's wq_a and wkv): at one row on the
+    Pallas path one ``gemv_many`` launch with each linear's own result; at two rows, or with
+    unquantised weights, each linear's own call."""
+    from flax import nnx
+
+    from dspark_jax.model.common import Linear, Numerics, shared_input
+
+    num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
+    lins = (Linear(256, 128, num, rngs=nnx.Rngs(0)), Linear(256, 64, num, rngs=nnx.Rngs(1)))
+    x = jax.random.normal(jax.random.key(0), (1, 1, 256), jnp.bfloat16) * 3
+    names = lambda x: [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: shared_input(lins, x))(x).jaxpr)]  # noqa
+    assert len(names(x)) == 1 and names(x)[0].startswith("gemv_fp8_q_x2")
+    for got, lin in zip(shared_input(lins, x), lins):
+        want = np.asarray(lin(x), np.float32)
+        assert got.shape == want.shape and got.dtype == jnp.bfloat16 and np.abs(want).max() > 0
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-6 * np.abs(want).max())
+    x2 = jnp.concatenate([x, x], axis=1)
+    assert len(names(x2)) == 2 and all(n.startswith("grouped_matmul_fp8") for n in names(x2))
+    dense = Numerics(quant_sim=True, weight_format="dense", kernels="pallas")
+    lins = (Linear(256, 128, dense, rngs=nnx.Rngs(0)), Linear(256, 64, dense, rngs=nnx.Rngs(1)))
+    assert names(x) == []

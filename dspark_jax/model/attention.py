@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dspark_jax.cache import LayerCache, read_kv, ring_positions, ring_write_slots, write_kv
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.common import Chunk, Linear, Numerics
+from dspark_jax.model.common import Chunk, Linear, Numerics, shared_input
 from dspark_jax.model.compressor import Compressor
 from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
@@ -59,16 +59,19 @@ class Attention(nnx.Module):
     def inv_freq(self):
         return layer_inv_freq(self.cfg, self.ratio)
 
-    def project_q(self, x: Float[Array, "b t D"], pos: Array) -> tuple[Float[Array, "b t h d"], Array]:
+    def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None
+                  ) -> tuple[Float[Array, "b t h d"], Array]:
+        """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x) when already computed)."""
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x))
+        qr = self.q_norm(self.wq_a(x) if a is None else a)
         q = self.wq_b(qr).reshape(*x.shape[:2], cfg.num_attention_heads, cfg.head_dim)
         qf = q.astype(jnp.float32)
         q = q * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + cfg.rms_norm_eps).astype(q.dtype)
         return apply_rope(q, pos, self.inv_freq), qr
 
-    def project_kv(self, x: Float[Array, "b t D"], pos: Array) -> Float[Array, "b t d"]:
-        kv = apply_rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq, heads=False)
+    def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None) -> Float[Array, "b t d"]:
+        """Keys = values (``a``: wkv(x) when already computed)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x) if a is None else a), pos, self.inv_freq, heads=False)
         return kv_sim(kv, self.cfg.qk_rope_head_dim) if self.num.quant_sim else kv
 
     def project_out(self, o: Float[Array, "b t h d"], pos: Array) -> Float[Array, "b t D"]:
@@ -82,8 +85,9 @@ class Attention(nnx.Module):
                  ) -> tuple[Float[Array, "b t D"], LayerCache]:
         cfg = self.cfg
         pos = chunk.positions
-        q, qr = self.project_q(x, pos)
-        kv = self.project_kv(x, pos)
+        a_q, a_kv = shared_input((self.wq_a, self.wkv), x)  # one launch at one row
+        q, qr = self.project_q(x, pos, a_q)
+        kv = self.project_kv(x, pos, a_kv)
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from dspark_jax.model.quant import fp8_sim
 from dspark_jax.sharding import batch_axes
+from pallas_kernels import gemv
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.attention_metadata import cu_from_lens, token_request
 
@@ -313,6 +314,26 @@ class Linear(nnx.Module):
             return gm.batched_matmul(xg, self.grouped_weights(g), impl="pallas").transpose(1, 0, 2).reshape(b, t, g, -1)
         w = self.dense_weight(x.dtype).reshape(g, self.weight.shape[0] // g, -1)
         return jnp.einsum("btgi,gri->btgr", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"]) -> tuple[Float[Array, "... o"], ...]:
+    """``lin(x)`` for each of several linears of one input (e.g. an attention layer's wq_a and
+    wkv). At one row, when each would take ``gemv`` (an FP8 weight on the Pallas path, no mesh,
+    the same input quantisation and dtype), all run in one launch (``gemv.gemv_many``: the row
+    read and quantised once per program instead of once per linear's launch); otherwise one call
+    each."""
+    first = linears[0]
+    one_launch = math.prod(x.shape[:-1]) == 1 and len(linears) > 1 and all(
+        lin.mesh is None and lin.runs_kernel(x) and lin.fp8_act == first.fp8_act
+        and lin.compute_dtype == first.compute_dtype and gemv.takes(1, lin.grouped_weights(), "pallas")
+        for lin in linears)
+    if not one_launch:
+        return tuple(lin(x) for lin in linears)
+    xc = x if first.compute_dtype is None else x.astype(first.compute_dtype)
+    rows = xc.reshape(1, -1)
+    ys = gemv.gemv_many(gm.QuantRows(rows) if first.fp8_act else rows, tuple(lin.grouped_weights() for lin in linears),
+                        jnp.zeros((1,), jnp.int32), out_dtype=jnp.float32)
+    return tuple(y.reshape(*x.shape[:-1], -1).astype(xc.dtype) for y in ys)
 
 
 class Embedding(nnx.Module):
