@@ -11,7 +11,7 @@ import dspark_jax
 from dspark_jax.api import forward_step
 from dspark_jax.cache import Fp8Keys, commit, init_cache, read_kv
 from dspark_jax.model.quant import kv_sim
-from tests.helpers import perturb
+from tests.helpers import pallas_calls, perturb
 
 # The tiny target's mechanisms in 3 layers instead of 6 (window-only, C4 + indexer, C128; hash
 # then learned routing): each forward compiles in about half the time.
@@ -154,3 +154,27 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     (tokens, logits), (ref_tokens, ref_logits) = drafts["pallas"], drafts["xla"]
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_steps_share_the_linears_launches():
+    """FP8 linears at one token through ``gemv`` (interpret mode here): wq_a + wkv in one launch
+    per layer and wq_b + the indexer's wq_b in one per C4 layer (``model.common.shared_input``),
+    the logits those of the XLA path (fp32 activations: exact products both ways)."""
+    def model(kernels):
+        m = dspark_jax.init(SMALL, 3, dtype=jnp.float32, weight_format="official")
+        num = dataclasses.replace(m.numerics, kernels=kernels)
+        for _, mod in nnx.iter_modules(m.module):
+            if hasattr(mod, "num"):
+                mod.num = num
+        return dspark_jax.Model(m.module)
+
+    xla, pallas = model("xla"), model("pallas")
+    ids = np.random.default_rng(4).integers(2, 500, (1, 44)).astype(np.int32)
+    ref, cache = _decode(xla, ids, "bf16", steps=(1, 1))
+    got, _ = _decode(pallas, ids, "bf16", steps=(1, 1))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    one = jnp.ones((1,), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s, x: forward_step(pallas.graphdef, s, x, one, cache))(pallas.state, ids[:, :1])
+    names = [n for n, _ in pallas_calls(jaxpr.jaxpr)]
+    shared = [n for n in names if n.startswith("gemv_fp8_x2")]
+    assert len(shared) == len(SMALL.compress_ratios) + SMALL.compress_ratios.count(4), names
