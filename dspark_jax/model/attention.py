@@ -59,18 +59,15 @@ class Attention(nnx.Module):
     def inv_freq(self):
         return layer_inv_freq(self.cfg, self.ratio)
 
-    def project_q(self, x: Float[Array, "b t D"], pos: Array) -> tuple[Float[Array, "b t h d"], Array]:
-        """Queries and qr = q_norm(wq_a(x))."""
-        qr = self.q_norm(self.wq_a(x))
-        return self.queries(self.wq_b(qr), pos), qr
-
-    def queries(self, b: Float[Array, "b t hd"], pos: Array) -> Float[Array, "b t h d"]:
-        """Queries from wq_b(qr): a weightless RMS norm per head, RoPE."""
+    def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None
+                  ) -> tuple[Float[Array, "b t h d"], Array]:
+        """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x) when already computed)."""
         cfg = self.cfg
-        q = b.reshape(*b.shape[:2], cfg.num_attention_heads, cfg.head_dim)
+        qr = self.q_norm(self.wq_a(x) if a is None else a)
+        q = self.wq_b(qr).reshape(*x.shape[:2], cfg.num_attention_heads, cfg.head_dim)
         qf = q.astype(jnp.float32)
         q = q * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + cfg.rms_norm_eps).astype(q.dtype)
-        return apply_rope(q, pos, self.inv_freq)
+        return apply_rope(q, pos, self.inv_freq), qr
 
     def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None) -> Float[Array, "b t d"]:
         """Keys = values (``a``: wkv(x) when already computed)."""
@@ -88,15 +85,8 @@ class Attention(nnx.Module):
                  ) -> tuple[Float[Array, "b t D"], LayerCache]:
         cfg = self.cfg
         pos = chunk.positions
-        # Linears of one input share a launch at one row (shared_input): wq_a and wkv on x; wq_b
-        # and, in a C4 layer, the indexer's wq_b on qr
-        a_q, a_kv = shared_input((self.wq_a, self.wkv), x)
-        qr = self.q_norm(a_q)
-        if self.ratio == 4:
-            b_q, b_index = shared_input((self.wq_b, self.indexer.wq_b), qr)
-        else:
-            b_q, b_index = self.wq_b(qr), None
-        q = self.queries(b_q, pos)
+        a_q, a_kv = shared_input((self.wq_a, self.wkv), x)  # one launch at one row
+        q, qr = self.project_q(x, pos, a_q)
         kv = self.project_kv(x, pos, a_kv)
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
@@ -108,7 +98,7 @@ class Attention(nnx.Module):
         if self.ratio:
             entries, new["compressor"] = self.compressor(x, chunk, cache.compressor)
             if self.ratio == 4:
-                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer, b_index)  # [b, t, k], -1 = none
+                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k], -1 = none
 
         if chunk.width <= ring - cfg.sliding_window + 1:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.

@@ -47,17 +47,16 @@ class Indexer(nnx.Module):
         self.cfg, self.num = cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
-    def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState,
-                 q_proj: Float[Array, "b t hd"] | None = None) -> tuple[Int[Array, "b t k"], CompressorState]:
-        """``q_proj``: wq_b(qr) when already computed (the attention's ``shared_input``)."""
+    def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState
+                 ) -> tuple[Int[Array, "b t k"], CompressorState]:
         with jax.named_scope("indexer"):
-            return self._top_entries(x, qr, chunk, state, q_proj)
+            return self._top_entries(x, qr, chunk, state)
 
     def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
-                     state: CompressorState, q_proj: Array | None) -> tuple[Int[Array, "b t k"], CompressorState]:
+                     state: CompressorState) -> tuple[Int[Array, "b t k"], CompressorState]:
         """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
         queries are unpacked, their picks packed back)."""
-        q = (self.wq_b(qr) if q_proj is None else q_proj).reshape(*x.shape[:2], self.n_heads, self.head_dim)
+        q = self.wq_b(qr).reshape(*x.shape[:2], self.n_heads, self.head_dim)
         q = apply_rope(q, chunk.positions, layer_inv_freq(self.cfg, 4))
         if self.num.quant_sim:
             q = fp4_sim(hadamard(q), 32)
