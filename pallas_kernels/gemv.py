@@ -13,12 +13,14 @@ each product ``w * (code * row scale * weight scale)`` is exact in float32 (an e
 e4m3 value times powers of two); unquantised bf16 rows times e4m3 weights times a power of two
 are exact too. Only the order of the float32 sums differs from a dot's.
 
-Operands: rows ``x [R, K]`` (row r multiplies weight group ``group[r]``), weights ``Weights`` of
-format ``fp8`` (128 x 128 block scales: one scale per step and program), one or two weight sets
-(two: the fused SwiGLU of a shared expert). Not for the routed experts (``fp8_k128``: a scale per
-output column and 128 inputs): with those scales applied per step the routed SwiGLU at one token
-took 104 us against the grouped matmul's 30 us on an H200 (docs/benchmarks.md). K may be split over programs
-(``GemvConfig.split_k``): their float32 partial sums are added after the kernel (XLA).
+Operands: rows ``x [R, K]`` (row r multiplies weight group ``group[r]``) and weights ``Weights``
+of format ``fp8`` (128 x 128 block scales: one scale per block and program). Several weights of
+one K (``gemv_many``: each program's tile in one weight's columns, one output each), or w1 and w3
+of a shared expert (``gemv_swiglu``: both in every program, one SwiGLU output). Not for the
+routed experts (``fp8_k128``: a scale per output column and 128 inputs): with those scales
+applied per step the routed SwiGLU at one token took 104 us against the grouped matmul's 30 us on
+an H200 (docs/benchmarks.md). K may be split over programs (``GemvConfig.split_k``): their float32
+partial sums are added after the kernel (XLA).
 """
 
 from __future__ import annotations
@@ -86,12 +88,13 @@ SPLIT_TARGET_PROGRAMS = 512
 MAX_AUTO_SPLIT = 8
 
 
-def default_config(n_weights: int) -> GemvConfig:
+def default_config(swiglu: bool = False) -> GemvConfig:
     """64 columns x 256 inputs per step on 4 warps, automatic split; the fused SwiGLU's two tiles
     of products 128 columns on 8 warps, K in 16 (Flash's shared expert: 256 programs of one step).
     On an H200 (``benchmarks/gemv.py --sweep``, docs/benchmarks.md) within 0.7 us of the best of
-    37 tilings for every Flash linear at one row."""
-    return GemvConfig() if n_weights == 1 else GemvConfig(block_n=128, split_k=16, num_warps=8)
+    37 tilings for each of the four Flash linears swept (wq_b, wo_b, the shared SwiGLU, the
+    indexer's wq_b) at one row."""
+    return GemvConfig(block_n=128, split_k=16, num_warps=8) if swiglu else GemvConfig()
 
 
 def takes(rows_per_group: int, w: Weights, impl: str | None) -> bool:
@@ -228,7 +231,7 @@ def gemv_many(x: Float[Array, "r k"] | QuantRows, ws: tuple[Weights, ...], group
     wq_a and wkv of an attention layer)."""
     check_inputs(x, tuple(ws), group, same_n=False)
     dtype = jnp.dtype(out_dtype or x.dtype)
-    return _pallas(x, tuple(ws), group, cfg=config or default_config(1), limit=None, out_dtype=dtype,
+    return _pallas(x, tuple(ws), group, cfg=config or default_config(), limit=None, out_dtype=dtype,
                    interpret=backend.interpret_mode(interpret))
 
 
@@ -238,5 +241,5 @@ def gemv_swiglu(x: Float[Array, "r k"] | QuantRows, w1: Weights, w3: Weights, gr
     """``swiglu(x W1^T, x W3^T)`` per row (routing weight 1) in x's dtype: the grouped-matmul
     SwiGLU's roundings."""
     check_inputs(x, (w1, w3), group, same_n=True)
-    return _pallas(x, (w1, w3), group, cfg=config or default_config(2), limit=float(limit),
+    return _pallas(x, (w1, w3), group, cfg=config or default_config(swiglu=True), limit=float(limit),
                    out_dtype=jnp.dtype(x.dtype), interpret=backend.interpret_mode(interpret))[0]
