@@ -341,6 +341,8 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
                 "step_byte_roofline_ms": 1e3 * roof["step_bytes"] / bw,
                 "step_roofline_ms": 1e3 * step_roof, "round_roofline_ms": 1e3 * round_roof,
                 "step_over_byte_roofline": step / (roof["step_bytes"] / bw),
+                # against the rate of a large read (the copy's ceiling counts its writes too)
+                "step_over_read_roofline": step / (roof["step_bytes"] / (ceil.get("read_GBps", math.nan) * 1e9)),
                 "step_over_roofline": step / step_roof, "round_over_roofline": rnd / round_roof,
                 "roofline_round_over_step": roof_ratio, "roofline_speedup": tau_full / roof_ratio}
         rows.append(row)
@@ -376,6 +378,7 @@ def goals(rows: list[dict]) -> dict:
             continue
         key = f"{r['weights']} batch {r['batch']} context {r['context']}"
         out[key] = {"step_over_byte_roofline": f["step_over_byte_roofline"],
+                    "step_over_read_roofline": f["step_over_read_roofline"],
                     "step_over_roofline": f["step_over_roofline"],
                     "round_over_step": f["round_over_step"], "speedup_with_profile": f["speedup"],
                     "roofline_round_over_step": f["roofline_round_over_step"],

@@ -37,7 +37,8 @@ def test_extrapolation_of_a_linear_cost():
 
 def test_summary_of_synthetic_timings(flash_fp8_parts):
     """Step 1 + 0.5 d ms, round 9 + 0.6 d ms, accept length 4.33: the 43-layer step is 22.5 ms, the
-    round 34.8 ms, the speed-up 4.33 * 22.5 / 34.8; the roofline ratio is the step over bytes / bandwidth."""
+    round 34.8 ms, the speed-up 4.33 * 22.5 / 34.8; the roofline ratios are the step over bytes / the
+    copy's and the large read's bandwidths."""
     full = config.flash()
     results = []
     for d in (2, 4):
@@ -46,12 +47,13 @@ def test_summary_of_synthetic_timings(flash_fp8_parts):
         results.append({"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": "dspark",
                         "round_s": 1e-3 * (9 + 0.6 * d), "tokens_per_round": 4.33})
     parts = {("fp8", 43): flash_fp8_parts, ("fp8", 4): decode.weight_parts(decode.sliced(full, 4), "fp8")}
-    ceil = {"copy_GBps": 2000.0, "bf16_matmul_TFLOPs": 600.0}
+    ceil = {"copy_GBps": 2000.0, "read_GBps": 3200.0, "bf16_matmul_TFLOPs": 600.0}
     (row,) = decode.summarize(results, full, parts, ceil, "bf16")
     f = row["full"]
     assert f["step_ms"] == pytest.approx(22.5) and f["round_ms"] == pytest.approx(34.8)
     assert f["speedup"] == pytest.approx(4.33 * 22.5 / 34.8)
     assert f["step_over_byte_roofline"] == pytest.approx(22.5e-3 / (f["step_bytes"] / 2000e9))
+    assert f["step_over_read_roofline"] == pytest.approx(22.5e-3 / (f["step_bytes"] / 3200e9))
     assert row["measured"]["4"]["speedup"] == pytest.approx(4.33 * 3.0 / 11.4)
     four = row["measured"]["4"]
     assert four["step_over_byte_roofline"] == pytest.approx(3e-3 / (four["step_bytes"] / 2000e9))
