@@ -134,6 +134,11 @@ def test_flash_linears_lower_for_gpus(arch, platform):
     text = lowering.lower(lambda x, w: gemv_swiglu(gm.QuantRows(x), w, w, jnp.zeros((1,), jnp.int32), limit=10.0,
                                                    interpret=False), x, w, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_swiglu_split" in text
+    wkv = gm.Weights(SD((1, 512, 4096), jnp.float8_e4m3fn), SD((1, 4, 32), jnp.uint8), "fp8")
+    wq_a = gm.Weights(SD((1, 1024, 4096), jnp.float8_e4m3fn), SD((1, 8, 32), jnp.uint8), "fp8")
+    text = lowering.lower(lambda x, a, b: gemv_many(gm.QuantRows(x), (a, b), jnp.zeros((1,), jnp.int32),
+                                                    interpret=False), x, wq_a, wkv, arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_x2_split" in text
 
 
 def test_bad_input_is_named():
