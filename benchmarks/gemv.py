@@ -1,14 +1,15 @@
-"""FP8 linears at one row: the multiply-add kernel (``pallas_kernels.gemv``) against the library's
-tensor-core path (``grouped_matmul.batched_matmul`` / ``batched_swiglu``: the row padded to a
-16-row tile, then the grouped-matmul kernel), at DeepSeek-V4-Flash shapes.
+"""FP8 linears at one row: the multiply-add kernel (``pallas_kernels.gemv``) against the tensor-core
+dots it replaced (``grouped_matmul.batched_matmul`` / ``batched_swiglu`` with
+``one_row_gemv=False``: the row padded to a 16-row tile, then the grouped-matmul kernel), at
+DeepSeek-V4-Flash shapes.
 
-For each shape: the library's path, ``gemv`` at its default config and a sweep of tilings
+For each shape: the dots, ``gemv`` at the library's default tiles and a sweep of tilings
 (``--sweep``), and XLA's bf16 matrix-vector product over a weight of the same bytes (cuBLAS: what
 this device reads at this size). Device time per call: one program runs R calls on distinct
 weight copies (together >= 256 MiB, more than the L2), traced ``--calls`` times; every kernel
 of the program counted (the row padding and a split's partial-product sum included). Each
-gemv result is checked against the library's path on the device (``max_rel``; the products are
-exact in both, only float32 summation order differs).
+gemv result is checked against the dots on the device (``max_rel``; the products are exact in
+both, only float32 summation order differs).
 
     PYTHONPATH=. OUT=out python benchmarks/gemv.py --sweep
     PYTHONPATH=. python benchmarks/gemv.py --smoke    # small shapes, interpret mode (CPU)
@@ -63,8 +64,8 @@ def smoke_cases() -> list[Case]:
             Case(Shape("swiglu", "fp8", 128, 512, 1, 1, swiglu=True), True)]
 
 
-def library(case: Case, x, ws):
-    """The tensor-core path for one row per group: batched_matmul / batched_swiglu without
+def dots(case: Case, x, ws):
+    """The tensor-core dots for one row per group: batched_matmul / batched_swiglu without
     ``one_row_gemv`` (the row padded to 16 rows, the grouped-matmul kernel)."""
     s = case.shape
     if s.swiglu:
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
         keys = jax.random.split(jax.random.key(ci), copies * 2 + 1)
         sets = [tuple(random_weights(keys[2 * c + j], s) for j in range(2 if s.swiglu else 1)) for c in range(copies)]
         x = jax.random.normal(keys[-1], (s.tiles, s.k), jnp.bfloat16)
-        want = np.asarray(library(case, x, sets[0]), np.float32)
+        want = np.asarray(dots(case, x, sets[0]), np.float32)
         sweep = args.sweep and (not args.sweep_only or any(o in s.name for o in args.sweep_only.split(",")))
         variants = [("dots", None), ("gemv", None)]  # gemv None: the library's default tiles
         variants += [("gemv", c) for c in (sweep_configs(args.smoke) if sweep else [])]
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
             rec = {"kind": kind, "config": dataclasses.asdict(cfg) if cfg else None}
             row["variants"].append(rec)
             if kind == "dots":
-                fn = lambda x, sets: [library(case, x, ws) for ws in sets]  # noqa: E731
+                fn = lambda x, sets: [dots(case, x, ws) for ws in sets]  # noqa: E731
             else:
                 fn = functools.partial(lambda cfg, x, sets: [multiply_adds(case, x, ws, cfg) for ws in sets], cfg)
                 try:

@@ -41,6 +41,12 @@ from pallas_kernels.grouped_matmul import (FP8_BLOCK, QuantRows, Weights, _quant
 FORMATS = ("fp8",)
 
 
+# Automatic tiles (``GemvConfig.fit``): programs to reach (rows x column tiles x splits) and the
+# largest split.
+SPLIT_TARGET_PROGRAMS = 512
+MAX_AUTO_SPLIT = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """``block_n`` output columns per program (a power of two, at most 128: the weights' scale
@@ -80,12 +86,6 @@ class GemvConfig:
         while tiles(bn) * split < SPLIT_TARGET_PROGRAMS and bn > 16:
             bn //= 2
         return dataclasses.replace(self, block_n=bn, block_k=bk, split_k=split)
-
-
-# Automatic tiles (``GemvConfig.fit``): programs to reach (rows x column tiles x splits) and the
-# largest split.
-SPLIT_TARGET_PROGRAMS = 512
-MAX_AUTO_SPLIT = 8
 
 
 def default_config(swiglu: bool = False) -> GemvConfig:

@@ -323,16 +323,17 @@ def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"]) -> tuple
     read and quantised once per program instead of once per linear's launch); otherwise one call
     each."""
     first = linears[0]
+    weights = tuple(lin.grouped_weights() for lin in linears)
     one_launch = math.prod(x.shape[:-1]) == 1 and len(linears) > 1 and all(
         lin.mesh is None and lin.runs_kernel(x) and lin.fp8_act == first.fp8_act
-        and lin.compute_dtype == first.compute_dtype and gemv.takes(1, lin.grouped_weights(), "pallas")
-        for lin in linears)
+        and lin.compute_dtype == first.compute_dtype and gemv.takes(1, w, "pallas")
+        for lin, w in zip(linears, weights))
     if not one_launch:
         return tuple(lin(x) for lin in linears)
     xc = x if first.compute_dtype is None else x.astype(first.compute_dtype)
     rows = xc.reshape(1, -1)
-    ys = gemv.gemv_many(gm.QuantRows(rows) if first.fp8_act else rows, tuple(lin.grouped_weights() for lin in linears),
-                        jnp.zeros((1,), jnp.int32), out_dtype=jnp.float32)
+    ys = gemv.gemv_many(gm.QuantRows(rows) if first.fp8_act else rows, weights, jnp.zeros((1,), jnp.int32),
+                        out_dtype=jnp.float32)
     return tuple(y.reshape(*x.shape[:-1], -1).astype(xc.dtype) for y in ys)
 
 
