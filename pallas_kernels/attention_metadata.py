@@ -179,7 +179,8 @@ def verify_dense(n_valid: Int[Array, " s"], lengths: Int[Array, " s"], *, width:
     row = jnp.arange(width, dtype=jnp.int32)[None]
     valid = (row < n_valid[:, None]).reshape(-1)
     pos = jnp.where(valid, (lengths[:, None] + row).reshape(-1), -1)
-    meta = RaggedMeta(cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32) * width,
+    # (numpy: a constant of the program; as a jnp iota XLA launched a kernel for it at every layer)
+    meta = RaggedMeta(cu_q_lens=np.arange(s + 1, dtype=np.int32) * width,
                       win_lo=jnp.where(valid, pos - window + 1, 1), win_hi=jnp.where(valid, pos, 0),
                       ring_end=lengths + n_valid, max_q_len=width)
     return meta, pos
@@ -191,7 +192,7 @@ def draft(lengths: Int[Array, " s"], *, block: int, window: int) -> RaggedMeta:
     the ``window`` committed positions before the block and all rows of the block (non-causal)."""
     lengths = _i32(lengths)
     s = lengths.shape[0]
-    cu = jnp.arange(s + 1, dtype=jnp.int32) * block
+    cu = np.arange(s + 1, dtype=np.int32) * block  # (a constant of the program, as in ``verify_dense``)
     per_tok = jnp.repeat(lengths, block, total_repeat_length=s * block)
     return RaggedMeta(cu_q_lens=cu, win_lo=per_tok - window, win_hi=per_tok + block - 1,
                       ring_end=lengths + block, max_q_len=block)

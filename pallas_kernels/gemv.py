@@ -1,4 +1,5 @@
-"""One row per weight group times FP8 weights, as float32 multiply-adds (a matrix-vector product).
+"""One row per weight group times FP8 or bf16 weights, as float32 multiply-adds (a matrix-vector
+product).
 
 At a batch-1 decode step each FP8 linear multiplies one row by its weight. The grouped-matmul
 kernel does that with tensor-core dots on a 16-row tile (the row padded by XLA first, 15 rows of
@@ -11,15 +12,19 @@ Numerics are the grouped-matmul kernel's (``grouped_matmul.reference``): quantis
 (``QuantRows``, the reference's FP8 GEMM input) are quantised per 128-input block in registers and
 each product ``w * (code * row scale * weight scale)`` is exact in float32 (an e4m3 value times an
 e4m3 value times powers of two); unquantised bf16 rows times e4m3 weights times a power of two
-are exact too. Only the order of the float32 sums differs from a dot's.
+are exact too. bf16 weights (format ``dense``: the compressors' and the router's, which the
+reference applies in float32, ``model.common.matmul_f32``) take bf16 rows as they are (each
+product exact) and float32 rows as three bf16 parts (``bf16_parts``: three exact products per
+weight). Only the order of the float32 sums differs from a dot's.
 
 Operands: rows ``x [R, K]`` (row r multiplies weight group ``group[r]``) and weights ``Weights``
-of format ``fp8`` (128 x 128 block scales: one scale per block and program). Several weights of
-one K (``gemv_many``: each program's tile in one weight's columns, one output each), or w1 and w3
-of a shared expert (``gemv_swiglu``: both in every program, one SwiGLU output). Not for the
-routed experts (``fp8_k128``: a scale per output column and 128 inputs): with those scales
-applied per step the routed SwiGLU at one token took 104 us against the grouped matmul's 30 us on
-an H200 (docs/benchmarks.md). K may be split over programs (``GemvConfig.split_k``): their float32
+of format ``fp8`` (128 x 128 block scales: one scale per block and program) or ``dense`` (bf16).
+Several weights of one K (``gemv_many``: each program's tile in one weight's columns, one output
+each, the rows quantised for some weights and not for others), or w1 and w3 of a shared expert
+(``gemv_swiglu``: both in every program, one SwiGLU output). Not for the routed experts
+(``fp8_k128``: a scale per output column and 128 inputs): with those scales applied per step the
+routed SwiGLU at one token took 104 us against the grouped matmul's 30 us on an H200
+(docs/benchmarks.md). K may be split over programs (``GemvConfig.split_k``): their float32
 partial sums are added after the kernel (XLA).
 """
 
@@ -38,13 +43,37 @@ from pallas_kernels import backend
 from pallas_kernels.grouped_matmul import (FP8_BLOCK, QuantRows, Weights, _quantise_block,
                                            _scale_f32, _swiglu_rows, split_for)
 
-FORMATS = ("fp8",)
+FORMATS = ("fp8", "dense")  # dense: bf16 values, no scales
 
 
 # Automatic tiles (``GemvConfig.fit``): programs to reach (rows x column tiles x splits) and the
 # largest split.
 SPLIT_TARGET_PROGRAMS = 512
 MAX_AUTO_SPLIT = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Partials:
+    """A product left as the float32 partial sums of its K split, ``parts [S, ..., N]``: the
+    product is their sum (``total``). For a consumer kernel that adds them as it loads them (the
+    compressors' pooling) instead of an XLA launch adding them first."""
+
+    parts: Array
+
+    def total(self, dtype=jnp.float32) -> Array:
+        return jnp.sum(self.parts, axis=0).astype(dtype)
+
+    def reshape(self, *shape: int) -> "Partials":
+        return Partials(self.parts.reshape(self.parts.shape[0], *shape))
+
+
+def total(y: Array | Partials, dtype=None) -> Array:
+    """``y`` as one array (the sum of a ``Partials``' parts), in ``dtype`` (default: float32 for
+    partials, y's own for an array)."""
+    if isinstance(y, Partials):
+        return y.total(dtype or jnp.float32)
+    return y if dtype is None else y.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,22 +126,30 @@ def default_config(swiglu: bool = False) -> GemvConfig:
     return GemvConfig(block_n=128, split_k=16, num_warps=8) if swiglu else GemvConfig()
 
 
-def takes(rows_per_group: int, w: Weights, impl: str | None) -> bool:
+def takes(rows_per_group: int, w: Weights, impl: str | None, quantise: bool = False) -> bool:
     """Whether a linear of ``rows_per_group`` rows per weight group runs here: one row against
-    ``fp8`` weights (K a multiple of 128, N of 16) on the Pallas backend."""
+    ``fp8`` weights, or bf16 ``dense`` ones with unquantised rows (K a multiple of 128, N of 16),
+    on the Pallas backend."""
     _, n, k = w.shape
-    return (rows_per_group == 1 and w.fmt in FORMATS and k % FP8_BLOCK == 0 and n % 16 == 0
+    fmt_ok = w.fmt == "fp8" or (w.fmt == "dense" and not quantise and w.values.dtype == jnp.bfloat16)
+    return (rows_per_group == 1 and fmt_ok and k % FP8_BLOCK == 0 and n % 16 == 0
             and backend.resolve(impl) == "pallas")
 
 
-def check_inputs(x: Array | QuantRows, ws: tuple[Weights, ...], group: Array, same_n: bool) -> None:
+def check_inputs(x: Array | QuantRows, ws: tuple[Weights, ...], group: Array, same_n: bool,
+                 quantise: tuple[bool, ...]) -> None:
     rows = x.rows if isinstance(x, QuantRows) else x
     if rows.ndim != 2 or jnp.dtype(rows.dtype) not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"gemv rows must be bf16 / fp32 [R, K], got {rows.dtype} {rows.shape}")
+    if len(quantise) != len(ws):
+        raise ValueError(f"gemv needs one quantise flag per weight ({len(ws)}), got {quantise}")
     g, _, k = ws[0].shape
-    for w in ws:
+    for w, q in zip(ws, quantise):
         if w.fmt not in FORMATS:
             raise ValueError(f"gemv takes weights of format {FORMATS}, got {w.fmt!r}")
+        if w.fmt == "dense" and (q or w.values.dtype != jnp.bfloat16):
+            raise ValueError(f"gemv takes dense weights in bf16 with unquantised rows, got {w.values.dtype}"
+                             f"{' and quantised rows' if q else ''}")
         if (w.shape if same_n else (w.shape[0], w.shape[2])) != (ws[0].shape if same_n else (g, k)):
             raise ValueError(f"gemv weights must share their groups and K{' and N' if same_n else ''}, got "
                              f"{[w.shape for w in ws]}")
@@ -124,23 +161,43 @@ def check_inputs(x: Array | QuantRows, ws: tuple[Weights, ...], group: Array, sa
                          f"{group.dtype} {group.shape}")
 
 
-def _products(x_ref, w_sets, ns, r, g, n0, k_base, steps: int, bk: int, bn: int, quantise: bool) -> list[Array]:
+def _row_views(xb: Array, quantised: bool, parts: bool) -> dict:
+    """One 128-input block of the row [1, 128] as the weights take it (float32 values): "plain"
+    (as it is), "quantised" (the reference's FP8 GEMM input: an e4m3 value times a power of two)
+    and, for float32 rows times bf16 weights, "parts" (three bf16 numbers adding up to it)."""
+    from dspark_jax.model.common import bf16_parts
+
+    views = {"plain": xb.astype(jnp.float32)}
+    if quantised:
+        codes, sx = _quantise_block(xb)
+        views["quantised"] = codes.astype(jnp.float32) * sx
+    if parts:
+        views["parts"] = [p.astype(jnp.float32) for p in bf16_parts(views["plain"])]
+    return views
+
+
+def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int) -> list[Array]:
     """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
-    (group g, N ``ns[i]``) over inputs k_base .. k_base + steps * bk."""
+    (format ``fmts[i]``, the row quantised iff ``quantise[i]``, group g, N ``ns[i]``) over inputs
+    k_base .. k_base + steps * bk."""
+    parts = x_ref.dtype == jnp.float32 and "dense" in fmts  # bf16 rows times bf16 weights: exact already
+
     def body(step, accs):
         accs = list(accs)
         for c in range(0, bk, FP8_BLOCK):
             kb = k_base + step * bk + c
-            xb = x_ref[pl.ds(r, 1), pl.ds(kb, FP8_BLOCK)]
-            if quantise:
-                codes, sx = _quantise_block(xb)
-                xs = codes.astype(jnp.float32) * sx  # [1, 128], exact: an e4m3 value times a power of two
-            else:
-                xs = xb.astype(jnp.float32)
-            for i, ((w_ref, s_ref), n) in enumerate(zip(w_sets, ns)):
+            views = _row_views(x_ref[pl.ds(r, 1), pl.ds(kb, FP8_BLOCK)], any(quantise), parts)
+            for i, ((w_ref, s_ref), fmt, q, n) in enumerate(zip(w_sets, fmts, quantise, ns)):
                 w = w_ref[pl.ds(g * n + n0, bn), pl.ds(kb, FP8_BLOCK)].astype(jnp.float32)
-                blocks = -(-n // FP8_BLOCK)
-                accs[i] = accs[i] + w * (xs * _scale_f32(s_ref[g * blocks + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
+                if fmt == "fp8":
+                    xs = views["quantised" if q else "plain"]
+                    blocks = -(-n // FP8_BLOCK)
+                    accs[i] = accs[i] + w * (xs * _scale_f32(s_ref[g * blocks + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
+                elif parts:  # exact products of each part, hi first
+                    for xp in views["parts"]:
+                        accs[i] = accs[i] + w * xp
+                else:
+                    accs[i] = accs[i] + w * views["plain"]
         return tuple(accs)
 
     zero = jnp.zeros((bn, FP8_BLOCK), jnp.float32)
@@ -148,11 +205,13 @@ def _products(x_ref, w_sets, ns, r, g, n0, k_base, steps: int, bk: int, bn: int,
     return [jnp.sum(a, axis=1)[None, :] for a in accs]  # summed over the 128 lanes once
 
 
-def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], cfg: GemvConfig, quantise: bool,
-            limit: float | None, dt):
-    n_weights = 2 if limit is not None else len(ns)  # the SwiGLU: w1 and w3 over the same columns
-    w_sets = [refs[2 * i:2 * i + 2] for i in range(n_weights)]
-    o_refs = refs[2 * n_weights:]
+def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple[str, ...],
+            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt):
+    w_sets = []
+    for fmt in fmts:  # fp8: values and scales; dense: values
+        w_sets.append((refs[0], refs[1]) if fmt == "fp8" else (refs[0], None))
+        refs = refs[2 if fmt == "fp8" else 1:]
+    o_refs = refs
     r, j = pl.program_id(0), pl.program_id(1)
     s_id = pl.program_id(2) if cfg.split_k > 1 else 0  # (read here: interpret mode has none in branches)
     bn, bk, split = cfg.block_n, cfg.block_k, cfg.split_k
@@ -163,7 +222,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], cfg: GemvCo
 
     if limit is not None:  # the SwiGLU: both weights' columns n0.. in one program
         n0 = j * bn
-        gate, up = _products(x_ref, w_sets, ns * 2, r, g, n0, k_base, steps, bk, bn, quantise)
+        gate, up = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn)
         if split == 1:
             y = _swiglu_rows(gate, up, jnp.ones((1,), jnp.float32), limit, dt)
             o_refs[0][pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_refs[0].dtype)
@@ -177,36 +236,48 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], cfg: GemvCo
         @pl.when((j >= start // bn) & (j < (start + n) // bn))
         def _one(i=i, n=n, start=start):
             n0 = j * bn - start
-            (y,) = _products(x_ref, [w_sets[i]], (n,), r, g, n0, k_base, steps, bk, bn, quantise)
+            (y,) = _products(x_ref, [w_sets[i]], fmts[i:i + 1], quantise[i:i + 1], (n,), r, g, n0, k_base, steps,
+                             bk, bn)
             o_refs[i][pl.ds(out_row, 1), pl.ds(n0, bn)] = y.astype(o_refs[i].dtype)
         start += n
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "limit", "out_dtype", "interpret"))
-def _pallas(x, ws, group, *, cfg: GemvConfig, limit, out_dtype, interpret: bool) -> tuple[Array, ...]:
-    quantise = isinstance(x, QuantRows)
-    rows_in = x.rows if quantise else x
+def _name(fmts: tuple[str, ...], quantise: tuple[bool, ...], swiglu: bool, split: int) -> str:
+    kinds = "_".join(dict.fromkeys("bf16" if f == "dense" else f for f in fmts))  # e.g. fp8, bf16, fp8_bf16
+    return ("gemv_" + kinds + ("_q" if any(quantise) else "") + ("_swiglu" if swiglu else "")
+            + (f"_x{len(fmts)}" if not swiglu and len(fmts) > 1 else "") + (f"_split{split}" if split > 1 else ""))
+
+
+@functools.partial(jax.jit, static_argnames=("quantise", "cfg", "limit", "out_dtype", "partials", "interpret"))
+def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, limit, out_dtype,
+            partials: tuple[bool, ...] = (), interpret: bool) -> tuple[Array | Partials, ...]:
     k, r = ws[0].shape[2], rows_in.shape[0]
     ns = (ws[0].shape[1],) if limit is not None else tuple(w.shape[1] for w in ws)
+    fmts = tuple(w.fmt for w in ws)
     cfg = cfg.fit(r, ns, k)
     split, dt = cfg.split_k, jnp.dtype(rows_in.dtype)
     args = [group.astype(jnp.int32), rows_in]
     for w in ws:
-        args += [w.values.reshape(-1, k), w.scales.reshape(-1, w.scales.shape[-1])]
-    kernel = functools.partial(_kernel, rows=r, ns=ns, cfg=cfg, quantise=quantise, limit=limit, dt=dt)
+        args += [w.values.reshape(-1, k)] + ([w.scales.reshape(-1, w.scales.shape[-1])] if w.fmt == "fp8" else [])
+    kernel = functools.partial(_kernel, rows=r, ns=ns, fmts=fmts, quantise=quantise, cfg=cfg, limit=limit, dt=dt)
     grid = (r, sum(ns) // cfg.block_n) + ((split,) if split > 1 else ())
     if limit is not None:
         out_shape = [jax.ShapeDtypeStruct((r, ns[0]), out_dtype) if split == 1
                      else jax.ShapeDtypeStruct((split * r, 2 * ns[0]), jnp.float32)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((split * r, n), out_dtype if split == 1 else jnp.float32) for n in ns]
+        keep = partials or (False,) * len(ns)
+        out_shape = [jax.ShapeDtypeStruct((split * r, n), jnp.float32 if split > 1 or kp else out_dtype)
+                     for n, kp in zip(ns, keep)]
     with backend.quiet_triton_deprecation():
         ys = pl.pallas_call(
             kernel, grid=grid, out_shape=out_shape, interpret=interpret,
             compiler_params=backend.compiler_params(cfg.num_warps, cfg.num_stages),
-            name="gemv_fp8" + ("_q" if quantise else "") + ("_swiglu" if limit is not None else "")
-                 + (f"_x{len(ws)}" if limit is None and len(ws) > 1 else "") + (f"_split{split}" if split > 1 else ""),
+            name=_name(fmts, quantise, limit is not None, split),
         )(*args)
+    if limit is None and any(partials):  # those flagged as float32 partial sums [S, R, N]
+        return tuple(Partials(y.reshape(split, r, -1)) if kp
+                     else (y if split == 1 else jnp.sum(y.reshape(split, r, -1), axis=0).astype(out_dtype))
+                     for y, kp in zip(ys, partials))
     if split == 1:
         return tuple(ys)
     parts = [jnp.sum(y.reshape(split, r, -1), axis=0) for y in ys]  # float32 sums of the splits
@@ -214,6 +285,14 @@ def _pallas(x, ws, group, *, cfg: GemvConfig, limit, out_dtype, interpret: bool)
         return tuple(p.astype(out_dtype) for p in parts)
     n = ns[0]
     return (_swiglu_rows(parts[0][:, :n], parts[0][:, n:], jnp.ones((r,), jnp.float32), limit, dt).astype(out_dtype),)
+
+
+def _rows_and_flags(x: Array | QuantRows, count: int, quantise: tuple[bool, ...] | None):
+    if isinstance(x, QuantRows):
+        if quantise is not None:
+            raise ValueError("gemv: QuantRows quantise the rows for every weight; pass plain rows with quantise")
+        return x.rows, (True,) * count
+    return x, tuple(bool(q) for q in quantise) if quantise is not None else (False,) * count
 
 
 def gemv(x: Float[Array, "r k"] | QuantRows, w: Weights, group: Int[Array, " r"], *, out_dtype=None,
@@ -224,15 +303,23 @@ def gemv(x: Float[Array, "r k"] | QuantRows, w: Weights, group: Int[Array, " r"]
 
 
 def gemv_many(x: Float[Array, "r k"] | QuantRows, ws: tuple[Weights, ...], group: Int[Array, " r"], *,
-              out_dtype=None, config: GemvConfig | None = None,
-              interpret: bool | None = None) -> tuple[Float[Array, "r n"], ...]:
-    """``gemv`` of the same rows with several weights (same groups and K, any N) in one launch: the
-    rows read and quantised by every program, each program's tile in one weight's columns (e.g.
-    wq_a and wkv of an attention layer)."""
-    check_inputs(x, tuple(ws), group, same_n=False)
-    dtype = jnp.dtype(out_dtype or x.dtype)
-    return _pallas(x, tuple(ws), group, cfg=config or default_config(), limit=None, out_dtype=dtype,
-                   interpret=backend.interpret_mode(interpret))
+              quantise: tuple[bool, ...] | None = None, out_dtype=None, partials: tuple[bool, ...] | None = None,
+              config: GemvConfig | None = None, interpret: bool | None = None
+              ) -> tuple[Float[Array, "r n"] | Partials, ...]:
+    """``gemv`` of the same rows with several weights (same groups and K, any N and format) in one
+    launch: the rows read by every program, each program's tile in one weight's columns (e.g. an
+    attention layer's wq_a and wkv and its compressors' wkv and wgate). ``QuantRows`` quantise the
+    rows for every weight; plain rows with ``quantise`` (one flag per weight) for those flagged.
+    ``partials`` (one flag per weight): those flagged come back as ``Partials`` (float32, one part
+    when K is not split), the others summed in ``out_dtype``."""
+    rows, flags = _rows_and_flags(x, len(ws), quantise)
+    check_inputs(rows, tuple(ws), group, same_n=False, quantise=flags)
+    keep = () if partials is None else tuple(bool(p) for p in partials)
+    if keep and len(keep) != len(ws):
+        raise ValueError(f"gemv needs one partials flag per weight ({len(ws)}), got {partials}")
+    dtype = jnp.dtype(out_dtype or rows.dtype)
+    return _pallas(rows, tuple(ws), group, quantise=flags, cfg=config or default_config(), limit=None,
+                   out_dtype=dtype, partials=keep, interpret=backend.interpret_mode(interpret))
 
 
 def gemv_swiglu(x: Float[Array, "r k"] | QuantRows, w1: Weights, w3: Weights, group: Int[Array, " r"], *,
@@ -240,6 +327,7 @@ def gemv_swiglu(x: Float[Array, "r k"] | QuantRows, w1: Weights, w3: Weights, gr
                 interpret: bool | None = None) -> Float[Array, "r n"]:
     """``swiglu(x W1^T, x W3^T)`` per row (routing weight 1) in x's dtype: the grouped-matmul
     SwiGLU's roundings."""
-    check_inputs(x, (w1, w3), group, same_n=True)
-    return _pallas(x, (w1, w3), group, cfg=config or default_config(swiglu=True), limit=float(limit),
-                   out_dtype=jnp.dtype(x.dtype), interpret=backend.interpret_mode(interpret))[0]
+    rows, flags = _rows_and_flags(x, 2, None)
+    check_inputs(rows, (w1, w3), group, same_n=True, quantise=flags)
+    return _pallas(rows, (w1, w3), group, quantise=flags, cfg=config or default_config(swiglu=True),
+                   limit=float(limit), out_dtype=jnp.dtype(rows.dtype), interpret=backend.interpret_mode(interpret))[0]

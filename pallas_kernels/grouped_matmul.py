@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -781,16 +782,18 @@ def _with_codes(kernel_options: dict, codes: bool | None, impl: str | None) -> d
 def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = False, out_dtype=None,
                    impl: str | None = None, one_row_gemv: bool = True, **kernel_options) -> Float[Array, "g m n"]:
     """``x[g] @ W[g]^T`` for every group (one group: a plain matmul). One row per group against
-    FP8 weights (a batch-1 decode step; unless ``one_row_gemv`` is False or grouped-matmul
-    ``kernel_options`` are given): ``gemv``'s multiply-adds. Otherwise the grouped matmul:
+    FP8 weights, or bf16 ones without ``act_quant`` (a batch-1 decode step; unless
+    ``one_row_gemv`` is False or grouped-matmul ``kernel_options`` are given): ``gemv``'s
+    multiply-adds. Otherwise the grouped matmul:
     rows padded to the row tile (``plain_linear_tiles``), every tile in use. ``act_quant``: the
     rows quantised as the reference's FP8 GEMM input (``quantised_rows``)."""
     from pallas_kernels import gemv  # (it imports this module)
 
     g, m, k = x.shape
-    if one_row_gemv and gemv.takes(m, w, impl) and not kernel_options:
+    if one_row_gemv and gemv.takes(m, w, impl, act_quant) and not kernel_options:
         rows = x.reshape(g, k)
-        y = gemv.gemv(QuantRows(rows) if act_quant else rows, w, jnp.arange(g, dtype=jnp.int32), out_dtype=out_dtype)
+        groups = np.arange(g, dtype=np.int32)  # (a constant of the program: no iota launch)
+        y = gemv.gemv(QuantRows(rows) if act_quant else rows, w, groups, out_dtype=out_dtype)
         return y.reshape(g, 1, -1)
     bm, codes = plain_linear_tiles(m, act_quant, w.shape[1], g)
     mp = -(-m // bm) * bm
@@ -805,14 +808,14 @@ def batched_matmul(x: Float[Array, "g m k"], w: Weights, *, act_quant: bool = Fa
 def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: float, act_quant: bool = False,
                    impl: str | None = None, one_row_gemv: bool = True, **kernel_options) -> Float[Array, "m n"]:
     """``swiglu(x W1^T, x W3^T)`` of one group of weights (a shared expert's first half) through
-    the fused kernel (one row against FP8 weights: ``gemv_swiglu``, as in ``batched_matmul``):
+    the fused kernel (one row: ``gemv_swiglu`` where ``batched_matmul`` takes ``gemv``):
     rows padded to the row tile (and quantised if ``act_quant``, as in ``batched_matmul``), routing
     weight 1, result in x's dtype."""
     from pallas_kernels import gemv  # (it imports this module)
 
     m, _ = x.shape
-    if one_row_gemv and gemv.takes(m, w1, impl) and not kernel_options:
-        return gemv.gemv_swiglu(QuantRows(x) if act_quant else x, w1, w3, jnp.zeros((1,), jnp.int32), limit=limit)
+    if one_row_gemv and gemv.takes(m, w1, impl, act_quant) and not kernel_options:
+        return gemv.gemv_swiglu(QuantRows(x) if act_quant else x, w1, w3, np.zeros((1,), np.int32), limit=limit)
     bm, codes = plain_linear_tiles(m, act_quant, w1.shape[1])
     mp = -(-m // bm) * bm
     tile_group, num_tiles = dense_tiles(mp, 1, bm)

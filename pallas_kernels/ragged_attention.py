@@ -58,6 +58,7 @@ from pallas_kernels import attention_configs, backend
 from pallas_kernels.attention_configs import BlockConfig, default_config  # noqa: F401 (re-exported)
 from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values, ring_positions  # noqa: F401
 from pallas_kernels.kv_fp8 import BLOCK, Fp8Rows, check_layout, dequantize
+from pallas_kernels.rope import partner_columns, rotate_pairs
 
 if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
     from jaxtyping import Array, Float
@@ -413,8 +414,10 @@ def merge_splits(o: Float[Array, "p n d"], lse: Float[Array, "p n"], sink: Float
     return (jnp.einsum("pn,pnd->nd", w, o.astype(jnp.float32)) / den[:, None]).astype(out_dtype)
 
 
-def _merge_kernel(o_ref, lse_ref, sink_ref, out_ref, *, splits: int, heads: int):
-    """One output row per program: its ``splits`` partial rows weighted in one [P, d] tile."""
+def _merge_kernel(o_ref, lse_ref, sink_ref, *refs, splits: int, heads: int, rope_dim: int):
+    """One output row per program: its ``splits`` partial rows weighted in one [P, d] tile; with
+    ``rope_dim`` the row's last ``rope_dim`` columns rotated back (``rope.rotate_pairs``)."""
+    out_ref = refs[-1]
     n, d = out_ref.shape
     row = pl.program_id(0)
     s = _iota(backend.next_power_of_2(splits))
@@ -427,29 +430,48 @@ def _merge_kernel(o_ref, lse_ref, sink_ref, out_ref, *, splits: int, heads: int)
     den = jnp.sum(w) + jnp.exp(sink_ref[row % heads] - m)
     cols = _iota(backend.next_power_of_2(d))
     c_ok = cols < d
-    o = pltriton.load(o_ref.at[src[:, None], cols[None, :]], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
-    acc = jnp.sum(w[:, None] * o.astype(jnp.float32), axis=0) / den
-    pltriton.store(out_ref.at[row, cols], acc.astype(out_ref.dtype), mask=c_ok)
+
+    def merged(c, ok):  # the row's merged values at columns c [dp], rounded to the output dtype
+        o = pltriton.load(o_ref.at[src[:, None], c[None, :]], mask=s_ok[:, None] & ok[None, :], other=0.0)
+        return (jnp.sum(w[:, None] * o.astype(jnp.float32), axis=0) / den).astype(out_ref.dtype)
+
+    out = merged(cols, c_ok)
+    if rope_dim:  # the last rope_dim columns rotated back, each column's pair partner merged as well
+        pos_ref, freq_ref = refs[:2]
+        partner = merged(partner_columns(cols), c_ok & (cols >= d - rope_dim))
+        out = rotate_pairs(out, partner, cols, d, rope_dim, pos_ref[row // heads], freq_ref, inverse=True)
+    pltriton.store(out_ref.at[row, cols], out, mask=c_ok)
 
 
 def merge_kernel(o: Float[Array, "p n d"], lse: Float[Array, "p n"], sink: Float[Array, " h"], out_dtype, *,
-                 num_warps: int = 4, interpret: bool | None = None) -> Float[Array, "n d"]:
+                 out_rope: tuple[Array, Array] | None = None, num_warps: int = 4,
+                 interpret: bool | None = None) -> Float[Array, "n d"]:
     """``merge_splits`` as one Pallas launch, grid (rows,): a row's P partials in one tile. At a Flash C4
     decode step (16 splits of 64 heads x 512, 1 MiB) it takes 2 us where XLA's fusion of the
     reference (with the output's inverse rope, which XLA fused into it) took 10.3
-    (docs/benchmarks.md). Differs from it by the order of float32 sums."""
+    (docs/benchmarks.md). Differs from it by the order of float32 sums. ``out_rope``: (positions
+    [n / h], inv_freq [r]): the merged rows rotated back as ``norms_rope.apply_rope(...,
+    inverse=True)`` does (the last 2r columns; the token of row i is i // h), in this launch."""
     p, n, d = o.shape
     if lse.shape != (p, n) or n % sink.shape[0]:
         raise ValueError(f"lse must be [{p}, {n}] and the rows a multiple of the heads, got {lse.shape} / {sink.shape}")
+    rope_args = ()
+    if out_rope is not None:
+        positions, inv_freq = out_rope
+        if positions.shape != (n // sink.shape[0],) or inv_freq.ndim != 1 or 2 * inv_freq.shape[0] > d:
+            raise ValueError(f"out_rope needs positions [{n // sink.shape[0]}] and inv_freq [r] with 2r <= {d}, got "
+                             f"{positions.shape} / {inv_freq.shape}")
+        rope_args = (jnp.asarray(positions, jnp.int32), jnp.asarray(inv_freq, jnp.float32))
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(
-            functools.partial(_merge_kernel, splits=p, heads=sink.shape[0]),
+            functools.partial(_merge_kernel, splits=p, heads=sink.shape[0],
+                              rope_dim=2 * rope_args[1].shape[0] if rope_args else 0),
             grid=(n,),
             out_shape=jax.ShapeDtypeStruct((n, d), out_dtype),
             compiler_params=backend.compiler_params(num_warps, 1),
             interpret=backend.interpret_mode(interpret),
-            name="attention_merge_splits",
-        )(o.reshape(p * n, d), lse.reshape(p * n).astype(jnp.float32), sink.astype(jnp.float32))
+            name="attention_merge_splits" + ("_rope" if rope_args else ""),
+        )(o.reshape(p * n, d), lse.reshape(p * n).astype(jnp.float32), sink.astype(jnp.float32), *rope_args)
 
 
 def spans_for(cfg: BlockConfig, d: int, fp8: bool) -> tuple[tuple[int, int], ...]:
@@ -459,7 +481,8 @@ def spans_for(cfg: BlockConfig, d: int, fp8: bool) -> tuple[tuple[int, int], ...
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "scale", "interpret"))
-def _pallas(q, window, entries, sink, meta: RaggedMeta, *, cfg: BlockConfig, scale: float, interpret: bool):
+def _pallas(q, window, entries, sink, meta: RaggedMeta, out_rope, *, cfg: BlockConfig, scale: float,
+            interpret: bool):
     t, h, d = q.shape
     s = meta.num_requests
     ring = _pool_shape(window)[1]
@@ -489,10 +512,23 @@ def _pallas(q, window, entries, sink, meta: RaggedMeta, *, cfg: BlockConfig, sca
             interpret=interpret,
             name="ragged_sink_attention",
         )(*args)
-    if p > 1:
+    if p > 1:  # the output's inverse rope in the merge's launch
         o, lse = out
-        out = merge_kernel(o.reshape(p, t * h, d), lse.reshape(p, t * h), sink, q.dtype, interpret=interpret)
-    return out.reshape(t, h, d)
+        out = merge_kernel(o.reshape(p, t * h, d), lse.reshape(p, t * h), sink, q.dtype, out_rope=out_rope,
+                           interpret=interpret)
+        return out.reshape(t, h, d)
+    return _rotated_back(out.reshape(t, h, d), out_rope)
+
+
+def _rotated_back(o: Float[Array, "t h d"], out_rope) -> Float[Array, "t h d"]:
+    """``o`` with ``out_rope`` = (positions, inv_freq) applied as ``norms_rope.apply_rope(...,
+    inverse=True)`` (XLA), or as it is (None)."""
+    if out_rope is None:
+        return o
+    from dspark_jax.model.norms_rope import apply_rope
+
+    positions, inv_freq = out_rope
+    return apply_rope(o, positions, inv_freq, inverse=True)
 
 
 def select_config(q: Array, window: Pool, entries: Pool | None, meta: RaggedMeta) -> BlockConfig:
@@ -509,8 +545,8 @@ def select_config(q: Array, window: Pool, entries: Pool | None, meta: RaggedMeta
 
 def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: Float[Array, " h"],
            meta: RaggedMeta, *, scale: float | None = None, config: BlockConfig | None = None,
-           interpret: bool | None = None) -> Float[Array, "t h d"]:
-    """The Pallas kernel (same contract as ``reference``)."""
+           out_rope: tuple[Array, Array] | None = None, interpret: bool | None = None) -> Float[Array, "t h d"]:
+    """The Pallas kernel (same contract as ``reference``; ``out_rope`` as in ``ragged_attention``)."""
     check_inputs(q, window, entries, sink, meta)
     t, h, d = q.shape
     if not backend.is_power_of_2(d) or d < 16:
@@ -522,14 +558,20 @@ def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: F
     if meta.entries_kind == "topk" and cfg.block_t != 1:
         raise ValueError(f"top-k entries are a key list per token: the kernel needs block_t = 1, got {cfg.block_t}")
     scale = d**-0.5 if scale is None else float(scale)
-    return _pallas(q, window, entries, sink, meta, cfg=cfg, scale=scale, interpret=backend.interpret_mode(interpret))
+    if out_rope is not None:
+        out_rope = (jnp.asarray(out_rope[0], jnp.int32), jnp.asarray(out_rope[1], jnp.float32))
+    return _pallas(q, window, entries, sink, meta, out_rope, cfg=cfg, scale=scale,
+                   interpret=backend.interpret_mode(interpret))
 
 
 def ragged_attention(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: Float[Array, " h"],
                      meta: RaggedMeta, *, scale: float | None = None, impl: str | None = None,
-                     **kernel_options) -> Float[Array, "t h d"]:
+                     out_rope: tuple[Array, Array] | None = None, **kernel_options) -> Float[Array, "t h d"]:
     """Ragged sink attention through the backend switch (``backend``): the Pallas kernel or the
-    XLA reference. ``kernel_options`` (config, interpret) go to the kernel only."""
+    XLA reference. ``kernel_options`` (config, interpret) go to the kernel only. ``out_rope``:
+    (positions [t], inv_freq [r]): the output rotated back (inverse RoPE of each token's last 2r
+    dims at its position, as ``norms_rope.apply_rope(..., inverse=True)``), by the kernel's split
+    merge when it has one (a decode step's launch the fewer), else by XLA."""
     if backend.resolve(impl) == "xla":
-        return reference(q, window, entries, sink, meta, scale=scale)
-    return kernel(q, window, entries, sink, meta, scale=scale, **kernel_options)
+        return _rotated_back(reference(q, window, entries, sink, meta, scale=scale), out_rope)
+    return kernel(q, window, entries, sink, meta, scale=scale, out_rope=out_rope, **kernel_options)

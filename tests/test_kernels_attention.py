@@ -397,3 +397,33 @@ def test_config_selection_by_shape(tmp_path):
                    '"batch": 64, "config": {"block_k": 24}}]}')
     with pytest.raises(ValueError, match="power of two"):
         attention_configs.table_entries(str(bad))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_output_rotated_back_in_the_merge(splits):
+    """``out_rope``: the output rotated back by the split merge (one launch, ``_rope`` in its
+    name) or, unsplit, by XLA; each the reference's output through ``apply_rope(inverse=True)``
+    (bf16: one rounding step at most, the merge's sums in another order)."""
+    from dspark_jax.model.norms_rope import apply_rope, rope_inv_freq
+    from tests.helpers import pallas_calls
+
+    rng = np.random.default_rng(splits)
+    t, h, d, ring = 3, 4, 128, 32
+    q = jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16)
+    keys = jnp.asarray(rng.standard_normal((1, ring, d)), jnp.bfloat16)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    meta, pos = am.verify(jnp.array([t]), jnp.array([40]), window=16, num_tokens=t, max_q_len=t)
+    inv_freq = rope_inv_freq(64, 10000.0, None)
+    cfg = ra.BlockConfig(block_t=4, block_h=4, block_k=16, kv_splits=splits, block_d=128)
+    got = ra.kernel(q, keys, None, sink, meta, config=cfg, out_rope=(pos, inv_freq))
+    plain = ra.kernel(q, keys, None, sink, meta, config=cfg)
+    want = apply_rope(ra.reference(q, keys, None, sink, meta), pos, inv_freq, inverse=True)
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(g).all() and not np.array_equal(g, np.asarray(plain, np.float32))
+    np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * np.abs(w).max())
+    np.testing.assert_array_equal(g[..., :d - 64], np.asarray(plain, np.float32)[..., :d - 64])  # nope dims kept
+    names = [n for n, _ in pallas_calls(jax.make_jaxpr(
+        lambda q: ra.kernel(q, keys, None, sink, meta, config=cfg, out_rope=(pos, inv_freq)))(q).jaxpr)]
+    assert ("attention_merge_splits_rope" in names) == (splits > 1), names
+    via = ra.ragged_attention(q, keys, None, sink, meta, impl="xla", out_rope=(pos, inv_freq))
+    np.testing.assert_array_equal(np.asarray(via, np.float32), w)

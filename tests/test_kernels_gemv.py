@@ -1,7 +1,8 @@
-"""The one-row FP8 kernel (``pallas_kernels.gemv``: float32 multiply-adds) against the grouped
+"""The one-row kernel (``pallas_kernels.gemv``: float32 multiply-adds) against the grouped
 matmul's reference (the row padded to a 16-row tile), with quantised and bf16 rows, several
-groups, K split or not, the fused SwiGLU; the automatic tiles; the lowering for gfx950 and
-NVIDIA; the one-row linears' dispatch; and bad input.
+groups, K split or not, the fused SwiGLU; bf16 weights against ``matmul_f32`` (bf16 and fp32
+rows), FP8 and bf16 weights in one launch; the automatic tiles; the lowering for gfx950 and
+NVIDIA; the one-row linears' dispatch (``shared_input``, the router); and bad input.
 
 Interpret mode fills outputs with NaN before the kernel runs
 (``test_kernels_attention.test_interpret_mode_poisons_outputs``): a finite result means every
@@ -87,6 +88,50 @@ def test_several_weights_in_one_launch(cfg):
     assert len(names) == 1 and names[0].startswith("gemv_fp8_q_x3"), names
 
 
+@pytest.mark.parametrize("row_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("split", [1, 4])
+def test_bf16_weights_equal_matmul_f32(row_dtype, split):
+    """bf16 weights (the compressors' and the router's) against ``matmul_f32``'s exact products:
+    bf16 rows as they are, fp32 rows (full 24-bit significands) as three bf16 parts."""
+    from dspark_jax.model.common import matmul_f32
+
+    rng = np.random.default_rng(split)
+    w = jnp.asarray(rng.standard_normal((2, 96, 512)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 512)) * np.exp(rng.uniform(-3, 3, (2, 1))), row_dtype)
+    group = jnp.array([1, 0], jnp.int32)
+    got = np.asarray(gemv(x, gm.Weights(w, None, "dense"), group, out_dtype=jnp.float32,
+                          config=GemvConfig(block_n=32, split_k=split)))
+    want = np.stack([np.asarray(matmul_f32(x[r], w[int(group[r])])) for r in range(2)])
+    assert np.isfinite(got).all() and np.abs(want).max() > 0
+    # the fp32 rows' low parts matter: a product of their bf16 rounding alone is far off
+    coarse = np.stack([np.asarray(matmul_f32(x[r].astype(jnp.bfloat16), w[int(group[r])])) for r in range(2)])
+    tol = 2e-6 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    assert row_dtype == jnp.bfloat16 or np.abs(coarse - want).max() > 100 * tol
+
+
+def test_fp8_and_bf16_weights_in_one_launch():
+    """An attention layer's linears of x in one launch: wq_a and wkv (FP8, the row quantised) and
+    a compressor's wkv and wgate (bf16, the row as it is), each output its own reference's."""
+    from dspark_jax.model.common import matmul_f32
+
+    rng, w, x, group = _case(11, "fp8", 1, 1, 256, 512)
+    fp8 = (w, _random_weights(rng, (1, 128, 512), "fp8"))
+    dense = tuple(jnp.asarray(rng.standard_normal((1, n, 512)) * 0.05, jnp.bfloat16) for n in (64, 64))
+    ws = fp8 + tuple(gm.Weights(d, None, "dense") for d in dense)
+    outs = gemv_many(x, ws, group, quantise=(True, True, False, False), out_dtype=jnp.float32)
+    assert [o.shape for o in outs] == [(1, 256), (1, 128), (1, 64), (1, 64)]
+    wants = [np.asarray(gm.reference(_padded(x, True), wi, group, jnp.array([1]), block_m=16,
+                                     out_dtype=jnp.float32))[::16] for wi in fp8]
+    wants += [np.asarray(matmul_f32(x, d[0])) for d in dense]
+    for got, want in zip(outs, wants):
+        assert np.isfinite(np.asarray(got)).all() and np.abs(want).max() > 0
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    jaxpr = jax.make_jaxpr(lambda x: gemv_many(x, ws, group, quantise=(True, True, False, False)))(x)
+    names = [n for n, _ in pallas_calls(jaxpr.jaxpr)]
+    assert len(names) == 1 and names[0].startswith("gemv_fp8_bf16_q_x4"), names
+
+
 def test_config_fits_the_shapes():
     cfg = GemvConfig(block_n=256, block_k=1024, split_k=2).fit(1, (4096,), 8192)
     assert (cfg.block_n, cfg.block_k, cfg.split_k) == (128, 1024, 2)  # one 128-column scale block per program
@@ -139,6 +184,11 @@ def test_flash_linears_lower_for_gpus(arch, platform):
     text = lowering.lower(lambda x, a, b: gemv_many(gm.QuantRows(x), (a, b), jnp.zeros((1,), jnp.int32),
                                                     interpret=False), x, wq_a, wkv, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_x2_split" in text
+    cmp = gm.Weights(SD((1, 1024, 4096), jnp.bfloat16), None, "dense")  # a C4 compressor's wkv / wgate
+    text = lowering.lower(lambda x, a, b, c: gemv_many(x, (a, b, c, c), jnp.zeros((1,), jnp.int32),
+                                                       quantise=(True, True, False, False), interpret=False),
+                          x, wq_a, wkv, cmp, arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_bf16_q_x4_split" in text
 
 
 def test_bad_input_is_named():
@@ -147,8 +197,15 @@ def test_bad_input_is_named():
         gemv(x[:, :128], w, group)
     with pytest.raises(ValueError, match="one entry per row"):
         gemv(x, w, group[:1])
-    with pytest.raises(ValueError, match="gemv takes weights of format"):
-        gemv(x, gm.Weights(jnp.zeros((2, 128, 256), jnp.bfloat16), None, "dense"), group)
+    dense32 = gm.Weights(jnp.ones((2, 128, 256), jnp.float32), None, "dense")
+    with pytest.raises(ValueError, match="gemv takes dense weights in bf16"):
+        gemv(x, dense32, group)
+    with pytest.raises(ValueError, match="with unquantised rows"):
+        gemv(gm.QuantRows(x), dataclasses.replace(dense32, values=dense32.values.astype(jnp.bfloat16)), group)
+    with pytest.raises(ValueError, match="one quantise flag per weight"):
+        gemv_many(x, (w, w), group, quantise=(True,))
+    with pytest.raises(ValueError, match="QuantRows quantise the rows for every weight"):
+        gemv_many(gm.QuantRows(x), (w,), group, quantise=(True,))
     with pytest.raises(ValueError, match="gemv takes weights of format"):
         gemv(x, dataclasses.replace(w, fmt="fp8_k128"), group)
     with pytest.raises(ValueError, match="must share their groups and K"):
@@ -184,3 +241,67 @@ def test_linears_of_one_input_share_a_launch():
     dense = Numerics(quant_sim=True, weight_format="dense", kernels="pallas")
     lins = (Linear(256, 128, dense, rngs=nnx.Rngs(0)), Linear(256, 64, dense, rngs=nnx.Rngs(1)))
     assert names(x) == []
+
+
+def test_fp8_and_bf16_linears_share_a_launch():
+    """A compressed layer's linears of x (``Attention``: wq_a, wkv, the compressor's wkv and wgate
+    in fp32, an indexer's weights_proj in bf16): one launch at one row, each result in its
+    linear's dtype and equal to its own call; on a mesh (the caller's) one call each."""
+    from flax import nnx
+
+    from dspark_jax.model.common import Linear, Numerics, shared_input
+
+    num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
+    lins = (Linear(256, 128, num, rngs=nnx.Rngs(0)), Linear(256, 64, num, rngs=nnx.Rngs(1)),
+            Linear(256, 96, num, rngs=nnx.Rngs(2), fp8_act=False, compute_dtype=jnp.float32),
+            Linear(256, 96, num, rngs=nnx.Rngs(3), fp8_act=False, compute_dtype=jnp.float32),
+            Linear(256, 16, num, rngs=nnx.Rngs(4), fp8_act=False))
+    x = jax.random.normal(jax.random.key(1), (1, 1, 256), jnp.bfloat16) * 3
+    names = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: shared_input(lins, x))(x).jaxpr)]
+    assert len(names) == 1 and names[0].startswith("gemv_fp8_bf16_q_x5"), names
+    for got, lin in zip(shared_input(lins, x), lins):
+        ref = lin(x)
+        want = np.asarray(ref, np.float32)
+        assert got.shape == ref.shape and got.dtype == ref.dtype and np.abs(want).max() > 0
+        rtol = 2**-8 if ref.dtype == jnp.bfloat16 else 0
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=rtol, atol=2e-6 * np.abs(want).max())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    calls = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: shared_input(lins, x, mesh))(x).jaxpr)]
+    assert not any(n.startswith("gemv_fp8_bf16") for n in calls), calls
+
+
+def test_one_row_router_logits_take_gemv():
+    """``matmul_f32`` on the Pallas path: one row times a bf16 weight through ``gemv`` (the
+    router of a batch-1 step), the XLA result; two rows or the XLA path: no kernel."""
+    from dspark_jax.model.common import matmul_f32
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((256, 512)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16)
+    calls = lambda x, impl: [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: matmul_f32(x, w, impl))(x).jaxpr)]  # noqa
+    assert len(calls(x, "pallas")) == 1 and calls(x, "pallas")[0].startswith("gemv_bf16")
+    assert calls(jnp.concatenate([x, x]), "pallas") == [] and calls(x, "xla") == []
+    want = np.asarray(matmul_f32(x, w))
+    np.testing.assert_allclose(np.asarray(matmul_f32(x, w, "pallas")), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_partial_sums_on_request():
+    """``gemv_many(partials=...)``: the flagged weights' products as ``Partials`` (float32 parts of
+    the K split, adding up to the product), the others summed as usual; one part when K is not
+    split."""
+    from pallas_kernels.gemv import Partials, total
+
+    rng, w, x, group = _case(13, "fp8", 1, 1, 128, 1024)
+    dense = gm.Weights(jnp.asarray(rng.standard_normal((1, 64, 1024)) * 0.05, jnp.bfloat16), None, "dense")
+    for split in (4, 1):
+        cfg = GemvConfig(block_n=32, split_k=split)
+        a, b = gemv_many(x, (w, dense), group, quantise=(True, False), partials=(False, True), config=cfg,
+                         out_dtype=jnp.float32)
+        ra, rb = gemv_many(x, (w, dense), group, quantise=(True, False), config=cfg, out_dtype=jnp.float32)
+        assert isinstance(b, Partials) and b.parts.shape == (split, 1, 64) and b.parts.dtype == jnp.float32
+        assert not isinstance(a, Partials)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(ra))
+        np.testing.assert_allclose(np.asarray(total(b)), np.asarray(rb), rtol=0, atol=1e-6 * np.abs(rb).max())
+        assert split == 1 or np.abs(np.asarray(b.parts[0]) - np.asarray(rb)).max() > 1e-3 * np.abs(rb).max()
+    with pytest.raises(ValueError, match="one partials flag per weight"):
+        gemv_many(x, (w, dense), group, quantise=(True, False), partials=(True,))

@@ -157,11 +157,16 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
 
 
 def test_one_token_steps_share_the_linears_launches():
-    """FP8 linears at one token through ``gemv`` (interpret mode here): wq_a + wkv in one launch
-    per layer (``model.common.shared_input``), the logits those of the XLA path (fp32
-    activations: exact products both ways)."""
+    """Linears at one token through ``gemv`` (interpret mode here): per layer every linear of the
+    attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
+    layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
+    the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
+    q and kv norms of the split sums in one, the compressors' pooling adding its split sums; the logits those of the XLA path (fp32 activations, bf16
+    and FP8 weights: exact products both ways but for fp32 rows times FP8 weights, rounded alike)."""
+    cfg = SMALL.replace(n_routed_experts=16, index_n_heads=16)
+
     def model(kernels):
-        m = dspark_jax.init(SMALL, 3, dtype=jnp.float32, weight_format="official")
+        m = dspark_jax.init(cfg, 3, dtype=jnp.float32, param_dtype=jnp.bfloat16, weight_format="official")
         num = dataclasses.replace(m.numerics, kernels=kernels)
         for _, mod in nnx.iter_modules(m.module):
             if hasattr(mod, "num"):
@@ -176,4 +181,9 @@ def test_one_token_steps_share_the_linears_launches():
     one = jnp.ones((1,), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda s, x: forward_step(pallas.graphdef, s, x, one, cache))(pallas.state, ids[:, :1])
     names = [n for n, _ in pallas_calls(jaxpr.jaxpr)]
-    assert len([n for n in names if n.startswith("gemv_fp8_x2")]) == len(SMALL.compress_ratios), names
+    count = lambda prefix: len([n for n in names if n.startswith(prefix)])  # noqa: E731
+    assert SMALL.compress_ratios == (0, 4, 128)
+    assert (count("gemv_fp8_x2"), count("gemv_fp8_bf16_x7"), count("gemv_fp8_bf16_x4")) == (1, 1, 1), names
+    assert count("gemv_bf16") == len(SMALL.compress_ratios), names  # the routers'
+    assert count("rms_norms_x2") == len(SMALL.compress_ratios), names  # q_norm + kv_norm of the partial sums
+    assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # (no quant_sim: no row quantised)

@@ -1,6 +1,7 @@
 """MQA latent attention of DeepSeek-V4 (one 512-d latent per token is both key and value).
 
-Queries: q = wq_b(q_norm(wq_a(x))), a weightless per-head RMS norm, RoPE at the token position.
+Queries: q = wq_b(q_norm(wq_a(x))), a weightless per-head RMS norm, RoPE at the token position
+(``pallas_kernels.rope.q_norm_rope``).
 Keys = values: kv = kv_norm(wkv(x)) with RoPE (and fp8 nope dims under ``quant_sim``).
 Key set of a query at position i: the ``sliding_window`` latest tokens up to and including i,
 plus compressed entries (C4: the indexer's top-k, Cm: all visible entries). A learned per-head
@@ -28,7 +29,10 @@ from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from dspark_jax.sharding import activation_spec, batch_axes
 from pallas_kernels import attention_metadata
+from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
+from pallas_kernels.rms_norms import rms_norms
+from pallas_kernels.rope import q_norm_rope
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
@@ -59,35 +63,57 @@ class Attention(nnx.Module):
     def inv_freq(self):
         return layer_inv_freq(self.cfg, self.ratio)
 
-    def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None
+    def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None, qr: Array | None = None
                   ) -> tuple[Float[Array, "b t h d"], Array]:
-        """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x) when already computed)."""
+        """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x), or ``qr`` itself, when already computed)."""
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x) if a is None else a)
-        q = self.wq_b(qr).reshape(*x.shape[:2], cfg.num_attention_heads, cfg.head_dim)
-        qf = q.astype(jnp.float32)
-        q = q * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + cfg.rms_norm_eps).astype(q.dtype)
-        return apply_rope(q, pos, self.inv_freq), qr
+        if qr is None:
+            qr = self.q_norm(self.wq_a(x) if a is None else a)
+        q = self.wq_b(qr)
+        b, t = x.shape[:2]
+        # a weightless per-head RMS norm, then RoPE (one launch on the Pallas path without a mesh)
+        impl = self.num.kernel_impl() if self.mesh is None else "xla"
+        q = q_norm_rope(q.reshape(b * t, cfg.num_attention_heads, cfg.head_dim), pos.reshape(-1), self.inv_freq,
+                        cfg.rms_norm_eps, impl=impl)
+        return q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), qr
 
-    def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None) -> Float[Array, "b t d"]:
-        """Keys = values (``a``: wkv(x) when already computed)."""
-        kv = apply_rope(self.kv_norm(self.wkv(x) if a is None else a), pos, self.inv_freq, heads=False)
+    def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None,
+                   normed: Array | None = None) -> Float[Array, "b t d"]:
+        """Keys = values (``a``: wkv(x), or ``normed``: kv_norm(wkv(x)), when already computed)."""
+        if normed is None:
+            normed = self.kv_norm(self.wkv(x) if a is None else a)
+        kv = apply_rope(normed, pos, self.inv_freq, heads=False)
         return kv_sim(kv, self.cfg.qk_rope_head_dim) if self.num.quant_sim else kv
 
-    def project_out(self, o: Float[Array, "b t h d"], pos: Array) -> Float[Array, "b t D"]:
-        """Inverse RoPE, then wo_a per output group and wo_b (on a mesh both per device: the
-        groups' rows of wo_a and wo_b's matching columns, summed over ``model`` by wo_b)."""
+    def project_out(self, o: Float[Array, "b t h d"], pos: Array | None) -> Float[Array, "b t D"]:
+        """Inverse RoPE (``pos`` None: ``o`` is rotated back already), then wo_a per output group
+        and wo_b (on a mesh both per device: the groups' rows of wo_a and wo_b's matching columns,
+        summed over ``model`` by wo_b)."""
         b, t = o.shape[:2]
-        o = apply_rope(o, pos, self.inv_freq, inverse=True).reshape(b, t, self.cfg.o_groups, -1)
+        if pos is not None:
+            o = apply_rope(o, pos, self.inv_freq, inverse=True)
+        o = o.reshape(b, t, self.cfg.o_groups, -1)
         return self.wo_b(self.wo_a.grouped(o).reshape(b, t, -1))
 
     def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache
                  ) -> tuple[Float[Array, "b t D"], LayerCache]:
         cfg = self.cfg
         pos = chunk.positions
-        a_q, a_kv = shared_input((self.wq_a, self.wkv), x)  # one launch at one row
-        q, qr = self.project_q(x, pos, a_q)
-        kv = self.project_kv(x, pos, a_kv)
+        # every linear of x in one launch at one row: wq_a, wkv, the compressor's, the indexer's
+        cmp = (self.compressor.wkv, self.compressor.wgate) if self.ratio else ()
+        idx = self.indexer.x_linears() if self.ratio == 4 else ()
+        a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh,
+                                             partials=(True, True))
+        qr = kv_normed = None
+        if isinstance(a_q, Partials) and isinstance(a_kv, Partials):  # both norms in one launch
+            qr, kv_normed = rms_norms((a_q.reshape(-1, a_q.parts.shape[-1]), a_kv.reshape(-1, a_kv.parts.shape[-1])),
+                                      (self.q_norm.weight[...], self.kv_norm.weight[...]), self.q_norm.eps, x.dtype,
+                                      impl=self.num.kernel_impl())
+            qr, kv_normed = qr.reshape(*x.shape[:-1], -1), kv_normed.reshape(*x.shape[:-1], -1)
+        else:
+            a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
+        q, qr = self.project_q(x, pos, a_q, qr)
+        kv = self.project_kv(x, pos, a_kv, kv_normed)
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()
@@ -96,14 +122,15 @@ class Attention(nnx.Module):
         new = {}
         entries = top = None
         if self.ratio:
-            entries, new["compressor"] = self.compressor(x, chunk, cache.compressor)
+            entries, new["compressor"] = self.compressor(x, chunk, cache.compressor, tuple(projected[:2]))
             if self.ratio == 4:
-                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer)  # [b, t, k], -1 = none
+                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer, tuple(projected[2:]))  # -1: none
 
         if chunk.width <= ring - cfg.sliding_window + 1:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.
             new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl, mesh=self.mesh)
-            o = self._ragged(q, new["window"], entries, top, chunk, impl)
+            o = self._ragged(q, new["window"], entries, top, chunk, impl)  # rotated back already
+            return self.project_out(o, None), dataclasses.replace(cache, **new)
         else:
             # Prefill chunk: keys = the ring before the chunk + the chunk's own rows.
             rpos = ring_positions(chunk.start, ring)
@@ -168,7 +195,8 @@ class Attention(nnx.Module):
                              out_specs=q_spec, check_vma=False)(q, sink, tokens, cu, requests)
 
     def _ragged(self, q, window, entries, top, chunk: Chunk, impl: str) -> Float[Array, "b t h d"]:
-        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``), per
+        """Ragged attention over the pools (the Pallas kernel or its reference, by ``impl``), its
+        output rotated back (inverse RoPE: in the kernel's split merge when it has one), per
         device on a mesh (``per_device``). A packed chunk's tokens (ragged verify) go to it as they
         are, ``cu_q_lens`` from the packing (``per_device_packed``)."""
         requests = dict(window=window, entries=entries, start=chunk.start, n_valid=chunk.n_valid)
@@ -195,5 +223,5 @@ class Attention(nnx.Module):
             meta = attention_metadata.with_prefix_entries(meta, pos_flat, ratio=self.ratio,
                                                           num_slots=r["entries"].shape[1])
         o = ragged_attention(q.reshape(b * t, h, d), r["window"], r.get("entries"), sink, meta, scale=d**-0.5,
-                             impl=impl)
+                             impl=impl, out_rope=(pos_flat, self.inv_freq))
         return o.reshape(b, t, h, d)

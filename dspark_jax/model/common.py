@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
@@ -164,17 +165,32 @@ def random_fp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = 0.02, *, wid
     return jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8), scales
 
 
-def matmul_f32(x: Float[Array, "... i"], w: Float[Array, "o i"]) -> Float[Array, "... o"]:
+def matmul_f32(x: Float[Array, "... i"], w: Float[Array, "o i"], impl: str = "xla") -> Float[Array, "... o"]:
     """x @ w.T in float32 for fp32 activations. With bf16 weights, x is split exactly into three
     bf16 parts (hi + mid + lo hold all 24 significand bits) that go through one bf16 GEMM with fp32
     accumulation: every product is exact, as in an fp32 GEMM of the upcast weight, but the weight
     is read once as stored instead of being copied to fp32 first (the lm_head and Markov head are
-    the largest matrices of the model). Other weight dtypes: a plain fp32 matmul."""
+    the largest matrices of the model). One row on the Pallas path (``impl``, no mesh: the router
+    of a batch-1 step): ``gemv``'s multiply-adds, the same exact products in one launch. Other
+    weight dtypes: a plain fp32 matmul."""
+    if one_row_dense(x, w, impl):
+        y = gemv.gemv(x.reshape(1, -1), gm.Weights(w[None], None, "dense"), ONE_GROUP, out_dtype=jnp.float32)
+        return y.reshape(*x.shape[:-1], -1)
     x = x.astype(jnp.float32)
     if w.dtype != jnp.bfloat16:
         return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
     y = jnp.einsum("p...i,oi->p...o", jnp.stack(bf16_parts(x)), w, preferred_element_type=jnp.float32)
     return y[0] + (y[1] + y[2])
+
+
+ONE_GROUP = np.zeros((1,), np.int32)  # the group index of one row against one weight (``gemv``)
+
+
+def one_row_dense(x: Array, w: Array, impl: str) -> bool:
+    """Whether x (one bf16 / fp32 row) times the bf16 weight w [o, i] runs as ``gemv`` (``impl``
+    "pallas")."""
+    return (math.prod(x.shape[:-1]) == 1 and x.dtype in (jnp.bfloat16, jnp.float32) and w.dtype == jnp.bfloat16
+            and gemv.takes(1, gm.Weights(w[None], None, "dense"), impl))
 
 
 def bf16_parts(x: Float[Array, "..."]) -> tuple[Array, Array, Array]:
@@ -257,6 +273,21 @@ class Linear(nnx.Module):
         """Whether the weight splits into ``groups`` row blocks along its scale blocks."""
         return not self.quantized or (self.weight.shape[0] // groups) % gm.FP8_BLOCK == 0
 
+    def takes_gemv(self, x: Float[Array, "... i"]) -> bool:
+        """Whether x, one row, could run through ``gemv`` as it is (the rows of ``shared_input``):
+        on the Pallas path an FP8 weight without a mesh that ``runs_kernel``, or a bf16 weight whose
+        input is not quantised; x in bf16 or fp32, cast to ``compute_dtype`` exactly (None, x's
+        dtype or fp32)."""
+        if math.prod(x.shape[:-1]) != 1 or x.dtype not in (jnp.bfloat16, jnp.float32):
+            return False
+        if self.compute_dtype not in (None, jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+            return False
+        if self.quantized:
+            ok = self.mesh is None and self.runs_kernel(x)
+        else:
+            ok = not self.fp8_act and self.weight.dtype == jnp.bfloat16
+        return ok and gemv.takes(1, self.grouped_weights(), self.num.kernel_impl(), self.fp8_act)
+
     def __call__(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
         """x @ W.T. On a mesh (an FP8 weight, ``sharding.attach_mesh``) every device runs the GEMM
         in a ``shard_map`` on its own shard: its requests (x's leading dim, over ``data``) and the
@@ -296,9 +327,10 @@ class Linear(nnx.Module):
         if self.compute_dtype is not None:
             x = x.astype(self.compute_dtype)
         if self.runs_kernel(x):
+            # the kernel rounds its float32 sums to the output dtype itself (no convert launch after it)
             y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), act_quant=self.fp8_act,
-                                  out_dtype=jnp.float32, impl="pallas").reshape(*x.shape[:-1], -1)
-            return y.astype(out_dtype or x.dtype)
+                                  out_dtype=out_dtype or x.dtype, impl="pallas")
+            return y.reshape(*x.shape[:-1], -1)
         if self.fp8_act:
             x = fp8_sim(x, 128)
         if x.dtype == jnp.float32 and not self.quantized:
@@ -316,25 +348,26 @@ class Linear(nnx.Module):
         return jnp.einsum("btgi,gri->btgr", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"]) -> tuple[Float[Array, "... o"], ...]:
-    """``lin(x)`` for each of several linears of one input (e.g. an attention layer's wq_a and
-    wkv). At one row, when each would take ``gemv`` (an FP8 weight on the Pallas path, no mesh,
-    the same input quantisation and dtype), all run in one launch (``gemv.gemv_many``: the row
-    read and quantised once per program instead of once per linear's launch); otherwise one call
-    each."""
-    first = linears[0]
-    weights = tuple(lin.grouped_weights() for lin in linears)
-    one_launch = math.prod(x.shape[:-1]) == 1 and len(linears) > 1 and all(
-        lin.mesh is None and lin.runs_kernel(x) and lin.fp8_act == first.fp8_act
-        and lin.compute_dtype == first.compute_dtype and gemv.takes(1, w, "pallas")
-        for lin, w in zip(linears, weights))
-    if not one_launch:
+def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=None,
+                 partials: tuple[bool, ...] = ()) -> tuple[Float[Array, "... o"] | gemv.Partials, ...]:
+    """``lin(x)`` for each of several linears of one input (e.g. an attention layer's wq_a and wkv
+    and its compressors' wkv and wgate). At one row without a ``mesh`` (the caller's), those that
+    would take ``gemv`` (``Linear.takes_gemv``, at least two) run in one launch (``gemv.gemv_many``:
+    the row read once per program instead of once per linear's launch, quantised for the linears
+    that quantise it); the others, and every linear otherwise, one call each. ``partials[i]``:
+    linear i's result comes back as ``gemv.Partials`` (float32) when it ran in the shared launch,
+    for a consumer that adds the K split's partial sums itself (``gemv.total`` gives the array)."""
+    takers = [i for i, lin in enumerate(linears) if lin.takes_gemv(x)] if mesh is None else []
+    if len(takers) < 2:
         return tuple(lin(x) for lin in linears)
-    xc = x if first.compute_dtype is None else x.astype(first.compute_dtype)
-    rows = xc.reshape(1, -1)
-    ys = gemv.gemv_many(gm.QuantRows(rows) if first.fp8_act else rows, weights, jnp.zeros((1,), jnp.int32),
-                        out_dtype=jnp.float32)
-    return tuple(y.reshape(*x.shape[:-1], -1).astype(xc.dtype) for y in ys)
+    picked = tuple(linears[i] for i in takers)
+    keep = tuple(bool((partials + (False,) * len(linears))[i]) for i in takers)
+    ys = gemv.gemv_many(x.reshape(1, -1), tuple(lin.grouped_weights() for lin in picked), ONE_GROUP,
+                        quantise=tuple(lin.fp8_act for lin in picked), out_dtype=jnp.float32, partials=keep)
+    lead = x.shape[:-1]
+    shared = {i: y.reshape(*lead, -1) if isinstance(y, gemv.Partials)
+              else y.reshape(*lead, -1).astype(lin.compute_dtype or x.dtype) for i, y, lin in zip(takers, ys, picked)}
+    return tuple(shared[i] if i in shared else lin(x) for i, lin in enumerate(linears))
 
 
 class Embedding(nnx.Module):

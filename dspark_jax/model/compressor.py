@@ -40,17 +40,20 @@ class Compressor(nnx.Module):
         self.cfg, self.num = cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: then it runs per device on its requests
 
-    def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState
-                 ) -> tuple[KVPool, CompressorState]:
+    def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState,
+                 projected: tuple[Array, Array] | None = None) -> tuple[KVPool, CompressorState]:
         """Compress every window closed inside the chunk; returns all entries and the new state.
         ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state.
+        ``projected``: (wkv(x), wgate(x)) when the caller computed them (``Attention``: in one
+        launch with its own projections at one row).
 
         The projections run token-wise in the chunk's layout (packed: only the real tokens); the
         pooling runs per request. On a mesh every device pools its own requests in a
         ``shard_map`` (``data``; its weights are replicated): left to the partitioner, the gathers
         by window position made it collect every request's rows on every device."""
         with jax.named_scope("compressor"):
-            kv_new, score_new = chunk.unpack(self.wkv(x)), chunk.unpack(self.wgate(x))  # [b, t, coff*w] fp32
+            kv_new, score_new = projected or (self.wkv(x), self.wgate(x))
+            kv_new, score_new = chunk.unpack(kv_new), chunk.unpack(score_new)  # [b, t, coff*w] fp32
             if self.mesh is None:
                 return self._pool(kv_new, score_new, chunk.dense, state)
             graphdef, weights = nnx.split(self)  # passed in: a shard_map body may not close over them

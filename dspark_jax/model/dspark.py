@@ -89,17 +89,17 @@ class DSparkStage(Block):
         if lengths is None:
             parts = [(ring, jnp.broadcast_to(ring_visible[:, None, :], (b, g, ring.shape[1]))),
                      (kv, jnp.ones((b, g, g), bool))]
-            o = sink_attention(q, parts, self.attn.attn_sink[...], scale)
-        else:
-            slots = ring_write_slots(lengths, jnp.full((b,), g, jnp.int32), g, ring.shape[1])
+            return self.attn.project_out(sink_attention(q, parts, self.attn.attn_sink[...], scale), pos)
+        slots = ring_write_slots(lengths, jnp.full((b,), g, jnp.int32), g, ring.shape[1])
 
-            def attend(q, sink, r):  # per device on a mesh (``Attention.per_device``)
-                meta = attention_metadata.draft(r["lengths"], block=g, window=self.cfg.sliding_window)
-                return ragged_attention(q.reshape(-1, *q.shape[2:]), r["ring"], None, sink, meta, scale=scale,
-                                        impl=self.num.kernel_impl()).reshape(q.shape)
+        def attend(q, sink, r):  # per device on a mesh (``Attention.per_device``); rotated back as well
+            meta = attention_metadata.draft(r["lengths"], block=g, window=self.cfg.sliding_window)
+            return ragged_attention(q.reshape(-1, *q.shape[2:]), r["ring"], None, sink, meta, scale=scale,
+                                    impl=self.num.kernel_impl(),
+                                    out_rope=(r["pos"].reshape(-1), self.attn.inv_freq)).reshape(q.shape)
 
-            o = self.attn.per_device(attend, q, dict(ring=scatter_rows(ring, slots, kv), lengths=lengths))
-        return self.attn.project_out(o, pos)
+        o = self.attn.per_device(attend, q, dict(ring=scatter_rows(ring, slots, kv), lengths=lengths, pos=pos))
+        return self.attn.project_out(o, None)
 
 
 @jax.tree_util.register_dataclass

@@ -47,22 +47,29 @@ class Indexer(nnx.Module):
         self.cfg, self.num = cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
-    def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState
-                 ) -> tuple[Int[Array, "b t k"], CompressorState]:
+    def x_linears(self) -> tuple[Linear, ...]:
+        """The linears of the layer input x: weights_proj, the compressor's wkv and wgate."""
+        return (self.weights_proj, self.compressor.wkv, self.compressor.wgate)
+
+    def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState,
+                 projected: tuple[Array, ...] | None = None) -> tuple[Int[Array, "b t k"], CompressorState]:
+        """``projected``: the ``x_linears``' results when the caller computed them."""
         with jax.named_scope("indexer"):
-            return self._top_entries(x, qr, chunk, state)
+            return self._top_entries(x, qr, chunk, state, projected)
 
     def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
-                     state: CompressorState) -> tuple[Int[Array, "b t k"], CompressorState]:
+                     state: CompressorState, projected: tuple[Array, ...] | None
+                     ) -> tuple[Int[Array, "b t k"], CompressorState]:
         """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
         queries are unpacked, their picks packed back)."""
+        w_raw, *kv_score = projected or (self.weights_proj(x), None, None)
         q = self.wq_b(qr).reshape(*x.shape[:2], self.n_heads, self.head_dim)
         q = apply_rope(q, chunk.positions, layer_inv_freq(self.cfg, 4))
         if self.num.quant_sim:
             q = fp4_sim(hadamard(q), 32)
-        keys, state = self.compressor(x, chunk, state)  # [b, n, d_I]
+        keys, state = self.compressor(x, chunk, state, None if projected is None else tuple(kv_score))  # [b, n, d_I]
 
-        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        w = w_raw * (self.head_dim**-0.5 * self.n_heads**-0.5)
         score = index_scores(chunk.unpack(q), read_kv(keys, q.dtype), chunk.unpack(w))  # fp8 keys: exact in bf16
         n = keys.shape[1]
         limit = visible_entries(chunk.dense.positions, 4)[..., None]

@@ -34,7 +34,7 @@ class Gate(nnx.Module):
             self.tid2eid = Buffer(ids.astype(jnp.int32))
         else:
             self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
-        self.hash_routing, self.cfg = hash_routing, cfg
+        self.hash_routing, self.cfg, self.num = hash_routing, cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
 
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"], *, kernel: bool = False
@@ -47,7 +47,8 @@ class Gate(nnx.Module):
         if kernel:
             bias = None if self.hash_routing else self.bias[...]
             return routing.kernel(x, self.weight[...], bias, idx, top_k=cfg.num_experts_per_tok, **opts)
-        scores = route_scores(matmul_f32(x, self.weight[...]), cfg.scoring_func)
+        impl = self.num.kernel_impl() if self.mesh is None else "xla"  # (one row on the Pallas path: gemv)
+        scores = route_scores(matmul_f32(x, self.weight[...], impl), cfg.scoring_func)
         if idx is None:
             idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh,
                               scores + self.bias[...])
