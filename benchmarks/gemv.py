@@ -1,7 +1,8 @@
-"""FP8 linears at one row: the multiply-add kernel (``pallas_kernels.gemv``) against the tensor-core
-dots it replaced (``grouped_matmul.batched_matmul`` / ``batched_swiglu`` with
-``one_row_gemv=False``: the row padded to a 16-row tile, then the grouped-matmul kernel), at
-DeepSeek-V4-Flash shapes.
+"""Linears at one row: the multiply-add kernel (``pallas_kernels.gemv``) against what it replaced,
+at DeepSeek-V4-Flash shapes: for FP8 weights the tensor-core dots (``grouped_matmul.
+batched_matmul`` / ``batched_swiglu`` with ``one_row_gemv=False``: the row padded to a 16-row
+tile, then the grouped-matmul kernel); for bf16 weights applied in float32 (router, compressors,
+lm_head) XLA's ``matmul_f32``.
 
 For each shape: the dots, ``gemv`` at the library's default tiles and a sweep of tilings
 (``--sweep``), and XLA's bf16 matrix-vector product over a weight of the same bytes (cuBLAS: what
@@ -31,6 +32,7 @@ import numpy as np
 from benchmarks.common import ceilings, environment, write_json
 from benchmarks.gemm_decode import Shape, random_weights
 from benchmarks.hc_fused import compile_highest, device_times
+from dspark_jax.model.common import matmul_f32
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_swiglu
 
@@ -55,19 +57,27 @@ def flash_cases() -> list[Case]:
         Case(Shape("attn.wkv", "fp8", hd, d, 1, 1), True),
         Case(Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1), True),
         Case(Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1), True),
+        # bf16 weights the reference applies in float32 (dots: XLA's matmul_f32)
+        Case(Shape("router (bf16)", "dense", 256, d, 1, 1), False),
+        Case(Shape("C4 compressor wkv (bf16)", "dense", 2 * hd, d, 1, 1), False),
+        Case(Shape("indexer weights_proj (bf16)", "dense", 64, d, 1, 1), False),
+        Case(Shape("lm_head (bf16)", "dense", 129280, d, 1, 1), False),
     ]
 
 
 def smoke_cases() -> list[Case]:
     return [Case(Shape("linear", "fp8", 256, 512, 1, 1), True),
             Case(Shape("grouped", "fp8", 128, 256, 4, 4), False),
-            Case(Shape("swiglu", "fp8", 128, 512, 1, 1, swiglu=True), True)]
+            Case(Shape("swiglu", "fp8", 128, 512, 1, 1, swiglu=True), True),
+            Case(Shape("bf16", "dense", 128, 512, 1, 1), False)]
 
 
 def dots(case: Case, x, ws):
     """The tensor-core dots for one row per group: batched_matmul / batched_swiglu without
     ``one_row_gemv`` (the row padded to 16 rows, the grouped-matmul kernel)."""
     s = case.shape
+    if s.fmt == "dense":  # what the model ran before gemv took bf16 weights: XLA's exact-product GEMM
+        return matmul_f32(x, ws[0].values[0])
     if s.swiglu:
         return gm.batched_swiglu(x, ws[0], ws[1], limit=LIMIT, act_quant=case.quantised, impl="pallas",
                                  one_row_gemv=False)
