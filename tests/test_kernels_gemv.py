@@ -278,7 +278,9 @@ def test_one_row_router_logits_take_gemv():
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((256, 512)) * 0.05, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16)
-    calls = lambda x, impl: [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: matmul_f32(x, w, impl))(x).jaxpr)]  # noqa
+    def calls(x, impl):
+        return [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: matmul_f32(x, w, impl))(x).jaxpr)]
+
     assert len(calls(x, "pallas")) == 1 and calls(x, "pallas")[0].startswith("gemv_bf16")
     assert calls(jnp.concatenate([x, x]), "pallas") == [] and calls(x, "xla") == []
     want = np.asarray(matmul_f32(x, w))

@@ -161,8 +161,9 @@ def test_one_token_steps_share_the_linears_launches():
     attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
     layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
-    q and kv norms of the split sums in one, the compressors' pooling adding its split sums; the logits those of the XLA path (fp32 activations, bf16
-    and FP8 weights: exact products both ways but for fp32 rows times FP8 weights, rounded alike)."""
+    q and kv norms of the split sums in one, the queries' norm + RoPE in one; the logits those of
+    the XLA path (fp32 activations, bf16 and FP8 weights: exact products both ways but for fp32
+    rows times FP8 weights, rounded alike)."""
     cfg = SMALL.replace(n_routed_experts=16, index_n_heads=16)
 
     def model(kernels):
@@ -186,4 +187,5 @@ def test_one_token_steps_share_the_linears_launches():
     assert (count("gemv_fp8_x2"), count("gemv_fp8_bf16_x7"), count("gemv_fp8_bf16_x4")) == (1, 1, 1), names
     assert count("gemv_bf16") == len(SMALL.compress_ratios), names  # the routers'
     assert count("rms_norms_x2") == len(SMALL.compress_ratios), names  # q_norm + kv_norm of the partial sums
+    assert count("q_norm_rope") == len(SMALL.compress_ratios), names
     assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # (no quant_sim: no row quantised)
