@@ -6,7 +6,8 @@ What runs. For every weight format, batch and context the script times the jitte
 engine (``Engine._round``, compiled ahead of time) in two modes: ``target`` (γ = 0, one token per
 step) and ``dspark`` (γ = 5: the 3 drafter stages and the Markov loop, the 6-token verify forward,
 acceptance, commit). Rounds are dispatched back to back as the engine's host loop does and timed
-per round (``--rounds`` rounds per repeat, median of ``--repeats``).
+per round (``--rounds`` rounds per repeat, median of ``--repeats``; the repeats pass over every
+depth and mode of a context in turn, ``time_rounds``).
 
 Acceptance-profile mode (the default, ``--accept-profile 0.896,0.776,0.656,0.552,0.450``): random
 weights accept almost nothing, so the DSpark engine runs with ``Engine(accept_profile=...)``
@@ -262,22 +263,31 @@ def at_context(bs, context: int):
                                n_generated=jnp.zeros_like(bs.n_generated), active=jnp.ones_like(bs.active))
 
 
-def time_rounds(compiled, params, bs, rounds: int, repeats: int, warmup: int = 2):
-    """Seconds per round (rounds dispatched back to back, median over repeats) and tokens per
-    round per request over the timed rounds; returns the final state too."""
-    for _ in range(warmup):
-        bs, res = compiled(params, bs)
-    jax.block_until_ready(res.n_new)
-    per_round, new = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            bs, res = compiled(params, bs)
-            new.append(res.n_new)
+def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> dict:
+    """Seconds per round and tokens per round per request of every program (key -> (compiled,
+    params, state)): after ``warmup`` rounds of each, ``repeats`` passes over all of them in turn,
+    each timing ``rounds`` rounds dispatched back to back; the median per program over the passes.
+    Interleaved, so that a drift of the machine (clocks settling after compilation, another
+    process) reaches every program alike: measured one after the other, the first program's time
+    moved by up to 25 % between runs, and the 43-layer extrapolation multiplies the depths'
+    difference by 19.5. Returns key -> (seconds, tau, final state)."""
+    states = {k: bs for k, (_, _, bs) in programs.items()}
+    for key, (compiled, params, _) in programs.items():
+        for _ in range(warmup):
+            states[key], res = compiled(params, states[key])
         jax.block_until_ready(res.n_new)
-        per_round.append((time.perf_counter() - t0) / rounds)
-    tau = float(np.mean(np.stack([np.asarray(x) for x in new])))
-    return float(np.median(per_round)), tau, bs
+    per_round = {k: [] for k in programs}
+    new = {k: [] for k in programs}
+    for _ in range(repeats):
+        for key, (compiled, params, _) in programs.items():
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                states[key], res = compiled(params, states[key])
+                new[key].append(res.n_new)
+            jax.block_until_ready(res.n_new)
+            per_round[key].append((time.perf_counter() - t0) / rounds)
+    return {k: (float(np.median(per_round[k])), float(np.mean(np.stack([np.asarray(x) for x in new[k]]))),
+                states[k]) for k in programs}
 
 
 def compile_group(jobs: dict, threads: int) -> dict:
@@ -441,18 +451,16 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
                                  "lower_compile_s": secs, "threads": args.compile_threads})
     print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
           f"({', '.join(f'{k[0]}L {k[1]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
-    for c in ctxs:
-        for depth in depths:
-            for mode in ("target", "dspark"):
-                eng, bs = jobs[(depth, mode)]
-                sec, tau, bs = time_rounds(compiled[(depth, mode)][0], eng.params, at_context(bs, c),
-                                           args.rounds, args.repeats)
-                jobs[(depth, mode)] = (eng, bs)
-                r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
-                     "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec}
-                meta["results"].append(r)
-                print(r, flush=True)
-                save()
+    for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
+        timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
+                            args.rounds, args.repeats)
+        for (depth, mode), (sec, tau, bs) in timed.items():
+            jobs[(depth, mode)] = (jobs[(depth, mode)][0], bs)
+            r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
+                 "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec}
+            meta["results"].append(r)
+            print(r, flush=True)
+        save()
 
 
 # ---------------------------------------------------------------------------- main
