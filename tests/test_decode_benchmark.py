@@ -98,3 +98,29 @@ def test_round_roofline_adds_the_drafter_once(flash_fp8_parts):
     drafter = m["bytes"] + cfg.n_routed_experts * m["expert_bytes"]
     extra = parts["head"]["bytes"] + 4 * parts["markov_w2_bytes"] + batch * 3 * 133 * 1024
     assert r["round_bytes"] - r["step_bytes"] == pytest.approx(drafter + extra, rel=1e-6)
+
+
+def test_rounds_of_every_program_are_timed_in_turn():
+    """``time_rounds``: after each program's warm-up, every repeat times each program's rounds in
+    turn (a drift reaches all alike), carries each program's own state and returns its median and
+    mean accept length."""
+    import jax.numpy as jnp
+
+    calls = []
+
+    class Result:
+        def __init__(self, n):
+            self.n_new = jnp.asarray([n])
+
+    def program(key, n):
+        def run(params, state):
+            calls.append(key)
+            return state + 1, Result(n)
+        return run
+
+    progs = {"a": (program("a", 1), None, 0), "b": (program("b", 3), None, 10)}
+    out = decode.time_rounds(progs, rounds=2, repeats=3, warmup=1)
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert out["a"][1] == 1.0 and out["b"][1] == 3.0
+    assert out["a"][2] == 0 + 1 + 6 and out["b"][2] == 10 + 1 + 6
+    assert all(sec > 0 for sec, _, _ in out.values())
