@@ -57,7 +57,7 @@ MAX_AUTO_SPLIT = 8
 class Partials:
     """A product left as the float32 partial sums of its K split, ``parts [S, ..., N]``: the
     product is their sum (``total``). For a consumer kernel that adds them as it loads them (the
-    compressors' pooling) instead of an XLA launch adding them first."""
+    q / kv norms, ``rms_norms``) instead of an XLA launch adding them first."""
 
     parts: Array
 
