@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
@@ -44,6 +45,10 @@ from pallas_kernels.grouped_matmul import (FP8_BLOCK, QuantRows, Weights, _quant
                                            _scale_f32, _swiglu_rows, split_for)
 
 FORMATS = ("fp8", "dense")  # dense: bf16 values, no scales
+
+
+# The group index of one row against one weight (a constant of the program: no launch makes it)
+ONE_GROUP = np.zeros((1,), np.int32)
 
 
 # Automatic tiles (``GemvConfig.fit``): programs to reach (rows x column tiles x splits) and the

@@ -815,7 +815,7 @@ def batched_swiglu(x: Float[Array, "m k"], w1: Weights, w3: Weights, *, limit: f
 
     m, _ = x.shape
     if one_row_gemv and gemv.takes(m, w1, impl, act_quant) and not kernel_options:
-        return gemv.gemv_swiglu(QuantRows(x) if act_quant else x, w1, w3, np.zeros((1,), np.int32), limit=limit)
+        return gemv.gemv_swiglu(QuantRows(x) if act_quant else x, w1, w3, gemv.ONE_GROUP, limit=limit)
     bm, codes = plain_linear_tiles(m, act_quant, w1.shape[1])
     mp = -(-m // bm) * bm
     tile_group, num_tiles = dense_tiles(mp, 1, bm)

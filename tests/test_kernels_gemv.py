@@ -165,6 +165,21 @@ def test_one_row_linears_take_gemv():
     got = np.asarray(gm.batched_matmul(x, w, out_dtype=jnp.float32, impl="pallas"))
     want = np.asarray(gm.batched_matmul(x, w, out_dtype=jnp.float32, impl="pallas", one_row_gemv=False))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    # bf16 weights: taken without act_quant, the grouped matmul's results (SwiGLU: one bf16 rounding)
+    d = gm.Weights(jnp.asarray(rng.standard_normal((2, 128, 256)) * 0.05, jnp.bfloat16), None, "dense")
+    assert calls(lambda x: gm.batched_matmul(x, d, impl="pallas"), x) == ["gemv_bf16"]
+    assert calls(lambda x: gm.batched_matmul(x, d, act_quant=True, impl="pallas"), x)[0].startswith("grouped_matmul")
+    assert calls(lambda x: gm.batched_swiglu(x[0], d.group(0), d.group(1), limit=1.0, impl="pallas"),
+                 x) == ["gemv_bf16_swiglu"]
+
+    def dense_pair(one_row: bool):
+        return (np.asarray(gm.batched_matmul(x, d, out_dtype=jnp.float32, impl="pallas", one_row_gemv=one_row)),
+                np.asarray(gm.batched_swiglu(x[0], d.group(0), d.group(1), limit=1.0, impl="pallas",
+                                             one_row_gemv=one_row), np.float32))
+
+    for g, w_ in zip(dense_pair(True), dense_pair(False)):
+        assert np.isfinite(g).all() and np.abs(w_).max() > 0
+        np.testing.assert_allclose(g, w_, rtol=2**-7, atol=2e-6 * np.abs(w_).max())
 
 
 @pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
@@ -174,16 +173,13 @@ def matmul_f32(x: Float[Array, "... i"], w: Float[Array, "o i"], impl: str = "xl
     of a batch-1 step): ``gemv``'s multiply-adds, the same exact products in one launch. Other
     weight dtypes: a plain fp32 matmul."""
     if one_row_dense(x, w, impl):
-        y = gemv.gemv(x.reshape(1, -1), gm.Weights(w[None], None, "dense"), ONE_GROUP, out_dtype=jnp.float32)
+        y = gemv.gemv(x.reshape(1, -1), gm.Weights(w[None], None, "dense"), gemv.ONE_GROUP, out_dtype=jnp.float32)
         return y.reshape(*x.shape[:-1], -1)
     x = x.astype(jnp.float32)
     if w.dtype != jnp.bfloat16:
         return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
     y = jnp.einsum("p...i,oi->p...o", jnp.stack(bf16_parts(x)), w, preferred_element_type=jnp.float32)
     return y[0] + (y[1] + y[2])
-
-
-ONE_GROUP = np.zeros((1,), np.int32)  # the group index of one row against one weight (``gemv``)
 
 
 def one_row_dense(x: Array, w: Array, impl: str) -> bool:
@@ -362,7 +358,7 @@ def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=Non
         return tuple(lin(x) for lin in linears)
     picked = tuple(linears[i] for i in takers)
     keep = tuple(bool((partials + (False,) * len(linears))[i]) for i in takers)
-    ys = gemv.gemv_many(x.reshape(1, -1), tuple(lin.grouped_weights() for lin in picked), ONE_GROUP,
+    ys = gemv.gemv_many(x.reshape(1, -1), tuple(lin.grouped_weights() for lin in picked), gemv.ONE_GROUP,
                         quantise=tuple(lin.fp8_act for lin in picked), out_dtype=jnp.float32, partials=keep)
     lead = x.shape[:-1]
     shared = {i: y.reshape(*lead, -1) if isinstance(y, gemv.Partials)
