@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend
+from pallas_kernels.gemv import Partials
 from pallas_kernels.hc_weights import sinkhorn_lists
 
 if TYPE_CHECKING:
@@ -225,10 +226,22 @@ def _mixes_fma(x: Array, w: Array) -> Array:
 
 
 # ------------------------------------------------------------------------------ kernels
-def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool):
+def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype) -> Array:
+    """The sub-block output f at ``cols`` (float32): as stored, or with ``f_parts`` its linear's
+    float32 partial sums [S T, d] added in order and rounded to ``dtype`` (the linear's output)."""
+    if not f_parts:
+        return _load(f_ref, rows, ok, cols)
+    tokens = f_ref.shape[0] // f_parts
+    f = _load(f_ref, rows, ok, cols)
+    for s in range(1, f_parts):
+        f = f + _load(f_ref, s * tokens + rows, ok, cols)
+    return _rounded(f, dtype)
+
+
+def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool, f_parts: int = 0):
     """Partial mixes and sum of squares of this program's columns (see the module docstring);
     with ``expand`` (refs f, post, comb, then outputs partials, X') the columns are first expanded
-    by the previous unit's hc_post."""
+    by the previous unit's hc_post (f as stored, or its ``f_parts`` partial sums: ``_f_columns``)."""
     if expand:
         f_ref, post_ref, comb_ref, part_ref, xo_ref = refs
     else:
@@ -248,7 +261,8 @@ def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool)
         cols = (split * t.steps + i) * t.bk + _iota(t.bk)
         if expand:
             xs = [_load(x_ref, rows, ok, j * d + cols) for j in range(n)]  # [bt, bk] each
-            xs = [_rounded(v, xo_ref.dtype) for v in _expand(comb, post, _load(f_ref, rows, ok, cols), xs)]
+            f = _f_columns(f_ref, rows, ok, cols, f_parts, xo_ref.dtype)
+            xs = [_rounded(v, xo_ref.dtype) for v in _expand(comb, post, f, xs)]
             for j, v in enumerate(xs):
                 _store(xo_ref, rows, ok, j * d + cols, v)
         for j in range(n):
@@ -343,18 +357,19 @@ def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool
                               compiler_params=backend.compiler_params(warps, config.num_stages))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "iters", "hc_eps", "norm_eps", "out_eps", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n", "iters", "hc_eps", "norm_eps", "out_eps", "config", "f_parts",
+                                             "interpret"))
 def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: float, norm_eps: float,
-          out_eps: float | None, config: HcConfig, interpret: bool):
+          out_eps: float | None, config: HcConfig, f_parts: int = 0, interpret: bool):
     """Both launches of hc_pre (fn with (2 + n) n rows: returns y, post, comb) or of hc_head (n rows:
     returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
     (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
-    result."""
+    result (``f_parts``: f given as that many partial sums [S T, d], ``_f_columns``)."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
     part_shape = jax.ShapeDtypeStruct((tokens, t.splits * t.mp), jnp.float32)
-    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None)
+    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts)
     grid = (pl.cdiv(tokens, t.bt), t.splits)
     if prev is None:
         part = _call(mixes, grid, part_shape, config.num_warps, config, interpret, "hc_mixes", x_flat, fn)
@@ -398,13 +413,17 @@ def _check_unit(x, fn, base, scale, rows: int, n_scale: int, norm_weight):
 
 def _check_prev(f, x, post, comb):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    if f.shape != (*lead, d) or post.shape != (*lead, n) or comb.shape != (*lead, n, n):
-        raise ValueError(f"for x of shape {x.shape}: f must be {(*lead, d)}, post {(*lead, n)} and comb "
-                         f"{(*lead, n, n)}, got {f.shape}, {post.shape} and {comb.shape}")
+    f_shape = f.parts.shape[1:] if isinstance(f, Partials) else f.shape
+    if f_shape != (*lead, d) or post.shape != (*lead, n) or comb.shape != (*lead, n, n):
+        raise ValueError(f"for x of shape {x.shape}: f must be {(*lead, d)} (or partial sums [S, *{(*lead, d)}]), "
+                         f"post {(*lead, n)} and comb {(*lead, n, n)}, got {f_shape}, {post.shape} and {comb.shape}")
 
 
 def _flat_prev(f, post, comb, n: int, d: int) -> tuple:
-    return (f.reshape(-1, d), post.reshape(-1, n).astype(jnp.float32), comb.reshape(-1, n * n).astype(jnp.float32))
+    """(f [T, d] or its partial sums [S T, d] float32, post [T, n], comb [T, n n]) and S (0: f itself)."""
+    f_flat = f.parts.astype(jnp.float32).reshape(-1, d) if isinstance(f, Partials) else f.reshape(-1, d)
+    prev = (f_flat, post.reshape(-1, n).astype(jnp.float32), comb.reshape(-1, n * n).astype(jnp.float32))
+    return prev, (f.parts.shape[0] if isinstance(f, Partials) else 0)
 
 
 def pre_kernel(x: Float[Array, "... n d"], fn: Float[Array, "m k"], base: Float[Array, " m"],
@@ -444,10 +463,10 @@ def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: 
     if x.size == 0:
         return post_pre_reference(f, x, post, comb, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                                   norm_weight=norm_weight, out_eps=out_eps)
-    xo, y, post2, comb2 = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, _flat_prev(f, post, comb, n, d),
-                                n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                                out_eps=_out_eps(norm_weight, out_eps), config=config,
-                                interpret=backend.interpret_mode(interpret))
+    prev, f_parts = _flat_prev(f, post, comb, n, d)
+    xo, y, post2, comb2 = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, prev, n=n, iters=iters,
+                                hc_eps=hc_eps, norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
+                                f_parts=f_parts, interpret=backend.interpret_mode(interpret))
     return xo.reshape(x.shape), y.reshape(*lead, d), post2.reshape(*lead, n), comb2.reshape(*lead, n, n)
 
 
@@ -471,14 +490,17 @@ def head_kernel(x: Float[Array, "... n d"], fn: Float[Array, "n k"], base: Float
 def post_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: Float[Array, "... n"],
                 comb: Float[Array, "... n n"], *, config: HcConfig = HcConfig(), interpret: bool | None = None
                 ) -> Float[Array, "... n d"]:
-    """hc_post in one launch: X'_j = post_j f + sum_i C[i, j] X_i, in x's dtype."""
+    """hc_post in one launch: X'_j = post_j f + sum_i C[i, j] X_i, in x's dtype (f's partial sums
+    added first, in XLA)."""
+    if isinstance(f, Partials):
+        f = f.total(x.dtype)
     if x.ndim < 2:
         raise ValueError(f"x must be [..., n, d] streams, got shape {x.shape}")
     _check_prev(f, x, post, comb)
     if x.size == 0:
         return post_reference(f, x, post, comb)
     n, d = x.shape[-2:]
-    f_flat, post_flat, comb_flat = _flat_prev(f, post, comb, n, d)
+    (f_flat, post_flat, comb_flat), _ = _flat_prev(f, post, comb, n, d)
     out = _expand_call(f_flat, x.reshape(-1, n * d), post_flat, comb_flat, config=config,
                        interpret=backend.interpret_mode(interpret))
     return out.reshape(x.shape)
@@ -503,8 +525,9 @@ def pre_reference(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: fl
 
 
 def post_pre_reference(f, x, post, comb, fn, base, scale, **kw):
-    """Pure JAX: ``post_reference`` then ``pre_reference``."""
-    xo = post_reference(f, x, post, comb)
+    """Pure JAX: ``post_reference`` (f's partial sums added first, rounded to x's dtype) then
+    ``pre_reference``."""
+    xo = post_reference(f.total(x.dtype) if isinstance(f, Partials) else f, x, post, comb)
     return (xo, *pre_reference(xo, fn, base, scale, **kw))
 
 

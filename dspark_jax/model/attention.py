@@ -28,7 +28,7 @@ from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from dspark_jax.sharding import activation_spec, batch_axes
-from pallas_kernels import attention_metadata
+from pallas_kernels import attention_metadata, kv_rows
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 from pallas_kernels.rms_norms import rms_norms
@@ -63,13 +63,14 @@ class Attention(nnx.Module):
     def inv_freq(self):
         return layer_inv_freq(self.cfg, self.ratio)
 
-    def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None, qr: Array | None = None
-                  ) -> tuple[Float[Array, "b t h d"], Array]:
-        """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x), or ``qr`` itself, when already computed)."""
+    def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None, qr: Array | None = None,
+                  rounded: bool = False) -> tuple[Float[Array, "b t h d"], Array]:
+        """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x), or ``qr`` itself, when already computed;
+        ``rounded``: that qr holds the quantised values wq_b takes, ``Linear(rounded=True)``)."""
         cfg = self.cfg
         if qr is None:
             qr = self.q_norm(self.wq_a(x) if a is None else a)
-        q = self.wq_b(qr)
+        q = self.wq_b(qr, rounded=rounded)
         b, t = x.shape[:2]
         # a weightless per-head RMS norm, then RoPE (one launch on the Pallas path without a mesh)
         impl = self.num.kernel_impl() if self.mesh is None else "xla"
@@ -77,26 +78,28 @@ class Attention(nnx.Module):
                         cfg.rms_norm_eps, impl=impl)
         return q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), qr
 
-    def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None,
-                   normed: Array | None = None) -> Float[Array, "b t d"]:
-        """Keys = values (``a``: wkv(x), or ``normed``: kv_norm(wkv(x)), when already computed)."""
-        if normed is None:
-            normed = self.kv_norm(self.wkv(x) if a is None else a)
-        kv = apply_rope(normed, pos, self.inv_freq, heads=False)
+    def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None) -> Float[Array, "b t d"]:
+        """Keys = values (``a``: wkv(x), when already computed; at one token the kernel path does
+        all of it with the window's write: ``kv_rows``)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x) if a is None else a), pos, self.inv_freq, heads=False)
         return kv_sim(kv, self.cfg.qk_rope_head_dim) if self.num.quant_sim else kv
 
-    def project_out(self, o: Float[Array, "b t h d"], pos: Array | None) -> Float[Array, "b t D"]:
+    def project_out(self, o: Float[Array, "b t h d"], pos: Array | None, partials: bool = False
+                    ) -> Float[Array, "b t D"] | Partials:
         """Inverse RoPE (``pos`` None: ``o`` is rotated back already), then wo_a per output group
         and wo_b (on a mesh both per device: the groups' rows of wo_a and wo_b's matching columns,
-        summed over ``model`` by wo_b)."""
+        summed over ``model`` by wo_b). ``partials``: at one row, wo_b's split partial sums
+        (``Linear(partials=True)``: mHC's expansion adds them, ``hyper.hc_post_pre_norm``)."""
         b, t = o.shape[:2]
         if pos is not None:
             o = apply_rope(o, pos, self.inv_freq, inverse=True)
         o = o.reshape(b, t, self.cfg.o_groups, -1)
-        return self.wo_b(self.wo_a.grouped(o).reshape(b, t, -1))
+        return self.wo_b(self.wo_a.grouped(o).reshape(b, t, -1), partials=partials)
 
     def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache
-                 ) -> tuple[Float[Array, "b t D"], LayerCache]:
+                 ) -> tuple[Float[Array, "b t D"] | Partials, LayerCache]:
+        """The attention's output (at a one-token step: wo_b's partial sums, ``project_out``) and
+        the updated cache."""
         cfg = self.cfg
         pos = chunk.positions
         # every linear of x in one launch at one row: wq_a, wkv, the compressor's, the indexer's
@@ -104,33 +107,43 @@ class Attention(nnx.Module):
         idx = self.indexer.x_linears() if self.ratio == 4 else ()
         a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh,
                                              partials=(True, True))
-        qr = kv_normed = None
-        if isinstance(a_q, Partials) and isinstance(a_kv, Partials):  # both norms in one launch
-            qr, kv_normed = rms_norms((a_q.reshape(-1, a_q.parts.shape[-1]), a_kv.reshape(-1, a_kv.parts.shape[-1])),
-                                      (self.q_norm.weight[...], self.kv_norm.weight[...]), self.q_norm.eps, x.dtype,
-                                      impl=self.num.kernel_impl())
-            qr, kv_normed = qr.reshape(*x.shape[:-1], -1), kv_normed.reshape(*x.shape[:-1], -1)
-        else:
-            a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
-        q, qr = self.project_q(x, pos, a_q, qr)
-        kv = self.project_kv(x, pos, a_kv, kv_normed)
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()
         slots = ring_write_slots(chunk.start, chunk.n_valid, chunk.width, ring)  # per request
+        decode = chunk.width <= ring - cfg.sliding_window + 1  # (else a prefill chunk)
 
         new = {}
+        qr = kv = None
+        rounded = False  # qr: the quantised values wq_b (and the indexer's wq_b) take
+        if isinstance(a_q, Partials) and isinstance(a_kv, Partials) and decode and chunk.packing is None:
+            # one token, from the split sums: q_norm in one launch (with the values wq_b takes), the
+            # window's new row in another (kv_norm, RoPE, kv_sim and the write: ``kv_rows``)
+            rounded = self.wq_b.fp8_act and (self.ratio != 4 or self.indexer.wq_b.fp8_act)
+            normed = rms_norms((a_q.reshape(-1, a_q.parts.shape[-1]),), (self.q_norm.weight[...],), self.q_norm.eps,
+                               x.dtype, rounded=(rounded,), impl=impl)
+            qr = normed[-1].reshape(*x.shape[:-1], -1)
+            new["window"] = kv_rows.write_rows(cache.window, slots, pos, a_kv, self.kv_norm.weight[...], self.inv_freq,
+                                               eps=self.kv_norm.eps, quant="kv" if self.num.quant_sim else None,
+                                               dtype=x.dtype, impl=impl, mesh=self.mesh)
+        else:
+            a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
+            kv = self.project_kv(x, pos, a_kv)
+        q, qr = self.project_q(x, pos, a_q, qr, rounded)
+
         entries = top = None
         if self.ratio:
             entries, new["compressor"] = self.compressor(x, chunk, cache.compressor, tuple(projected[:2]))
             if self.ratio == 4:
-                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer, tuple(projected[2:]))  # -1: none
+                top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer, tuple(projected[2:]),  # -1: none
+                                                   rounded=rounded)
 
-        if chunk.width <= ring - cfg.sliding_window + 1:
+        if decode:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.
-            new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl, mesh=self.mesh)
+            if kv is not None:
+                new["window"] = write_kv(cache.window, slots, chunk.unpack(kv), impl=impl, mesh=self.mesh)
             o = self._ragged(q, new["window"], entries, top, chunk, impl)  # rotated back already
-            return self.project_out(o, None), dataclasses.replace(cache, **new)
+            return self.project_out(o, None, partials=True), dataclasses.replace(cache, **new)
         else:
             # Prefill chunk: keys = the ring before the chunk + the chunk's own rows.
             rpos = ring_positions(chunk.start, ring)

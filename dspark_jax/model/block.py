@@ -4,11 +4,13 @@ X -> hc_pre(attn) -> attn_norm -> attention -> hc_post -> hc_pre(ffn) -> ffn_nor
 
 With ``Numerics.sinkhorn="fused"`` the steps between the sub-blocks run as fused kernels
 (``pallas_kernels.hc_fused``): hc_pre + attn_norm in two launches, hc_post + hc_pre + ffn_norm in
-two, the last hc_post in one.
+two, the last hc_post in one, or (``Block.unexpanded``, the model's layer loop) in the next
+block's first two with its hc_pre + attn_norm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +26,17 @@ from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre_no
 from dspark_jax.model.moe import MoE
 from dspark_jax.model.norms_rope import RMSNorm
 from dspark_jax.sharding import per_request
+from pallas_kernels.gemv import Partials, total
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pending:
+    """A sub-block's output f not yet expanded into the streams, with its hc_post weights."""
+
+    f: Float[Array, "b t d"]
+    post: Float[Array, "b t n"]
+    comb: Float[Array, "b t n n"]
 
 
 def mhc_mesh(owner) -> Mesh | None:
@@ -84,18 +97,30 @@ class Block(nnx.Module):
             return per_request(pre, mhc_mesh(self), x, replicated=(
                 self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...], self.attn_norm.weight[...]))
 
-    def ffn_in(self, f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
-               comb: Float[Array, "b t n n"]):
-        """The attention output f expanded into the streams (hc_post), and the MoE's collapsed,
-        normalised input: (X', input, post, comb)."""
-        kw = self._unit_kw(self.ffn_norm)
+    def _post_pre(self, unit: str, f: Float[Array, "b t d"] | Partials, x: Float[Array, "b t n d"],
+                  post: Float[Array, "b t n"], comb: Float[Array, "b t n n"]):
+        """A sub-block's output f expanded into the streams (hc_post), then the collapsed,
+        normalised input of this block's ``unit`` ("attn" or "ffn"): (X', input, post', comb').
+        f may be a linear's partial sums (``gemv.Partials``)."""
+        norm = self.attn_norm if unit == "attn" else self.ffn_norm
+        kw = self._unit_kw(norm)
+        mesh = mhc_mesh(self)
+        if mesh is not None:  # per request on a mesh: f as one array
+            f = total(f, x.dtype)
 
         def post_pre(fn, base, scale, w, f, x, post, comb):
             return hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, **kw)
 
+        params = (getattr(self, f"hc_{unit}_fn"), getattr(self, f"hc_{unit}_base"), getattr(self, f"hc_{unit}_scale"))
         with jax.named_scope("mhc"):
-            return per_request(post_pre, mhc_mesh(self), f, x, post, comb, replicated=(
-                self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...], self.ffn_norm.weight[...]))
+            return per_request(post_pre, mesh, f, x, post, comb,
+                               replicated=(*(p[...] for p in params), norm.weight[...]))
+
+    def ffn_in(self, f: Float[Array, "b t d"] | Partials, x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
+               comb: Float[Array, "b t n n"]):
+        """The attention output f expanded into the streams (hc_post), and the MoE's collapsed,
+        normalised input: (X', input, post, comb)."""
+        return self._post_pre("ffn", f, x, post, comb)
 
     def ffn_out(self, x: Float[Array, "b t n d"], y: Float[Array, "b t d"], post: Float[Array, "b t n"],
                 comb: Float[Array, "b t n n"], ids: Int[Array, "b t"]) -> Float[Array, "b t n d"]:
@@ -104,9 +129,28 @@ class Block(nnx.Module):
             f = self.ffn(y, ids)
         return self.post(f, x, post, comb)
 
-    def __call__(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache
-                 ) -> tuple[Float[Array, "b t n d"], LayerCache]:
-        y, post, comb = self.attn_in(x)
+    def unexpanded(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache, pending: Pending | None = None
+                   ) -> tuple[Float[Array, "b t n d"], Pending, LayerCache]:
+        """The block with its last hc_post left to the caller: (the streams before it, the MoE's
+        output with its post and comb, the cache). ``pending``: the previous block's, likewise
+        left (x then the streams before it): expanded in this block's first mHC launch
+        (``hc_post_pre_norm``) instead of a launch of its own."""
+        if pending is None:
+            y, post, comb = self.attn_in(x)
+        else:
+            x, y, post, comb = self._post_pre("attn", pending.f, x, pending.post, pending.comb)
         with jax.named_scope("attention"):
             f, cache = self.attn(y, chunk, cache)
-        return self.ffn_out(*self.ffn_in(f, x, post, comb), chunk.ids), cache
+        x, y, post, comb = self.ffn_in(f, x, post, comb)
+        with jax.named_scope("moe"):
+            f = self.ffn(y, chunk.ids)
+        return x, Pending(f, post, comb), cache
+
+    def expand(self, x: Float[Array, "b t n d"], pending: Pending) -> Float[Array, "b t n d"]:
+        """The streams after the hc_post ``unexpanded`` left."""
+        return self.post(pending.f, x, pending.post, pending.comb)
+
+    def __call__(self, x: Float[Array, "b t n d"], chunk: Chunk, cache: LayerCache
+                 ) -> tuple[Float[Array, "b t n d"], LayerCache]:
+        x, pending, cache = self.unexpanded(x, chunk, cache)
+        return self.expand(x, pending), cache

@@ -284,21 +284,32 @@ class Linear(nnx.Module):
             ok = not self.fp8_act and self.weight.dtype == jnp.bfloat16
         return ok and gemv.takes(1, self.grouped_weights(), self.num.kernel_impl(), self.fp8_act)
 
-    def __call__(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
+    def __call__(self, x: Float[Array, "... i"], out_dtype=None, *, rounded: bool = False, partials: bool = False
+                 ) -> Float[Array, "... o"] | gemv.Partials:
         """x @ W.T. On a mesh (an FP8 weight, ``sharding.attach_mesh``) every device runs the GEMM
         in a ``shard_map`` on its own shard: its requests (x's leading dim, over ``data``) and the
         weight's block of rows (column-parallel: its share of the outputs) or of columns (row-
-        parallel: x split likewise, the fp32 partial products psum'ed over the split axes)."""
+        parallel: x split likewise, the fp32 partial products psum'ed over the split axes).
+        ``rounded``: x holds the quantised input values already (``quant.fp8_sim(x, 128)``, e.g.
+        from ``pallas_kernels.rms_norms``), so an ``fp8_act`` linear does not quantise it again
+        (quantising them again would give the same values). ``partials``: where x is one row that
+        ``takes_gemv``, the result as the float32 partial sums of the kernel's K split
+        (``gemv.Partials``, for a consumer that adds them as it loads them); else as usual."""
+        if partials and self.takes_gemv(x):
+            quantise = self.fp8_act and not rounded
+            (y,) = gemv.gemv_many(x.reshape(1, -1).astype(self.compute_dtype or x.dtype), (self.grouped_weights(),),
+                                  gemv.ONE_GROUP, quantise=(quantise,), partials=(True,))
+            return y.reshape(*x.shape[:-1], -1)
         if self.mesh is None:
-            return self._apply(x, out_dtype)
+            return self._apply(x, out_dtype, rounded)
         out_axes, in_axes = (*self.spec, None, None)[:2]
         lead = (batch_axes(x.shape[0], self.mesh) or None,) + (None,) * (x.ndim - 2)
         dtype = out_dtype or self.compute_dtype or x.dtype
 
         def local(lin, x):
             if in_axes is None:
-                return lin._apply(x, dtype)
-            return jax.lax.psum(lin._apply(x, jnp.float32), in_axes).astype(dtype)
+                return lin._apply(x, dtype, rounded)
+            return jax.lax.psum(lin._apply(x, jnp.float32, rounded), in_axes).astype(dtype)
 
         return self._per_device(local, x, PartitionSpec(*lead, in_axes), PartitionSpec(*lead, out_axes))
 
@@ -319,15 +330,16 @@ class Linear(nnx.Module):
         return jax.shard_map(lambda w, x: fn(nnx.merge(graphdef, w), x), mesh=self.mesh,
                              in_specs=(self.spec, x_spec), out_specs=y_spec, check_vma=False)(weights, x)
 
-    def _apply(self, x: Float[Array, "... i"], out_dtype=None) -> Float[Array, "... o"]:
+    def _apply(self, x: Float[Array, "... i"], out_dtype=None, rounded: bool = False) -> Float[Array, "... o"]:
         if self.compute_dtype is not None:
             x = x.astype(self.compute_dtype)
+        quantise = self.fp8_act and not rounded
         if self.runs_kernel(x):
             # the kernel rounds its float32 sums to the output dtype itself (no convert launch after it)
-            y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), act_quant=self.fp8_act,
+            y = gm.batched_matmul(x.reshape(1, -1, x.shape[-1]), self.grouped_weights(), act_quant=quantise,
                                   out_dtype=out_dtype or x.dtype, impl="pallas")
             return y.reshape(*x.shape[:-1], -1)
-        if self.fp8_act:
+        if quantise:
             x = fp8_sim(x, 128)
         if x.dtype == jnp.float32 and not self.quantized:
             y = matmul_f32(x, self.weight[...])

@@ -17,13 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from dspark_jax.cache import CompressorState, KVPool, write_kv
+from dspark_jax.cache import CompressorState, KVPool
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
-from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
-from dspark_jax.model.quant import fp4_sim, hadamard, kv_sim
+from dspark_jax.model.norms_rope import RMSNorm, layer_inv_freq
 from dspark_jax.sharding import per_request
-from pallas_kernels import compressor_pool
+from pallas_kernels import compressor_pool, kv_rows
 
 
 class Compressor(nnx.Module):
@@ -69,10 +68,11 @@ class Compressor(nnx.Module):
             overlap=self.overlap, impl=self.num.kernel_impl())  # [b, k, w] fp32: windows start // m + k
         win = chunk.start[:, None] // m + jnp.arange(c.shape[1], dtype=jnp.int32)[None]  # [b, k]
         win_ok = win < (chunk.start + chunk.n_valid)[:, None] // m
-        c = self.norm(c.astype(self.num.dtype))
-        c = apply_rope(c, win * m, layer_inv_freq(self.cfg, m), heads=False)
-        if self.num.quant_sim:  # without quantisation the indexer's Hadamard rotation cancels in q.k
-            c = fp4_sim(hadamard(c), 32) if self.rotate else kv_sim(c, self.cfg.qk_rope_head_dim)
-        n = state.entries.shape[1]
-        entries = write_kv(state.entries, jnp.where(win_ok, win, n), c, impl=self.num.kernel_impl())
+        slots = jnp.where(win_ok, win, state.entries.shape[1])  # windows not closed: not written
+        # norm, RoPE, the reference's rounding (KV entries: fp8; the indexer's keys: Hadamard + e2m1;
+        # without quantisation the indexer's rotation cancels in q.k) and the write: one launch on the Pallas path
+        quant = ("keys" if self.rotate else "kv") if self.num.quant_sim else None
+        entries = kv_rows.write_rows(state.entries, slots, win * m, c, self.norm.weight[...],
+                                     layer_inv_freq(self.cfg, m), eps=self.norm.eps, quant=quant, dtype=self.num.dtype,
+                                     impl=self.num.kernel_impl())
         return entries, dataclasses.replace(state, kv=ring_kv, score=ring_score, entries=entries)

@@ -67,11 +67,15 @@ class DeepSeekV4(nnx.Module):
                              f"got {ids.shape} and {logits!r}")
         chunk = Chunk(ids=ids, start=cache.lengths, n_valid=n_valid, packing=packing)
         x = self.embed_streams(ids)
-        hidden, layers = {}, []
+        hidden, layers, pending = {}, [], None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, lc = layer(x, chunk, cache.layers[i])
+                # each block's last hc_post runs in the next block's first mHC launch (Block.unexpanded)
+                x, pending, lc = layer.unexpanded(x, chunk, cache.layers[i], pending)
                 layers.append(lc)
+                if i in capture or i == last:
+                    x, pending = layer.expand(x, pending), None
                 if i in capture:
                     hidden[i] = jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
         out = None

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float
 
 from dspark_jax.model.common import normal_init
 from dspark_jax.model.norms_rope import rms_norm
+from pallas_kernels.gemv import Partials, total
 
 
 def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float, *, unroll: bool | None = None
@@ -128,18 +129,19 @@ def hc_pre_norm(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array
     return rms_norm(y, norm_weight, out_eps), post, comb
 
 
-def hc_post_pre_norm(f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
+def hc_post_pre_norm(f: Float[Array, "b t d"] | Partials, x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
                      comb: Float[Array, "b t n n"], fn: Array, base: Array, scale: Array, norm_weight: Array, *,
                      iters: int, hc_eps: float, norm_eps: float, out_eps: float, sinkhorn_impl: str = "loop"):
     """One sub-block's ``hc_post``, then the next one's ``hc_pre_norm``: (X', normalised input of the
     next sub-block, its post, its comb). "fused": all of it in two launches
-    (``pallas_kernels.hc_fused.post_pre_kernel``)."""
+    (``pallas_kernels.hc_fused.post_pre_kernel``). f may come as a linear's float32 partial sums
+    (``gemv.Partials``): f is their sum rounded to x's dtype (the linear's output)."""
     kw = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, out_eps=out_eps)
     if sinkhorn_impl == "fused":
         from pallas_kernels.hc_fused import post_pre_kernel
 
         return post_pre_kernel(f, x, post, comb, fn, base, scale, norm_weight=norm_weight, **kw)
-    x = hc_post(f, x, post, comb)
+    x = hc_post(total(f, x.dtype), x, post, comb)
     return (x, *hc_pre_norm(x, fn, base, scale, norm_weight, sinkhorn_impl=sinkhorn_impl, **kw))
 
 

@@ -52,18 +52,20 @@ class Indexer(nnx.Module):
         return (self.weights_proj, self.compressor.wkv, self.compressor.wgate)
 
     def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState,
-                 projected: tuple[Array, ...] | None = None) -> tuple[Int[Array, "b t k"], CompressorState]:
-        """``projected``: the ``x_linears``' results when the caller computed them."""
+                 projected: tuple[Array, ...] | None = None, *, rounded: bool = False
+                 ) -> tuple[Int[Array, "b t k"], CompressorState]:
+        """``projected``: the ``x_linears``' results when the caller computed them; ``rounded``:
+        qr holds the quantised values wq_b takes (``Linear(rounded=True)``)."""
         with jax.named_scope("indexer"):
-            return self._top_entries(x, qr, chunk, state, projected)
+            return self._top_entries(x, qr, chunk, state, projected, rounded)
 
     def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
-                     state: CompressorState, projected: tuple[Array, ...] | None
+                     state: CompressorState, projected: tuple[Array, ...] | None, rounded: bool
                      ) -> tuple[Int[Array, "b t k"], CompressorState]:
         """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
         queries are unpacked, their picks packed back)."""
         w_raw, *kv_score = projected or (self.weights_proj(x), None, None)
-        q = self.wq_b(qr).reshape(*x.shape[:2], self.n_heads, self.head_dim)
+        q = self.wq_b(qr, rounded=rounded).reshape(*x.shape[:2], self.n_heads, self.head_dim)
         q = apply_rope(q, chunk.positions, layer_inv_freq(self.cfg, 4))
         if self.num.quant_sim:
             q = fp4_sim(hadamard(q), 32)

@@ -1,0 +1,217 @@
+"""New KV rows at decode and verify: RMSNorm, RoPE, the reference's rounding and the write into a
+pool in one launch, beside its pure-JAX reference.
+
+A row c [w] (float32, or the float32 partial sums of a split linear, ``gemv.Partials``) becomes
+the pool row ``slot``:
+
+    e = rms_norm(c.astype(dtype), weight, eps)          # norms_rope.rms_norm
+    e = apply_rope(e, position, inv_freq)                # its last rope_dim dims
+    quant "kv":   e = kv_sim(e, rope_dim)                # fp8 per 64 nope dims, the rope dims exact
+    quant "keys": e = fp4_sim(hadamard(e), 32)           # the indexer's keys: e2m1 per 32 dims
+    pool[b, slot] = e                                    # slots outside the pool: not written
+
+Three users (``dspark_jax.model``): a compressor's entries (c: a window's pooled row,
+``compressor_pool``; position: the window's start; the attention's compressor "kv", the
+indexer's "keys") and the attention's own window row (c: wkv's partial sums at one token, the
+weight kv_norm's; "kv"). In XLA each is a reduction launch, one or two elementwise launches (three
+for the keys: the Hadamard product, the fp4 scales, the rounding) and a dynamic-slice / update
+pair for the scatter: four to six launches of ~1-2 us for 1 KiB per row. ``rows_kernel`` does
+it in one, grid (requests, rows), writing the pool rows in place (``input_output_aliases``; pool
+rows not written keep their bytes). Plain pools (an array [b, n, w]) only; the fp8 layouts
+(``cache.Fp8Keys``, ``kv_fp8.Fp8Rows``) take the reference.
+
+Numerics: the reference's up to float32 rounding of the mean's sum, of cos / sin (the kernel's
+functions, not XLA's; as ``rope.q_norm_rope``) and of the Hadamard product's sum (float32 here;
+a dot in XLA): a row may differ from the reference's by one rounding step of its dtype in a few
+elements, and where that moves a value across an fp8 / e2m1 rounding boundary, by one such step
+there. Inference only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import backend
+from pallas_kernels.gemv import Partials, total
+from pallas_kernels.grouped_matmul import ACT_FP8_MAX, act_scale, act_scale_inverse
+from pallas_kernels.rope import partner_columns, rotate_pairs
+
+QUANTS = (None, "kv", "keys")
+KV_BLOCK = 64  # nope dims per fp8 scale of the reference's KV rounding (``quant.kv_sim``)
+KEY_BLOCK = 32  # dims per e2m1 scale of the indexer keys' rounding (``quant.fp4_sim``)
+
+
+def row_values(c: Float[Array, "b k w"] | Partials, positions: Int[Array, "b k"], weight: Float[Array, " w"],
+               inv_freq, *, eps: float, quant: str | None, dtype) -> Float[Array, "b k w"]:
+    """Pure JAX: the rows of c (norm, RoPE at ``positions``, the ``quant`` rounding) in ``dtype``."""
+    from dspark_jax.model.norms_rope import apply_rope, rms_norm
+    from dspark_jax.model.quant import fp4_sim, hadamard, kv_sim
+
+    e = apply_rope(rms_norm(total(c, dtype), weight, eps), positions, np.asarray(inv_freq), heads=False)
+    if quant == "kv":
+        return kv_sim(e, 2 * np.asarray(inv_freq).shape[0])
+    return fp4_sim(hadamard(e), KEY_BLOCK) if quant == "keys" else e
+
+
+def rows_reference(pool: Array, slots: Int[Array, "b k"], positions: Int[Array, "b k"],
+                      c: Float[Array, "b k w"] | Partials, weight: Float[Array, " w"], inv_freq, *, eps: float,
+                      quant: str | None, dtype, impl: str | None = None, mesh=None):
+    """``row_values`` written into ``pool`` (any ``cache.KVPool``) at rows ``slots`` (slots
+    outside [0, n): not written), through ``cache.write_kv`` (``impl``, ``mesh``: its)."""
+    from dspark_jax.cache import write_kv
+
+    rows = row_values(c, positions, weight, inv_freq, eps=eps, quant=quant, dtype=dtype)
+    return write_kv(pool, slots, rows, impl=impl or "xla", mesh=mesh)
+
+
+def _e2m1(v: Array) -> Array:
+    """float32 values in [-6, 6] rounded to the nearest e2m1 value (ties to an even code), as
+    ``astype(float4_e2m1fn)``: grid steps 0.5 below 2, 1 below 4, then 2; the quotient by the
+    step rounded half to even with integer arithmetic (exact)."""
+    a = jnp.abs(v)
+    step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
+    y = a / step  # exact: a power of two
+    n = y.astype(jnp.int32)  # floor (y >= 0)
+    frac = y - n.astype(jnp.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & (n % 2 == 1))
+    return jnp.where(v < 0, -1.0, 1.0) * ((n + up.astype(jnp.int32)).astype(jnp.float32) * step)
+
+
+def _fp4_scale(amax: Array) -> Array:
+    """``2 ** ceil(log2(max(amax, FP4_AMAX_FLOOR) / 6))`` from the exponent bits (``quant.fp4_sim``'s
+    scale): with amax = m 2**E (1 <= m < 2) and 6 = 1.5 * 2**2, 2**(E - 2), doubled when m > 1.5
+    (the correctly rounded quotient never crosses the power of two, as in ``act_scale``)."""
+    from dspark_jax.model.quant import FP4_AMAX_FLOOR
+
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, FP4_AMAX_FLOOR), jnp.int32)
+    up = ((bits & 0x7FFFFF) > 0x400000).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(((bits >> 23) - 2 + up) << 23, jnp.float32)
+
+
+def _kernel(slot_ref, pos_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
+            parts: int, rows_per_request: int, dt):
+    *h_ref, pool_in, pool_ref = refs  # (the Hadamard matrix for "keys")
+    del pool_in  # aliased to pool_ref: rows not written keep their bytes
+    b, k = pl.program_id(0), pl.program_id(1)
+    n, w = pool_ref.shape[1], pool_ref.shape[2]
+    cols = jnp.arange(w, dtype=jnp.int32)[None, :]  # [1, w]
+    rope = cols >= w - rope_dim
+    partner = jnp.where(rope, partner_columns(cols), cols)
+    row = b * rows_per_request + k  # of c [parts * rows, w]
+
+    def rounded(at: Array) -> Array:  # c at columns ``at`` (its parts added in order), rounded to dtype, float32
+        x = pltriton.load(c_ref.at[row, at])
+        for s in range(1, parts):
+            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + row, at])
+        return x.astype(dt).astype(jnp.float32)
+
+    x = rounded(cols)
+    inv = 1.0 / jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) / w + eps)  # as norms_rope.rms_norm
+
+    def normed(at: Array, values: Array) -> Array:
+        return (pltriton.load(w_ref.at[at]).astype(jnp.float32) * (values * inv)).astype(dt)
+
+    e = rotate_pairs(normed(cols, x), normed(partner, rounded(partner)), cols, w, rope_dim, pos_ref[row], freq_ref,
+                     inverse=False)
+    if quant == "kv":  # fp8 per 64 nope dims with power-of-two scales (quant.kv_sim); the rope dims exact
+        blocks = e.astype(jnp.float32).reshape(w // KV_BLOCK, KV_BLOCK)
+        amax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
+        codes = jnp.clip(blocks * act_scale_inverse(amax), -ACT_FP8_MAX, ACT_FP8_MAX).astype(jnp.float8_e4m3fn)
+        nope = jnp.arange(w // KV_BLOCK, dtype=jnp.int32)[:, None] < (w - rope_dim) // KV_BLOCK
+        e = jnp.where(nope, codes.astype(jnp.float32) * act_scale(amax), blocks).reshape(1, w).astype(dt)
+    elif quant == "keys":  # the Hadamard rotation (rounded to dtype), then e2m1 per 32 dims (quant.fp4_sim)
+        h = pltriton.load(h_ref[0].at[cols.reshape(w, 1), cols])  # [w, w]: h[j, i]
+        z = jnp.sum(h * e.astype(jnp.float32), axis=1).reshape(1, w).astype(dt).astype(jnp.float32)
+        blocks = z.reshape(w // KEY_BLOCK, KEY_BLOCK)
+        scale = _fp4_scale(jnp.max(jnp.abs(blocks), axis=1, keepdims=True))
+        e = (_e2m1(jnp.clip(blocks / scale, -6.0, 6.0)) * scale).reshape(1, w).astype(dt)
+    slot = slot_ref[row]
+    ok = (slot >= 0) & (slot < n)
+    row = jnp.where(ok, slot, n)  # a window not closed: one past the pool, masked (never accessed)
+    pltriton.store(pool_ref.at[b, row, cols], e.astype(pool_ref.dtype), mask=jnp.broadcast_to(ok, cols.shape))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "quant", "dtype", "interpret"))
+def _pallas(pool, slots, positions, c, weight, inv_freq, *, eps: float, quant: str | None, dtype, interpret: bool):
+    parts = c.parts if isinstance(c, Partials) else c[None]
+    s, b, k, w = parts.shape
+    kernel = functools.partial(_kernel, eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, parts=s,
+                               rows_per_request=k, dt=dtype)
+    from dspark_jax.model.quant import hadamard_matrix
+
+    hadamard = (jnp.asarray(hadamard_matrix(w)),) if quant == "keys" else ()
+    with backend.quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            grid=(b, k),
+            out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+            input_output_aliases={5 + len(hadamard): 0},
+            compiler_params=backend.compiler_params(4, 1),
+            interpret=interpret,
+            name="kv_rows" if quant != "keys" else "key_rows",
+        )(slots.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32),
+          parts.astype(jnp.float32).reshape(s * b * k, w), weight, inv_freq, *hadamard, pool)
+
+
+def _shape(c) -> tuple[int, ...]:
+    return tuple(c.parts.shape[1:]) if isinstance(c, Partials) else tuple(c.shape)
+
+
+def kernel_takes(pool, c, rope_dim: int, quant: str | None) -> bool:
+    """Whether ``rows_kernel`` takes this pool and these rows: a plain pool [b, n, w] of a float
+    dtype, w a power of two (at most 128 for "keys"), the rope dims (and for "kv" the nope dims)
+    whole 64-dim blocks."""
+    if not isinstance(pool, jax.Array) or pool.ndim != 3 or not jnp.issubdtype(pool.dtype, jnp.floating):
+        return False
+    w, shape = pool.shape[2], _shape(c)
+    quant_ok = {None: True, "kv": rope_dim % KV_BLOCK == 0 and w % KV_BLOCK == 0,
+                "keys": KEY_BLOCK <= w <= 128}[quant]
+    return (len(shape) == 3 and shape[0] == pool.shape[0] and shape[2] == w and backend.is_power_of_2(w)
+            and 0 < rope_dim <= w and rope_dim % 2 == 0 and quant_ok)
+
+
+def rows_kernel(pool: Array, slots: Int[Array, "b k"], positions: Int[Array, "b k"],
+                   c: Float[Array, "b k w"] | Partials, weight: Float[Array, " w"], inv_freq, *, eps: float,
+                   quant: str | None, dtype, interpret: bool | None = None) -> Array:
+    """The Pallas kernel (``rows_reference``'s contract for plain pools): the pool is updated in
+    place (jit the caller with it donated to avoid a copy)."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    rope_dim = 2 * inv_freq.shape[0]
+    if not kernel_takes(pool, c, rope_dim, quant):
+        limit = ", at most 128" if quant == "keys" else ""
+        nope = " and nope dims" if quant == "kv" else ""
+        raise ValueError(f"the rows kernel needs a plain float pool [b, n, w] (w a power of two{limit}) and rows "
+                         f"[b, k, w] with rope dims{nope} in {KV_BLOCK}-dim blocks; got pool "
+                         f"{getattr(pool, 'dtype', type(pool).__name__)} {getattr(pool, 'shape', None)}, rows "
+                         f"{_shape(c)}, rope_dim {rope_dim}")
+    shape = _shape(c)
+    if slots.shape != shape[:2] or positions.shape != shape[:2] or weight.shape != shape[2:]:
+        raise ValueError(f"slots and positions must be {shape[:2]} and the weight [{shape[2]}], got "
+                         f"{slots.shape}, {positions.shape} and {weight.shape}")
+    return _pallas(pool, slots, positions, c, weight.astype(jnp.float32), inv_freq, eps=float(eps), quant=quant,
+                   dtype=jnp.dtype(dtype), interpret=backend.interpret_mode(interpret))
+
+
+def write_rows(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"], c: Float[Array, "b k w"] | Partials,
+                  weight: Float[Array, " w"], inv_freq, *, eps: float, quant: str | None, dtype,
+                  impl: str | None = None, mesh=None):
+    """The backend switch: the kernel when ``impl`` resolves to "pallas", there is no ``mesh`` (the
+    pool's, ``sharding.attach_mesh``) and it takes the pool; else the reference."""
+    rope_dim = 2 * np.asarray(inv_freq).shape[0]
+    if backend.resolve(impl) == "pallas" and mesh is None and kernel_takes(pool, c, rope_dim, quant):
+        return rows_kernel(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype)
+    return rows_reference(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype,
+                             impl=impl, mesh=mesh)
+
+
+kernel = rows_kernel
+reference = rows_reference
