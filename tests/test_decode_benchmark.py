@@ -102,8 +102,8 @@ def test_round_roofline_adds_the_drafter_once(flash_fp8_parts):
 
 def test_rounds_of_every_program_are_timed_in_turn():
     """``time_rounds``: after each program's warm-up, every repeat times each program's rounds in
-    turn (a drift reaches all alike), carries each program's own state and returns its median and
-    mean accept length."""
+    turn (a drift reaches all alike), carries each program's own state and returns its median (and
+    every pass's time) and mean accept length."""
     import jax.numpy as jnp
 
     calls = []
@@ -123,4 +123,4 @@ def test_rounds_of_every_program_are_timed_in_turn():
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
     assert out["a"][1] == 1.0 and out["b"][1] == 3.0
     assert out["a"][2] == 0 + 1 + 6 and out["b"][2] == 10 + 1 + 6
-    assert all(sec > 0 for sec, _, _ in out.values())
+    assert all(sec > 0 and len(each) == 3 and sec == sorted(each)[1] for sec, _, _, each in out.values())

@@ -31,6 +31,7 @@ from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.dspark import draft_block, init_draft_cache
 from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm
+from pallas_kernels.gemv import Partials
 from pallas_kernels import hc_fused, lowering
 from tests.helpers import equations, matmul_precisions, pallas_calls
 
@@ -120,6 +121,33 @@ def test_fused_transitions_match_reference(lead, d, dtype):
     np.testing.assert_allclose(np.asarray(got[3]).sum(-2), 1.0, atol=1e-5)
     hkw = dict(hc_eps=HC_EPS, norm_eps=NORM_EPS, norm_weight=w, out_eps=1e-5)
     _close(hc_head(x, *head, fused=True, **hkw), hc_head(x, *head, **hkw), dtype, "hc_head + norm")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expansion_adds_partial_sums(dtype):
+    """f given as a linear's K-split partial sums (``gemv.Partials``, wo_b at one token): the fused
+    step adds them in order and rounds the sum to the streams' dtype (the linear's output), then
+    runs as with that f, bit for bit; against the plain-JAX step (``gemv.total``) to summation
+    order."""
+    rng = np.random.default_rng(11)
+    x, _, (fn, base, scale), _ = _unit(rng, (1, 1), 256, dtype)
+    parts = jnp.asarray(rng.standard_normal((8, 1, 1, 256)), jnp.float32)
+    w = jnp.asarray(1.0 + 0.3 * rng.standard_normal(256), jnp.float32)
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, out_eps=1e-5)
+    _, post, comb = hc_pre_norm(x, fn, base, scale, w, sinkhorn_impl="loop", **kw)
+    got = hc_post_pre_norm(Partials(parts), x, post, comb, fn, base, scale, w, sinkhorn_impl="fused", **kw)
+    summed = np.asarray(parts[0])
+    for s in range(1, 8):  # in order, in float32
+        summed = summed + np.asarray(parts[s])
+    exact = hc_post_pre_norm(jnp.asarray(summed).astype(dtype), x, post, comb, fn, base, scale, w,
+                             sinkhorn_impl="fused", **kw)
+    want = hc_post_pre_norm(Partials(parts), x, post, comb, fn, base, scale, w, sinkhorn_impl="loop", **kw)
+    for g, e, v, name in zip(got, exact, want, ("X'", "normed y", "post", "comb")):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32), err_msg=name)
+        _close(g, v, dtype if name in ("X'", "normed y") else jnp.float32, name)
+    with pytest.raises(ValueError, match="partial sums"):
+        hc_fused.post_pre_kernel(Partials(parts[:, :, :, :128]), x, post, comb, fn, base, scale, iters=ITERS,
+                                 hc_eps=HC_EPS, norm_eps=NORM_EPS)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -240,16 +268,20 @@ def test_bad_input_is_named():
         hc_fused.HcConfig(fma_tokens=-1)
 
 
-def _kernels(blocks: int, head_norm: bool) -> dict:
-    """The fused mHC kernels of ``blocks`` blocks and one head (with its norm or without)."""
-    return {"hc_mixes": blocks + 1, "hc_post_mixes": blocks, "hc_pre_norm": 2 * blocks, "hc_post": blocks,
-            "hc_head_norm" if head_norm else "hc_head": 1}
+def _kernels(blocks: int, head_norm: bool, folded: bool = False) -> dict:
+    """The fused mHC kernels of ``blocks`` blocks and one head (with its norm or without);
+    ``folded``: each block's last hc_post in the next block's first launch (``Block.unexpanded``)
+    but for the last block's."""
+    posts = 1 if folded else blocks
+    return {"hc_mixes": posts + 1, "hc_post_mixes": 2 * blocks - posts, "hc_pre_norm": 2 * blocks,
+            "hc_post": posts, "hc_head_norm" if head_norm else "hc_head": 1}
 
 
 def test_model_runs_every_mhc_unit_fused():
     """With ``Numerics.sinkhorn="fused"`` every mHC unit of the target and of the drafter goes
     through the kernels: per layer and drafter stage hc_pre + attn_norm (mixes + collapse), the
-    attention's hc_post + hc_pre + ffn_norm (expansion and mixes + collapse) and the MoE's hc_post;
+    attention's hc_post + hc_pre + ffn_norm (expansion and mixes + collapse) and the MoE's hc_post
+    (a target layer's in the next layer's first launch, with its hc_pre + attn_norm);
     hc_head (mixes + collapse) once for the target (with its norm), once for the drafter (without:
     the confidence head reads the hidden before the norm). (The programs are traced on the
     abstract model, not run.)"""
@@ -260,7 +292,7 @@ def test_model_runs_every_mhc_unit_fused():
     cache = init_cache(cfg, 1, 32, jnp.float32)
     fwd = forward_step.trace(graphdef, state, ids, jnp.full((1,), 4, jnp.int32), cache).jaxpr.jaxpr
     layers, stages = cfg.num_hidden_layers, cfg.dspark.num_stages
-    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == _kernels(layers, head_norm=True)
+    assert collections.Counter(name for name, _ in pallas_calls(fwd)) == _kernels(layers, head_norm=True, folded=True)
 
     def draft(state, anchor, lengths):
         return draft_block(nnx.merge(graphdef, state), init_draft_cache(cfg, 1, jnp.float32), anchor, lengths,

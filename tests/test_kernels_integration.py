@@ -1,10 +1,12 @@
 """The model's decode / verify path through the kernels and fp8 KV pools."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import dspark_jax
@@ -156,18 +158,22 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
 
 
-def test_one_token_steps_share_the_linears_launches():
+@pytest.mark.parametrize("quant_sim", [False, True])
+def test_one_token_steps_share_the_linears_launches(quant_sim):
     """Linears at one token through ``gemv`` (interpret mode here): per layer every linear of the
     attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
     layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
-    q and kv norms of the split sums in one, the queries' norm + RoPE in one; the logits those of
+    q norm of the split sums in one, the queries' norm + RoPE in one, each new KV row (the
+    window's and the compressors') in one (``kv_rows``); the logits those of
     the XLA path (fp32 activations, bf16 and FP8 weights: exact products both ways but for fp32
-    rows times FP8 weights, rounded alike)."""
+    rows times FP8 weights, rounded alike). With ``quant_sim`` the q norm's launch also gives
+    its quantised values, which wq_b and the indexer's wq_b multiply as they are (no ``_q``)."""
     cfg = SMALL.replace(n_routed_experts=16, index_n_heads=16)
 
     def model(kernels):
-        m = dspark_jax.init(cfg, 3, dtype=jnp.float32, param_dtype=jnp.bfloat16, weight_format="official")
+        m = dspark_jax.init(cfg, 3, dtype=jnp.float32, param_dtype=jnp.bfloat16, weight_format="official",
+                            quant_sim=quant_sim)
         num = dataclasses.replace(m.numerics, kernels=kernels)
         for _, mod in nnx.iter_modules(m.module):
             if hasattr(mod, "num"):
@@ -184,8 +190,19 @@ def test_one_token_steps_share_the_linears_launches():
     names = [n for n, _ in pallas_calls(jaxpr.jaxpr)]
     count = lambda prefix: len([n for n in names if n.startswith(prefix)])  # noqa: E731
     assert SMALL.compress_ratios == (0, 4, 128)
-    assert (count("gemv_fp8_x2"), count("gemv_fp8_bf16_x7"), count("gemv_fp8_bf16_x4")) == (1, 1, 1), names
+    q = "_q" if quant_sim else ""
+    assert (count(f"gemv_fp8{q}_x2"), count(f"gemv_fp8_bf16{q}_x7"), count(f"gemv_fp8_bf16{q}_x4")) == (1, 1, 1), names
     assert count("gemv_bf16") == len(SMALL.compress_ratios), names  # the routers'
-    assert count("rms_norms_x2") == len(SMALL.compress_ratios), names  # q_norm + kv_norm of the partial sums
-    assert count("q_norm_rope") == len(SMALL.compress_ratios), names
-    assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # (no quant_sim: no row quantised)
+    layers = len(SMALL.compress_ratios)
+    assert count("rms_norms_x1") == layers, names  # q_norm of the partial sums
+    assert count("q_norm_rope") == layers, names
+    # kv_norm + RoPE + kv_sim + the write of every layer's window row and of the C4 and C128 layers'
+    # compressed entries; the indexer's keys with their Hadamard + e2m1 rounding (without quant_sim, plain rows)
+    assert (count("kv_rows"), count("key_rows")) == ((layers + 2, 1) if quant_sim else (layers + 3, 0)), names
+    if not quant_sim:
+        assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # no row quantised
+    else:  # rows quantised by the q norm's launch: every wq_b and the C4 layer's indexer wq_b; the
+        # rows of wo_b and the shared expert's w2 quantised in their launches (wo_a: XLA's here)
+        plain = [n for n in names if re.fullmatch(r"gemv_fp8(_split\d+)?", n)]
+        assert len(plain) == layers + 1, " ".join(names)
+        assert count("gemv_fp8_q") - count("gemv_fp8_q_") == 2 * layers, " ".join(names)

@@ -1,0 +1,165 @@
+"""New KV rows in one launch (``pallas_kernels.kv_rows``: RMSNorm, RoPE, the reference's rounding
+(fp8 KV, or the indexer keys' Hadamard + e2m1) and the in-place write; rows as an array or a
+linear's partial sums) against the pure-JAX reference, its lowering for gfx950 and NVIDIA, and bad
+input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.cache import Fp8Keys
+from dspark_jax.config import tiny
+from dspark_jax.model.norms_rope import layer_inv_freq
+from pallas_kernels import kv_rows, lowering
+
+SD = jax.ShapeDtypeStruct
+INV_FREQ = layer_inv_freq(tiny(), 4)  # 32 pairs: 64 rope dims
+
+
+def _case(rng, b: int, k: int, n: int, w: int, dtype):
+    c = jnp.asarray(rng.standard_normal((b, k, w)) * rng.uniform(0.1, 30, (b, k, 1)), jnp.float32)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, w), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((b, n, w)) * 100, dtype)  # poisoned rows: values no entry has
+    positions = jnp.asarray(rng.integers(0, 5000, (b, k)) * 4, jnp.int32)
+    return c, weight, pool, positions
+
+
+@pytest.mark.parametrize("w", [128, 512])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kv_quant", [False, True])
+def test_kernel_matches_reference(w, dtype, kv_quant):
+    """Entries written where their window closed (one dropped slot per request), every other pool
+    row bit for bit as it was; the entries agree with the reference to a rounding step of the dtype
+    (the norm's sum and cos / sin: ~all elements equal), or of fp8 where that step crossed an fp8
+    boundary."""
+    rng = np.random.default_rng(w + kv_quant)
+    b, k, n = 2, 3, 12
+    c, weight, pool, positions = _case(rng, b, k, n, w, dtype)
+    slots = jnp.asarray([[4, n, 0], [11, 7, n + 5]], jnp.int32)  # >= n: windows not closed
+    kw = dict(eps=1e-6, quant=("kv" if kv_quant else None), dtype=dtype)
+    want = kv_rows.rows_reference(pool, slots, positions, c, weight, INV_FREQ, **kw)
+    got = kv_rows.rows_kernel(pool, slots, positions, c, weight, INV_FREQ, **kw)
+    assert got.shape == pool.shape and got.dtype == pool.dtype
+    got, want, before = (np.asarray(a, np.float32) for a in (got, want, pool))
+    written = np.zeros((b, n), bool)
+    written[0, [4, 0]] = written[1, [11, 7]] = True
+    np.testing.assert_array_equal(got[~written], before[~written])
+    assert not np.isclose(got[written], before[written]).all()
+    g, r = got[written], want[written]
+    assert np.isfinite(g).all() and np.abs(r).max() > 0.5
+    step = 2**-3 if kv_quant else (2**-7 if dtype == jnp.bfloat16 else 1e-5)
+    np.testing.assert_allclose(g, r, rtol=step, atol=1e-6)
+    if dtype == jnp.bfloat16:  # (float32: XLA's and the kernel's cos / sin differ in the last bits on a GPU)
+        assert np.mean(g == r) > 0.98
+    if kv_quant:  # the nope dims on the fp8 grid of their 64-dim block: kv_sim leaves them as they are
+        from dspark_jax.model.quant import kv_sim
+        np.testing.assert_array_equal(np.asarray(kv_sim(jnp.asarray(g, dtype), 64), np.float32), g)
+
+
+def test_keys_match_reference():
+    """The indexer's keys (128 dims): the Hadamard rotation and e2m1 per 32 dims after the norm and
+    RoPE. The rotation's float32 sum runs in another order than XLA's dot: a key element may land
+    one e2m1 step away where its value sat on a rounding boundary; all others equal."""
+    from dspark_jax.model.quant import FP4_MAX, fp4_sim
+
+    rng = np.random.default_rng(5)
+    b, k, n, w = 2, 4, 9, 128
+    c, weight, pool, positions = _case(rng, b, k, n, w, jnp.bfloat16)
+    slots = jnp.asarray([[0, 1, 2, n], [3, 4, 5, 6]], jnp.int32)
+    kw = dict(eps=1e-6, quant="keys", dtype=jnp.bfloat16)
+    want = np.asarray(kv_rows.rows_reference(pool, slots, positions, c, weight, INV_FREQ, **kw), np.float32)
+    got = kv_rows.rows_kernel(pool, slots, positions, c, weight, INV_FREQ, **kw)
+    got = np.asarray(got, np.float32)
+    written = np.asarray(slots) < n
+    rows = np.asarray(slots)[written]
+    g = got[np.nonzero(written)[0], rows]
+    r = want[np.nonzero(written)[0], rows]
+    np.testing.assert_array_equal(np.delete(got[1], rows[3:], axis=0), np.delete(np.asarray(pool[1], np.float32),
+                                                                                 rows[3:], axis=0))
+    # on the e2m1 grid of each 32-dim block (fp4_sim leaves them as they are), and the reference's
+    np.testing.assert_array_equal(np.asarray(fp4_sim(jnp.asarray(g, jnp.bfloat16), 32), np.float32), g)
+    scale = np.repeat(np.abs(r).reshape(-1, 4, 32).max(-1) / FP4_MAX, 32, axis=-1).reshape(r.shape)
+    assert np.mean(g == r) > 0.97 and np.abs(g).max() > 0
+    assert (np.abs(g - r) <= 2 * scale + 1e-6).all()  # at most one e2m1 step (the widest: 2 x scale)
+
+
+def test_rows_from_partial_sums():
+    """A one-token window row from wkv's K-split partial sums (``gemv.Partials``): the kernel adds
+    them in order and rounds to the dtype, as the reference's ``gemv.total``; the same row as from
+    their sum added first."""
+    from pallas_kernels.gemv import Partials
+
+    rng = np.random.default_rng(9)
+    parts = jnp.asarray(rng.standard_normal((8, 1, 1, 512)), jnp.float32)
+    _, weight, pool, _ = _case(rng, 1, 1, 16, 512, jnp.bfloat16)
+    slots, positions = jnp.asarray([[5]], jnp.int32), jnp.asarray([[1234]], jnp.int32)
+    summed = np.asarray(parts[0])
+    for s in range(1, 8):
+        summed = summed + np.asarray(parts[s])
+    kw = dict(eps=1e-6, quant="kv", dtype=jnp.bfloat16)
+    got = kv_rows.rows_kernel(pool, slots, positions, Partials(parts), weight, INV_FREQ, **kw)
+    same = kv_rows.rows_kernel(pool, slots, positions, jnp.asarray(summed), weight, INV_FREQ, **kw)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(same, np.float32))
+    want = kv_rows.rows_reference(pool, slots, positions, Partials(parts), weight, INV_FREQ, **kw)
+    g, r = np.asarray(got, np.float32)[0, 5], np.asarray(want, np.float32)[0, 5]
+    np.testing.assert_allclose(g, r, rtol=2**-3, atol=1e-6)
+    assert np.mean(g == r) > 0.98
+
+
+def test_switch_takes_the_reference_for_fp8_pools():
+    """``write_entries`` on the Pallas path with an fp8 pool (not a plain array) writes through the
+    reference (``cache.write_kv``): the same result as the reference."""
+    rng = np.random.default_rng(3)
+    c, weight, _, positions = _case(rng, 1, 1, 4, 128, jnp.bfloat16)
+    pool = Fp8Keys(codes=jnp.zeros((1, 4, 128), jnp.uint8), scales=jnp.zeros((1, 4, 4), jnp.uint8))
+    slots = jnp.asarray([[2]], jnp.int32)
+    kw = dict(eps=1e-6, quant="kv", dtype=jnp.bfloat16)
+    got = kv_rows.write_rows(pool, slots, positions, c, weight, INV_FREQ, impl="pallas", **kw)
+    want = kv_rows.rows_reference(pool, slots, positions, c, weight, INV_FREQ, **kw)
+    assert isinstance(got, Fp8Keys)
+    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+    assert np.asarray(got.codes)[0, 2].any()
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+@pytest.mark.parametrize("quant,w,parts", [("kv", 512, 0), ("kv", 512, 8), ("keys", 128, 0)])
+def test_flash_rows_lower_for_gpus(arch, platform, quant, w, parts):
+    """Flash's KV rows (512 dims, 64 rope dims, fp8 nope blocks; from a pooled row or from wkv's 8
+    partial sums) and indexer keys (128 dims: Hadamard + e2m1) into a 2k-context pool, one Triton
+    call each."""
+    from pallas_kernels.gemv import Partials
+
+    freq = layer_inv_freq(tiny(), 128)
+
+    def fn(pool, slots, positions, c, weight):
+        c = Partials(c) if parts else c
+        return kv_rows.rows_kernel(pool, slots, positions, c, weight, freq, eps=1e-6, quant=quant, dtype=jnp.bfloat16,
+                                   interpret=False)
+
+    rows = SD((parts, 1, 1, w) if parts else (1, 1, w), jnp.float32)
+    text = lowering.lower(fn, SD((1, 512, w), jnp.bfloat16), SD((1, 1), jnp.int32), SD((1, 1), jnp.int32), rows,
+                          SD((w,), jnp.float32), arch=arch, platform=platform)
+    name = "key_rows" if quant == "keys" else "kv_rows"
+    assert lowering.count_triton_calls(text) == 1 and name in text
+
+
+def test_bad_input_is_named():
+    rng = np.random.default_rng(0)
+    c, weight, pool, positions = _case(rng, 1, 1, 4, 128, jnp.bfloat16)
+    slots = jnp.zeros((1, 1), jnp.int32)
+    kw = dict(eps=1e-6, quant="kv", dtype=jnp.bfloat16)
+    keys = Fp8Keys(codes=jnp.zeros((1, 4, 128), jnp.uint8), scales=jnp.zeros((1, 4, 4), jnp.uint8))
+    with pytest.raises(ValueError, match="plain float pool"):
+        kv_rows.rows_kernel(keys, slots, positions, c, weight, INV_FREQ, **kw)
+    with pytest.raises(ValueError, match="plain float pool"):
+        kv_rows.rows_kernel(pool[..., :96], slots, positions, c[..., :96], weight[:96], INV_FREQ, **kw)
+    with pytest.raises(ValueError, match="slots and positions must be"):
+        kv_rows.rows_kernel(pool, slots[:, :0], positions, c, weight, INV_FREQ, **kw)
+    with pytest.raises(ValueError, match="weight"):
+        kv_rows.rows_kernel(pool, slots, positions, c, weight[:64], INV_FREQ, **kw)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        kv_rows.rows_kernel(pool, slots, positions, c, weight, INV_FREQ, eps=1e-6, quant="fp4", dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="at most 128"):
+        kv_rows.rows_kernel(jnp.zeros((1, 4, 256), jnp.bfloat16), slots, positions, jnp.zeros((1, 1, 256)),
+                            jnp.ones((256,)), INV_FREQ, eps=1e-6, quant="keys", dtype=jnp.bfloat16)
