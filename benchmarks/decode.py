@@ -270,7 +270,7 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> d
     Interleaved, so that a drift of the machine (clocks settling after compilation, another
     process) reaches every program alike: measured one after the other, the first program's time
     moved by up to 25 % between runs, and the 43-layer extrapolation multiplies the depths'
-    difference by 19.5. Returns key -> (seconds, tau, final state)."""
+    difference by 19.5. Returns key -> (seconds, tau, final state, seconds of every pass)."""
     states = {k: bs for k, (_, _, bs) in programs.items()}
     for key, (compiled, params, _) in programs.items():
         for _ in range(warmup):
@@ -287,7 +287,7 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> d
             jax.block_until_ready(res.n_new)
             per_round[key].append((time.perf_counter() - t0) / rounds)
     return {k: (float(np.median(per_round[k])), float(np.mean(np.stack([np.asarray(x) for x in new[k]]))),
-                states[k]) for k in programs}
+                states[k], per_round[k]) for k in programs}
 
 
 def compile_group(jobs: dict, threads: int) -> dict:
@@ -454,10 +454,10 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
     for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
                             args.rounds, args.repeats)
-        for (depth, mode), (sec, tau, bs) in timed.items():
+        for (depth, mode), (sec, tau, bs, each) in timed.items():
             jobs[(depth, mode)] = (jobs[(depth, mode)][0], bs)
             r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
-                 "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec}
+                 "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each}
             meta["results"].append(r)
             print(r, flush=True)
         save()

@@ -34,7 +34,9 @@ from benchmarks.gemm_decode import Shape, random_weights
 from benchmarks.hc_fused import compile_highest, device_times
 from dspark_jax.model.common import matmul_f32
 from pallas_kernels import grouped_matmul as gm
+from dspark_jax.model.quant import fp8_sim
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_swiglu
+from pallas_kernels.grouped_matmul import FP8_BLOCK
 
 LIMIT = 10.0
 
@@ -85,10 +87,16 @@ def dots(case: Case, x, ws):
                              impl="pallas", one_row_gemv=False)[:, 0]
 
 
-def multiply_adds(case: Case, x, ws, cfg: GemvConfig | None):
+def multiply_adds(case: Case, x, ws, cfg: GemvConfig | None, rounded: bool = False):
+    """``gemv`` on the case's rows; ``rounded``: quantised rows handed over as their quantised
+    values (bf16, exact: what a producer kernel that rounds its output gives), the kernel's
+    quantisation skipped."""
     s = case.shape
     group = jnp.arange(x.shape[0], dtype=jnp.int32) % s.groups
-    xin = gm.QuantRows(x) if case.quantised else x
+    if rounded:
+        xin = fp8_sim(x, FP8_BLOCK)
+    else:
+        xin = gm.QuantRows(x) if case.quantised else x
     if s.swiglu:
         return gemv_swiglu(xin, ws[0], ws[1], group, limit=LIMIT, config=cfg)
     return gemv(xin, ws[0], group, out_dtype=jnp.float32, config=cfg)
@@ -137,6 +145,8 @@ def main(argv=None) -> int:
         want = np.asarray(dots(case, x, sets[0]), np.float32)
         sweep = args.sweep and (not args.sweep_only or any(o in s.name for o in args.sweep_only.split(",")))
         variants = [("dots", None), ("gemv", None)]  # gemv None: the library's default tiles
+        if case.quantised:  # the rows quantised before the kernel (by their producer)
+            variants.append(("gemv_rounded", None))
         variants += [("gemv", c) for c in (sweep_configs(args.smoke) if sweep else [])]
         row = {"name": s.name, "fmt": s.fmt, "n": s.n, "k": s.k, "groups": s.groups, "rows": s.tiles,
                "quantised": case.quantised, "bytes_per_call": call_bytes, "copies": copies, "variants": []}
@@ -148,9 +158,11 @@ def main(argv=None) -> int:
             if kind == "dots":
                 fn = lambda x, sets: [dots(case, x, ws) for ws in sets]  # noqa: E731
             else:
-                fn = functools.partial(lambda cfg, x, sets: [multiply_adds(case, x, ws, cfg) for ws in sets], cfg)
+                rounded = kind == "gemv_rounded"
+                fn = functools.partial(lambda cfg, r, x, sets: [multiply_adds(case, x, ws, cfg, r) for ws in sets],
+                                       cfg, rounded)
                 try:
-                    got = np.asarray(multiply_adds(case, x, sets[0], cfg), np.float32)
+                    got = np.asarray(multiply_adds(case, x, sets[0], cfg, rounded), np.float32)
                     rec["max_rel"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                 except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
                     rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -178,7 +190,9 @@ def main(argv=None) -> int:
         best = min((v for v in timed if v["kind"] == "gemv"), key=lambda v: v["us"], default=None)
         dflt = row["variants"][1]
         fmt_us = lambda v: f"{v['us']:6.1f} us {v['GBps']:5.0f} GB/s" if v and "us" in v else "   -"  # noqa: E731
+        rnd = next((v for v in row["variants"] if v["kind"] == "gemv_rounded"), None)
         print(f"{s.name:24s} N {s.n:5d} K {s.k:5d} | dots {fmt_us(lib)} | gemv default {fmt_us(dflt)} "
+              f"| rows rounded before {fmt_us(rnd)} "
               f"rel {dflt.get('max_rel', float('nan')):.1e} | best {fmt_us(best)} {best['config'] if best else ''} "
               f"| cuBLAS bf16 {fmt_us(row.get('xla_bf16'))}", flush=True)
         write_json("gemv.json", out)
