@@ -181,17 +181,27 @@ def _row_views(xb: Array, quantised: bool, parts: bool) -> dict:
     return views
 
 
-def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int) -> list[Array]:
+def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int,
+              x_parts: int = 0, x_dtype=None) -> list[Array]:
     """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
     (format ``fmts[i]``, the row quantised iff ``quantise[i]``, group g, N ``ns[i]``) over inputs
-    k_base .. k_base + steps * bk."""
-    parts = x_ref.dtype == jnp.float32 and "dense" in fmts  # bf16 rows times bf16 weights: exact already
+    k_base .. k_base + steps * bk. ``x_parts``: the rows come as that many partial sums [S R, K]
+    (float32), added in order and rounded to ``x_dtype`` (their producer's output)."""
+    rows = x_ref.shape[0] // max(x_parts, 1)
+    dt = x_dtype if x_parts else x_ref.dtype
+    parts = dt == jnp.float32 and "dense" in fmts  # bf16 rows times bf16 weights: exact already
+
+    def row_block(kb):
+        xb = x_ref[pl.ds(r, 1), pl.ds(kb, FP8_BLOCK)]
+        for s in range(1, x_parts):
+            xb = xb + x_ref[pl.ds(s * rows + r, 1), pl.ds(kb, FP8_BLOCK)]
+        return xb.astype(dt) if x_parts else xb
 
     def body(step, accs):
         accs = list(accs)
         for c in range(0, bk, FP8_BLOCK):
             kb = k_base + step * bk + c
-            views = _row_views(x_ref[pl.ds(r, 1), pl.ds(kb, FP8_BLOCK)], any(quantise), parts)
+            views = _row_views(row_block(kb), any(quantise), parts)
             for i, ((w_ref, s_ref), fmt, q, n) in enumerate(zip(w_sets, fmts, quantise, ns)):
                 w = w_ref[pl.ds(g * n + n0, bn), pl.ds(kb, FP8_BLOCK)].astype(jnp.float32)
                 if fmt == "fp8":
@@ -211,7 +221,7 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
 
 
 def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple[str, ...],
-            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt):
+            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt, x_parts: int = 0):
     w_sets = []
     for fmt in fmts:  # fp8: values and scales; dense: values
         w_sets.append((refs[0], refs[1]) if fmt == "fp8" else (refs[0], None))
@@ -227,7 +237,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
 
     if limit is not None:  # the SwiGLU: both weights' columns n0.. in one program
         n0 = j * bn
-        gate, up = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn)
+        gate, up = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn, x_parts, dt)
         if split == 1:
             y = _swiglu_rows(gate, up, jnp.ones((1,), jnp.float32), limit, dt)
             o_refs[0][pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_refs[0].dtype)
@@ -242,7 +252,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
         def _one(i=i, n=n, start=start):
             n0 = j * bn - start
             (y,) = _products(x_ref, [w_sets[i]], fmts[i:i + 1], quantise[i:i + 1], (n,), r, g, n0, k_base, steps,
-                             bk, bn)
+                             bk, bn, x_parts, dt)
             o_refs[i][pl.ds(out_row, 1), pl.ds(n0, bn)] = y.astype(o_refs[i].dtype)
         start += n
 
@@ -253,18 +263,24 @@ def _name(fmts: tuple[str, ...], quantise: tuple[bool, ...], swiglu: bool, split
             + (f"_x{len(fmts)}" if not swiglu and len(fmts) > 1 else "") + (f"_split{split}" if split > 1 else ""))
 
 
-@functools.partial(jax.jit, static_argnames=("quantise", "cfg", "limit", "out_dtype", "partials", "interpret"))
+@functools.partial(jax.jit, static_argnames=("quantise", "cfg", "limit", "out_dtype", "partials", "rows_dtype",
+                                             "interpret"))
 def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, limit, out_dtype,
-            partials: tuple[bool, ...] = (), interpret: bool) -> tuple[Array | Partials, ...]:
-    k, r = ws[0].shape[2], rows_in.shape[0]
+            partials: tuple[bool, ...] = (), rows_dtype=None, interpret: bool) -> tuple[Array | Partials, ...]:
+    """``rows_in``: rows [R, K], or (``Partials``) their producer's partial sums, rounded to
+    ``rows_dtype`` once added (in the kernel)."""
+    x_parts = rows_in.parts.shape[0] if isinstance(rows_in, Partials) else 0
+    x = rows_in.parts.reshape(-1, rows_in.parts.shape[-1]).astype(jnp.float32) if x_parts else rows_in
+    k, r = ws[0].shape[2], x.shape[0] // max(x_parts, 1)
     ns = (ws[0].shape[1],) if limit is not None else tuple(w.shape[1] for w in ws)
     fmts = tuple(w.fmt for w in ws)
     cfg = cfg.fit(r, ns, k)
-    split, dt = cfg.split_k, jnp.dtype(rows_in.dtype)
-    args = [group.astype(jnp.int32), rows_in]
+    split, dt = cfg.split_k, jnp.dtype(rows_dtype if x_parts else x.dtype)
+    args = [group.astype(jnp.int32), x]
     for w in ws:
         args += [w.values.reshape(-1, k)] + ([w.scales.reshape(-1, w.scales.shape[-1])] if w.fmt == "fp8" else [])
-    kernel = functools.partial(_kernel, rows=r, ns=ns, fmts=fmts, quantise=quantise, cfg=cfg, limit=limit, dt=dt)
+    kernel = functools.partial(_kernel, rows=r, ns=ns, fmts=fmts, quantise=quantise, cfg=cfg, limit=limit, dt=dt,
+                               x_parts=x_parts)
     grid = (r, sum(ns) // cfg.block_n) + ((split,) if split > 1 else ())
     if limit is not None:
         out_shape = [jax.ShapeDtypeStruct((r, ns[0]), out_dtype) if split == 1
@@ -292,7 +308,9 @@ def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, 
     return (_swiglu_rows(parts[0][:, :n], parts[0][:, n:], jnp.ones((r,), jnp.float32), limit, dt).astype(out_dtype),)
 
 
-def _rows_and_flags(x: Array | QuantRows, count: int, quantise: tuple[bool, ...] | None):
+def _rows_and_flags(x: Array | QuantRows | Partials, count: int, quantise: tuple[bool, ...] | None):
+    if isinstance(x, QuantRows) and isinstance(x.rows, Partials):
+        raise ValueError("gemv: pass partial sums as they are with quantise flags, not in QuantRows")
     if isinstance(x, QuantRows):
         if quantise is not None:
             raise ValueError("gemv: QuantRows quantise the rows for every weight; pass plain rows with quantise")
@@ -307,24 +325,34 @@ def gemv(x: Float[Array, "r k"] | QuantRows, w: Weights, group: Int[Array, " r"]
     return gemv_many(x, (w,), group, out_dtype=out_dtype, config=config, interpret=interpret)[0]
 
 
-def gemv_many(x: Float[Array, "r k"] | QuantRows, ws: tuple[Weights, ...], group: Int[Array, " r"], *,
+def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials, ws: tuple[Weights, ...], group: Int[Array, " r"], *,
               quantise: tuple[bool, ...] | None = None, out_dtype=None, partials: tuple[bool, ...] | None = None,
-              config: GemvConfig | None = None, interpret: bool | None = None
+              rows_dtype=None, config: GemvConfig | None = None, interpret: bool | None = None
               ) -> tuple[Float[Array, "r n"] | Partials, ...]:
     """``gemv`` of the same rows with several weights (same groups and K, any N and format) in one
     launch: the rows read by every program, each program's tile in one weight's columns (e.g. an
     attention layer's wq_a and wkv and its compressors' wkv and wgate). ``QuantRows`` quantise the
     rows for every weight; plain rows with ``quantise`` (one flag per weight) for those flagged.
     ``partials`` (one flag per weight): those flagged come back as ``Partials`` (float32, one part
-    when K is not split), the others summed in ``out_dtype``."""
+    when K is not split), the others summed in ``out_dtype``. x may itself be a producer's
+    ``Partials`` [S, R, K]: each program adds the parts of its inputs and rounds them to
+    ``rows_dtype`` (the producer's output dtype) before using them."""
     rows, flags = _rows_and_flags(x, len(ws), quantise)
-    check_inputs(rows, tuple(ws), group, same_n=False, quantise=flags)
+    if isinstance(rows, Partials):
+        if rows_dtype is None or rows.parts.ndim != 3:
+            raise ValueError(f"gemv rows as partial sums need parts [S, R, K] and rows_dtype, got "
+                             f"{rows.parts.shape} and {rows_dtype}")
+        view = jax.ShapeDtypeStruct(rows.parts.shape[1:], jnp.dtype(rows_dtype))
+    else:
+        view = rows
+    check_inputs(view, tuple(ws), group, same_n=False, quantise=flags)
     keep = () if partials is None else tuple(bool(p) for p in partials)
     if keep and len(keep) != len(ws):
         raise ValueError(f"gemv needs one partials flag per weight ({len(ws)}), got {partials}")
-    dtype = jnp.dtype(out_dtype or rows.dtype)
+    dtype = jnp.dtype(out_dtype or view.dtype)
     return _pallas(rows, tuple(ws), group, quantise=flags, cfg=config or default_config(), limit=None,
-                   out_dtype=dtype, partials=keep, interpret=backend.interpret_mode(interpret))
+                   out_dtype=dtype, partials=keep, rows_dtype=None if view is rows else jnp.dtype(rows_dtype),
+                   interpret=backend.interpret_mode(interpret))
 
 
 def gemv_swiglu(x: Float[Array, "r k"] | QuantRows, w1: Weights, w3: Weights, group: Int[Array, " r"], *,

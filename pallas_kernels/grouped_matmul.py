@@ -624,9 +624,39 @@ def _x_operands(x: Array | ActQuant | QuantRows, fmt: str) -> tuple[Array, ...]:
     return (x[:, 0::2], x[:, 1::2]) if fmt == "fp4" else (x,)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "cfg", "limit", "out_dtype", "interpret"))
+def _swiglu_quantise_kernel(y_ref, rw_ref, codes_ref, amax_ref, *, m: int, n: int, split: int, limit: float, dt):
+    """One row's 128 SwiGLU outputs from the K split's partial sums (gate at columns 0.., up at N..,
+    split s at rows s M..; added in order), rounded to ``dt``, then quantised as ``ActQuant.of``."""
+    r, j = pl.program_id(0), pl.program_id(1)
+    c0 = j * FP8_BLOCK
+    gate, up = y_ref[pl.ds(r, 1), pl.ds(c0, FP8_BLOCK)], y_ref[pl.ds(r, 1), pl.ds(n + c0, FP8_BLOCK)]
+    for s in range(1, split):
+        gate = gate + y_ref[pl.ds(s * m + r, 1), pl.ds(c0, FP8_BLOCK)]
+        up = up + y_ref[pl.ds(s * m + r, 1), pl.ds(n + c0, FP8_BLOCK)]
+    h = _swiglu_rows(gate, up, rw_ref[pl.ds(r, 1)], limit, dt).astype(dt)
+    codes, _ = _quantise_block(h)
+    codes_ref[pl.ds(r, 1), pl.ds(c0, FP8_BLOCK)] = codes
+    amax_ref[pl.ds(r, 1), pl.ds(j, 1)] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1, keepdims=True)
+
+
+def _swiglu_quantised(y: Array, row_weight: Array, *, m: int, n: int, split: int, limit: float, dt,
+                      interpret: bool) -> ActQuant:
+    """The SwiGLU of a split kernel's partial sums y [split M, 2 N], quantised as the next GEMM's
+    input (``ActQuant.of``): one launch instead of XLA's two (the sums and SwiGLU; the quantisation)."""
+    kernel = functools.partial(_swiglu_quantise_kernel, m=m, n=n, split=split, limit=limit, dt=dt)
+    with backend.quiet_triton_deprecation():
+        codes, amax = pl.pallas_call(
+            kernel, grid=(m, n // FP8_BLOCK),
+            out_shape=(jax.ShapeDtypeStruct((m, n), jnp.float8_e4m3fn),
+                       jax.ShapeDtypeStruct((m, n // FP8_BLOCK), jnp.float32)),
+            compiler_params=backend.compiler_params(1, 1), interpret=interpret, name="swiglu_quantise",
+        )(y, row_weight.astype(jnp.float32))
+    return ActQuant(codes, amax, dt)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "cfg", "limit", "out_dtype", "quantised_out", "interpret"))
 def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: GemmConfig, limit, out_dtype,
-            interpret: bool):
+            interpret: bool, quantised_out: bool = False):
     fmt = ws[0].fmt
     _, n, k = ws[0].shape
     code_dots, quantise = isinstance(x, (ActQuant, QuantRows)), isinstance(x, QuantRows)
@@ -654,12 +684,16 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
                  + ("_swiglu" if limit is not None else "")
                  + (f"_split{split}" if split > 1 else ""),
         )(*args)
+    if quantised_out and split > 1 and n % FP8_BLOCK == 0:
+        return _swiglu_quantised(y, row_weight, m=m, n=n, split=split, limit=limit, dt=jnp.dtype(out_dtype),
+                                 interpret=interpret)
     if split == 1:
-        return y
+        return ActQuant.of(y) if quantised_out else y
     parts = jnp.sum(y.reshape(split, m, len(ws), n), axis=0)  # fp32 [m, weights, n]
     if limit is None:
         return parts[:, 0].astype(out_dtype)
-    return _swiglu_rows(parts[:, 0], parts[:, 1], row_weight.astype(jnp.float32), limit, dt).astype(out_dtype)
+    h = _swiglu_rows(parts[:, 0], parts[:, 1], row_weight.astype(jnp.float32), limit, dt).astype(out_dtype)
+    return ActQuant.of(h) if quantised_out else h
 
 
 def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
@@ -684,14 +718,16 @@ def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group
 def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
                   row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
                   block_m: int, limit: float, config: GemmConfig | None = None, interpret: bool | None = None,
-                  codes: bool | None = None) -> Float[Array, "m n"]:
-    """The fused Pallas kernel (same contract as ``swiglu_reference``). ``codes``: see ``_kernel_rows``."""
+                  codes: bool | None = None, quantised_out: bool = False) -> Float[Array, "m n"] | ActQuant:
+    """The fused Pallas kernel (same contract as ``swiglu_reference``). ``codes``: see ``_kernel_rows``.
+    ``quantised_out``: the result quantised as the next GEMM's input (``ActQuant.of``; after a K
+    split, with the partial sums' SwiGLU in one launch: ``_swiglu_quantised``)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
     x = _kernel_rows(x, w1, block_m, codes)
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
-                   out_dtype=x.dtype, interpret=backend.interpret_mode(interpret))
+                   out_dtype=x.dtype, quantised_out=quantised_out, interpret=backend.interpret_mode(interpret))
 
 
 def grouped_matmul(x, w: Weights, tile_group, num_tiles, *, block_m: int, out_dtype=None, impl: str | None = None,
@@ -703,12 +739,14 @@ def grouped_matmul(x, w: Weights, tile_group, num_tiles, *, block_m: int, out_dt
 
 
 def grouped_swiglu(x, w1: Weights, w3: Weights, row_weight, tile_group, num_tiles, *, block_m: int, limit: float,
-                   impl: str | None = None, **kernel_options):
-    """Fused SwiGLU half of the experts through the backend switch."""
+                   impl: str | None = None, quantised_out: bool = False, **kernel_options):
+    """Fused SwiGLU half of the experts through the backend switch (``quantised_out``: its result
+    quantised as the next GEMM's input, ``ActQuant``)."""
     if backend.resolve(impl) == "xla":
-        return swiglu_reference(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit)
+        h = swiglu_reference(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit)
+        return ActQuant.of(h) if quantised_out else h
     return swiglu_kernel(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit,
-                         **kernel_options)
+                         quantised_out=quantised_out, **kernel_options)
 
 
 def block_m_for(rows: int, groups: int = 1) -> int:

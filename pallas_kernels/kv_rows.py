@@ -12,8 +12,9 @@ the pool row ``slot``:
 
 Three users (``dspark_jax.model``): a compressor's entries (c: a window's pooled row,
 ``compressor_pool``; position: the window's start; the attention's compressor "kv", the
-indexer's "keys") and the attention's own window row (c: wkv's partial sums at one token, the
-weight kv_norm's; "kv"). In XLA each is a reduction launch, one or two elementwise launches (three
+indexer's "keys"; ``write_window_rows``, the windows' slots and positions worked out in the
+kernel) and the attention's own window row (c: wkv's partial sums at one token, the weight
+kv_norm's; "kv"). In XLA each is a reduction launch, one or two elementwise launches (three
 for the keys: the Hadamard product, the fp4 scales, the rounding) and a dynamic-slice / update
 pair for the scatter: four to six launches of ~1-2 us for 1 KiB per row. ``rows_kernel`` does
 it in one, grid (requests, rows), writing the pool rows in place (``input_output_aliases``; pool
@@ -54,6 +55,8 @@ def row_values(c: Float[Array, "b k w"] | Partials, positions: Int[Array, "b k"]
     from dspark_jax.model.norms_rope import apply_rope, rms_norm
     from dspark_jax.model.quant import fp4_sim, hadamard, kv_sim
 
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     e = apply_rope(rms_norm(total(c, dtype), weight, eps), positions, np.asarray(inv_freq), heads=False)
     if quant == "kv":
         return kv_sim(e, 2 * np.asarray(inv_freq).shape[0])
@@ -95,31 +98,30 @@ def _fp4_scale(amax: Array) -> Array:
     return jax.lax.bitcast_convert_type(((bits >> 23) - 2 + up) << 23, jnp.float32)
 
 
-def _kernel(slot_ref, pos_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
-            parts: int, rows_per_request: int, dt):
-    *h_ref, pool_in, pool_ref = refs  # (the Hadamard matrix for "keys")
-    del pool_in  # aliased to pool_ref: rows not written keep their bytes
-    b, k = pl.program_id(0), pl.program_id(1)
-    n, w = pool_ref.shape[1], pool_ref.shape[2]
+def _row(c_ref, w_ref, freq_ref, h_ref, row, position, *, w: int, eps: float, rope_dim: int, quant: str | None,
+         parts: int, dt) -> Array:
+    """Row ``row`` of c [parts * rows, w] (its parts added in order) rounded to ``dt``, normalised
+    (with a weight ref), rotated at ``position`` and rounded by ``quant``: [1, w] in ``dt``."""
     cols = jnp.arange(w, dtype=jnp.int32)[None, :]  # [1, w]
-    rope = cols >= w - rope_dim
-    partner = jnp.where(rope, partner_columns(cols), cols)
-    row = b * rows_per_request + k  # of c [parts * rows, w]
+    partner = jnp.where(cols >= w - rope_dim, partner_columns(cols), cols)
 
-    def rounded(at: Array) -> Array:  # c at columns ``at`` (its parts added in order), rounded to dtype, float32
+    def rounded(at: Array) -> Array:  # c at columns ``at``, rounded to dtype, float32
         x = pltriton.load(c_ref.at[row, at])
         for s in range(1, parts):
             x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + row, at])
         return x.astype(dt).astype(jnp.float32)
 
     x = rounded(cols)
-    inv = 1.0 / jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) / w + eps)  # as norms_rope.rms_norm
+    if w_ref is None:  # no norm
+        values, partner_values = x.astype(dt), rounded(partner).astype(dt)
+    else:
+        inv = 1.0 / jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) / w + eps)  # as norms_rope.rms_norm
 
-    def normed(at: Array, values: Array) -> Array:
-        return (pltriton.load(w_ref.at[at]).astype(jnp.float32) * (values * inv)).astype(dt)
+        def normed(at: Array, v: Array) -> Array:
+            return (pltriton.load(w_ref.at[at]).astype(jnp.float32) * (v * inv)).astype(dt)
 
-    e = rotate_pairs(normed(cols, x), normed(partner, rounded(partner)), cols, w, rope_dim, pos_ref[row], freq_ref,
-                     inverse=False)
+        values, partner_values = normed(cols, x), normed(partner, rounded(partner))
+    e = rotate_pairs(values, partner_values, cols, w, rope_dim, position, freq_ref, inverse=False)
     if quant == "kv":  # fp8 per 64 nope dims with power-of-two scales (quant.kv_sim); the rope dims exact
         blocks = e.astype(jnp.float32).reshape(w // KV_BLOCK, KV_BLOCK)
         amax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
@@ -127,26 +129,62 @@ def _kernel(slot_ref, pos_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_d
         nope = jnp.arange(w // KV_BLOCK, dtype=jnp.int32)[:, None] < (w - rope_dim) // KV_BLOCK
         e = jnp.where(nope, codes.astype(jnp.float32) * act_scale(amax), blocks).reshape(1, w).astype(dt)
     elif quant == "keys":  # the Hadamard rotation (rounded to dtype), then e2m1 per 32 dims (quant.fp4_sim)
-        h = pltriton.load(h_ref[0].at[cols.reshape(w, 1), cols])  # [w, w]: h[j, i]
+        h = pltriton.load(h_ref.at[cols.reshape(w, 1), cols])  # [w, w]: h[j, i]
         z = jnp.sum(h * e.astype(jnp.float32), axis=1).reshape(1, w).astype(dt).astype(jnp.float32)
         blocks = z.reshape(w // KEY_BLOCK, KEY_BLOCK)
         scale = _fp4_scale(jnp.max(jnp.abs(blocks), axis=1, keepdims=True))
         e = (_e2m1(jnp.clip(blocks / scale, -6.0, 6.0)) * scale).reshape(1, w).astype(dt)
-    slot = slot_ref[row]
+    return e
+
+
+def _kernel(a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
+            parts: int, rows_per_request: int, ratio: int, dt):
+    """Refs a, b: slots and positions [b k]; or with ``ratio`` (a compressor's candidate windows,
+    ``write_window_rows``) the requests' start and n_valid [b]."""
+    *h_ref, pool_in, pool_ref = refs  # (the Hadamard matrix for "keys")
+    del pool_in  # aliased to pool_ref: rows not written keep their bytes
+    b, k = pl.program_id(0), pl.program_id(1)
+    n, w = pool_ref.shape[1], pool_ref.shape[2]
+    row = b * rows_per_request + k  # of c [parts * rows, w]
+    if ratio:  # window start // m + k, written iff the chunk's real rows closed it
+        start = a_ref[b]
+        win = start // ratio + k
+        slot = jnp.where(win < (start + b_ref[b]) // ratio, win, n)
+        position = win * ratio
+    else:
+        slot, position = a_ref[row], b_ref[row]
+    e = _row(c_ref, w_ref, freq_ref, h_ref[0] if h_ref else None, row, position, w=w, eps=eps, rope_dim=rope_dim,
+             quant=quant, parts=parts, dt=dt)
     ok = (slot >= 0) & (slot < n)
-    row = jnp.where(ok, slot, n)  # a window not closed: one past the pool, masked (never accessed)
-    pltriton.store(pool_ref.at[b, row, cols], e.astype(pool_ref.dtype), mask=jnp.broadcast_to(ok, cols.shape))
+    cols = jnp.arange(w, dtype=jnp.int32)[None, :]
+    dest = jnp.where(ok, slot, n)  # a window not closed: one past the pool, masked (never accessed)
+    pltriton.store(pool_ref.at[b, dest, cols], e.astype(pool_ref.dtype), mask=jnp.broadcast_to(ok, cols.shape))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "quant", "dtype", "interpret"))
-def _pallas(pool, slots, positions, c, weight, inv_freq, *, eps: float, quant: str | None, dtype, interpret: bool):
+def _queries_kernel(pos_ref, c_ref, freq_ref, *refs, rope_dim: int, quant: str | None, parts: int, heads: int, dt):
+    """Head ``k`` of token ``t`` (row t * heads + k of c), rotated at the token's position."""
+    *h_ref, o_ref = refs
+    t, k = pl.program_id(0), pl.program_id(1)
+    w = o_ref.shape[1]
+    row = t * heads + k
+    e = _row(c_ref, None, freq_ref, h_ref[0] if h_ref else None, row, pos_ref[t], w=w, eps=0.0, rope_dim=rope_dim,
+             quant=quant, parts=parts, dt=dt)
+    pltriton.store(o_ref.at[row, jnp.arange(w, dtype=jnp.int32)[None, :]], e)
+
+
+def _hadamard(quant: str | None, w: int) -> tuple:
+    from dspark_jax.model.quant import hadamard_matrix
+
+    return (jnp.asarray(hadamard_matrix(w)),) if quant == "keys" else ()
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "quant", "ratio", "dtype", "interpret"))
+def _pallas(pool, a, b_, c, weight, inv_freq, *, eps: float, quant: str | None, ratio: int, dtype, interpret: bool):
     parts = c.parts if isinstance(c, Partials) else c[None]
     s, b, k, w = parts.shape
     kernel = functools.partial(_kernel, eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, parts=s,
-                               rows_per_request=k, dt=dtype)
-    from dspark_jax.model.quant import hadamard_matrix
-
-    hadamard = (jnp.asarray(hadamard_matrix(w)),) if quant == "keys" else ()
+                               rows_per_request=k, ratio=ratio, dt=dtype)
+    hadamard = _hadamard(quant, w)
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(
             kernel,
@@ -156,8 +194,27 @@ def _pallas(pool, slots, positions, c, weight, inv_freq, *, eps: float, quant: s
             compiler_params=backend.compiler_params(4, 1),
             interpret=interpret,
             name="kv_rows" if quant != "keys" else "key_rows",
-        )(slots.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32),
+        )(a.reshape(-1).astype(jnp.int32), b_.reshape(-1).astype(jnp.int32),
           parts.astype(jnp.float32).reshape(s * b * k, w), weight, inv_freq, *hadamard, pool)
+
+
+@functools.partial(jax.jit, static_argnames=("quant", "dtype", "interpret"))
+def _queries_pallas(c, positions, inv_freq, *, quant: str | None, dtype, interpret: bool):
+    parts = c.parts if isinstance(c, Partials) else c[None]
+    s, b, t, h, w = parts.shape
+    kernel = functools.partial(_queries_kernel, rope_dim=2 * inv_freq.shape[0], quant=quant, parts=s, heads=h,
+                               dt=dtype)
+    with backend.quiet_triton_deprecation():
+        out = pl.pallas_call(
+            kernel,
+            grid=(b * t, h),
+            out_shape=jax.ShapeDtypeStruct((b * t * h, w), dtype),
+            compiler_params=backend.compiler_params(4, 1),
+            interpret=interpret,
+            name="query_rows",
+        )(positions.reshape(-1).astype(jnp.int32), parts.astype(jnp.float32).reshape(s * b * t * h, w), inv_freq,
+          *_hadamard(quant, w))
+    return out.reshape(b, t, h, w)
 
 
 def _shape(c) -> tuple[int, ...]:
@@ -172,7 +229,7 @@ def kernel_takes(pool, c, rope_dim: int, quant: str | None) -> bool:
         return False
     w, shape = pool.shape[2], _shape(c)
     quant_ok = {None: True, "kv": rope_dim % KV_BLOCK == 0 and w % KV_BLOCK == 0,
-                "keys": KEY_BLOCK <= w <= 128}[quant]
+                "keys": KEY_BLOCK <= w <= 128}.get(quant, False)
     return (len(shape) == 3 and shape[0] == pool.shape[0] and shape[2] == w and backend.is_power_of_2(w)
             and 0 < rope_dim <= w and rope_dim % 2 == 0 and quant_ok)
 
@@ -198,7 +255,7 @@ def rows_kernel(pool: Array, slots: Int[Array, "b k"], positions: Int[Array, "b 
         raise ValueError(f"slots and positions must be {shape[:2]} and the weight [{shape[2]}], got "
                          f"{slots.shape}, {positions.shape} and {weight.shape}")
     return _pallas(pool, slots, positions, c, weight.astype(jnp.float32), inv_freq, eps=float(eps), quant=quant,
-                   dtype=jnp.dtype(dtype), interpret=backend.interpret_mode(interpret))
+                   ratio=0, dtype=jnp.dtype(dtype), interpret=backend.interpret_mode(interpret))
 
 
 def write_rows(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"], c: Float[Array, "b k w"] | Partials,
@@ -211,6 +268,57 @@ def write_rows(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"], c: 
         return rows_kernel(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype)
     return rows_reference(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype,
                              impl=impl, mesh=mesh)
+
+
+def window_slots(start: Int[Array, " b"], n_valid: Int[Array, " b"], windows: int, ratio: int, n: int
+                 ) -> tuple[Int[Array, "b k"], Int[Array, "b k"]]:
+    """The pool rows (n: not written) and start positions of a chunk's ``windows`` candidate windows
+    ``start // ratio + k``: written iff the chunk's real rows closed the window."""
+    win = start[:, None] // ratio + jnp.arange(windows, dtype=jnp.int32)[None]  # [b, k]
+    return jnp.where(win < (start + n_valid)[:, None] // ratio, win, n), win * ratio
+
+
+def write_window_rows(pool, start: Int[Array, " b"], n_valid: Int[Array, " b"], ratio: int,
+                      c: Float[Array, "b k w"], weight: Float[Array, " w"], inv_freq, *, eps: float,
+                      quant: str | None, dtype, impl: str | None = None):
+    """``write_rows`` for a compressor's pooled rows of its candidate windows (``window_slots``):
+    on the kernel the slots and positions come from start and n_valid inside it (no launches to
+    make them)."""
+    rope_dim = 2 * np.asarray(inv_freq).shape[0]
+    if backend.resolve(impl) == "pallas" and kernel_takes(pool, c, rope_dim, quant):
+        return _pallas(pool, start, n_valid, c, weight.astype(jnp.float32), jnp.asarray(inv_freq, jnp.float32),
+                       eps=float(eps), quant=quant, ratio=int(ratio), dtype=jnp.dtype(dtype),
+                       interpret=backend.interpret_mode(None))
+    slots, positions = window_slots(start, n_valid, c.shape[1], ratio, pool.shape[1])
+    return rows_reference(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype, impl=impl)
+
+
+def queries_reference(c: Float[Array, "b t h w"] | Partials, positions: Int[Array, "b t"], inv_freq, *,
+                      quant: str | None, dtype) -> Float[Array, "b t h w"]:
+    """Pure JAX: heads of c (its parts added, rounded to ``dtype``) rotated at their token's position
+    (``apply_rope``), then rounded by ``quant`` (the indexer's queries: "keys")."""
+    from dspark_jax.model.norms_rope import apply_rope
+    from dspark_jax.model.quant import fp4_sim, hadamard
+
+    if quant not in (None, "keys"):
+        raise ValueError(f"query rows take quant None or 'keys', got {quant!r}")
+    q = apply_rope(total(c, dtype), positions, np.asarray(inv_freq))
+    return fp4_sim(hadamard(q), KEY_BLOCK) if quant == "keys" else q
+
+
+def query_rows(c: Float[Array, "b t h w"] | Partials, positions: Int[Array, "b t"], inv_freq, *, quant: str | None,
+               dtype, impl: str | None = None) -> Float[Array, "b t h w"]:
+    """Queries (the indexer's: wq_b's output, at one token its split's partial sums) rotated and
+    rounded as ``queries_reference``, in one launch on the Pallas path (grid (tokens, heads); w a
+    power of two, at most 128 with "keys")."""
+    shape = _shape(c)
+    rope_dim = 2 * np.asarray(inv_freq).shape[0]
+    fits = (len(shape) == 4 and backend.is_power_of_2(shape[3]) and rope_dim <= shape[3]
+            and (quant is None or (quant == "keys" and KEY_BLOCK <= shape[3] <= 128)))
+    if backend.resolve(impl) == "pallas" and fits and positions.shape == shape[:2]:
+        return _queries_pallas(c, positions, jnp.asarray(inv_freq, jnp.float32), quant=quant, dtype=jnp.dtype(dtype),
+                               interpret=backend.interpret_mode(None))
+    return queries_reference(c, positions, inv_freq, quant=quant, dtype=dtype)
 
 
 kernel = rows_kernel

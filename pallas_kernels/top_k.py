@@ -59,10 +59,11 @@ class TopKConfig:
                 raise ValueError(f"TopKConfig.{name} must be a power of two, got {getattr(self, name)}")
 
 
-def reference(scores: Float[Array, "r n"], k: int) -> Int[Array, "r k"]:
-    """``jax.lax.top_k``'s indices."""
+def reference(scores: Float[Array, "r n"], k: int, limit: Int[Array, " r"] | None = None) -> Int[Array, "r k"]:
+    """``jax.lax.top_k``'s indices (with ``limit``: those >= the row's limit as -1)."""
     _check(scores, k)
-    return lax.top_k(scores, k)[1].astype(jnp.int32)
+    idx = lax.top_k(scores, k)[1].astype(jnp.int32)
+    return idx if limit is None else jnp.where(idx < limit[..., None], idx, -1)
 
 
 def _check(scores, k: int) -> None:
@@ -78,7 +79,8 @@ def _ordered(s: Array) -> Array:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def _rank_kernel(s_ref, o_ref, *, n: int, k: int, bi: int, bj: int):
+def _rank_kernel(s_ref, *refs, n: int, k: int, bi: int, bj: int):
+    *lim_ref, o_ref = refs
     row = jnp.full((1,), pl.program_id(0), jnp.int32)[:, None]  # [1, 1]
     i = (pl.program_id(1) * bi + jnp.arange(bi, dtype=jnp.int32))[:, None]  # [bi, 1]
     i_ok = i < n
@@ -95,11 +97,12 @@ def _rank_kernel(s_ref, o_ref, *, n: int, k: int, bi: int, bj: int):
     keep = i_ok & (rank < k)
     # unkept elements point one past the row: never accessed on a GPU, and in interpret mode a
     # masked store to a real slot could overwrite it
-    pltriton.store(o_ref.at[row, jnp.where(keep, rank, k).T], i.T, mask=keep.T)
+    out = i if not lim_ref else jnp.where(i < lim_ref[0][pl.program_id(0)], i, -1)  # (the row's limit)
+    pltriton.store(o_ref.at[row, jnp.where(keep, rank, k).T], out.T, mask=keep.T)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
-def _top_k_pallas(scores, *, k: int, config: TopKConfig, interpret: bool):
+def _top_k_pallas(scores, limit, *, k: int, config: TopKConfig, interpret: bool):
     r, n = scores.shape
     bi = min(config.block_i, backend.next_power_of_2(n))
     bj = min(config.block_j, backend.next_power_of_2(n))
@@ -112,23 +115,29 @@ def _top_k_pallas(scores, *, k: int, config: TopKConfig, interpret: bool):
             compiler_params=backend.compiler_params(config.num_warps, config.num_stages),
             interpret=interpret,
             name="top_k_rank",
-        )(scores)
+        )(scores, *(() if limit is None else (limit,)))
 
 
-def kernel(scores: Float[Array, "... n"], k: int, *, config: TopKConfig = TopKConfig(),
-           interpret: bool | None = None) -> Int[Array, "... k"]:
-    """The Pallas kernel (same contract as ``reference``, any leading dims)."""
+def kernel(scores: Float[Array, "... n"], k: int, limit: Int[Array, "..."] | None = None, *,
+           config: TopKConfig = TopKConfig(), interpret: bool | None = None) -> Int[Array, "... k"]:
+    """The Pallas kernel (same contract as ``reference``, any leading dims; ``limit`` of the
+    leading dims' shape)."""
     _check(scores, k)
     lead, n = scores.shape[:-1], scores.shape[-1]
+    if limit is not None and limit.shape != lead:
+        raise ValueError(f"limit must have the scores' leading shape {lead}, got {limit.shape}")
     if scores.size == 0:
-        return reference(scores, k)
-    out = _top_k_pallas(scores.reshape(-1, n), k=k, config=config, interpret=backend.interpret_mode(interpret))
+        return reference(scores, k, limit)
+    lim = None if limit is None else limit.reshape(-1).astype(jnp.int32)
+    out = _top_k_pallas(scores.reshape(-1, n), lim, k=k, config=config, interpret=backend.interpret_mode(interpret))
     return out.reshape(*lead, k)
 
 
-def top_k(scores: Float[Array, "... n"], k: int, *, impl: str | None = None) -> Int[Array, "... k"]:
+def top_k(scores: Float[Array, "... n"], k: int, limit: Int[Array, "..."] | None = None, *,
+          impl: str | None = None) -> Int[Array, "... k"]:
     """The backend switch: the kernel when ``impl`` resolves to "pallas" and the call has at most
-    ``MAX_SCORES`` scores, else XLA's ``lax.top_k``."""
+    ``MAX_SCORES`` scores, else XLA's ``lax.top_k``. ``limit`` (per row): indices at or above it
+    come back as -1 (the indexer's entries not yet visible)."""
     if backend.resolve(impl) == "pallas" and scores.size <= MAX_SCORES:
-        return kernel(scores, k)
-    return reference(scores, k)
+        return kernel(scores, k, limit)
+    return reference(scores, k, limit)

@@ -94,7 +94,8 @@ class Attention(nnx.Module):
         if pos is not None:
             o = apply_rope(o, pos, self.inv_freq, inverse=True)
         o = o.reshape(b, t, self.cfg.o_groups, -1)
-        return self.wo_b(self.wo_a.grouped(o).reshape(b, t, -1), partials=partials)
+        # (at one token wo_a's split partial sums go to wo_b's programs, which add them)
+        return self.wo_b(self.wo_a.grouped(o, partials=partials).reshape(b, t, -1), partials=partials)
 
     def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache
                  ) -> tuple[Float[Array, "b t D"] | Partials, LayerCache]:
@@ -105,8 +106,9 @@ class Attention(nnx.Module):
         # every linear of x in one launch at one row: wq_a, wkv, the compressor's, the indexer's
         cmp = (self.compressor.wkv, self.compressor.wgate) if self.ratio else ()
         idx = self.indexer.x_linears() if self.ratio == 4 else ()
-        a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh,
-                                             partials=(True, True))
+        # (wq_a's, wkv's and the indexer's weights_proj's as partial sums: their consumers add them)
+        partials = (True, True, *(False for _ in cmp), *(True, False, False)[:len(idx)])
+        a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh, partials=partials)
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()

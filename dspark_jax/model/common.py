@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
@@ -289,17 +290,27 @@ class Linear(nnx.Module):
         """x @ W.T. On a mesh (an FP8 weight, ``sharding.attach_mesh``) every device runs the GEMM
         in a ``shard_map`` on its own shard: its requests (x's leading dim, over ``data``) and the
         weight's block of rows (column-parallel: its share of the outputs) or of columns (row-
-        parallel: x split likewise, the fp32 partial products psum'ed over the split axes).
+        parallel: x split likewise, the fp32 partial products psum'ed over the split axes). x may be
+        its producer's float32 partial sums (``gemv.Partials``, e.g. wo_a's for wo_b): at one row
+        on ``gemv`` its programs add them (rounded to the activations' dtype), else they are added
+        first.
         ``rounded``: x holds the quantised input values already (``quant.fp8_sim(x, 128)``, e.g.
         from ``pallas_kernels.rms_norms``), so an ``fp8_act`` linear does not quantise it again
         (quantising them again would give the same values). ``partials``: where x is one row that
         ``takes_gemv``, the result as the float32 partial sums of the kernel's K split
         (``gemv.Partials``, for a consumer that adds them as it loads them); else as usual."""
-        if partials and self.takes_gemv(x):
-            quantise = self.fp8_act and not rounded
-            (y,) = gemv.gemv_many(x.reshape(1, -1).astype(self.compute_dtype or x.dtype), (self.grouped_weights(),),
-                                  gemv.ONE_GROUP, quantise=(quantise,), partials=(True,))
-            return y.reshape(*x.shape[:-1], -1)
+        if isinstance(x, gemv.Partials):  # a producer's partial sums: added by gemv's programs (at one row)
+            dtype = jnp.dtype(self.num.dtype)
+            if not self.takes_gemv(jax.ShapeDtypeStruct(x.parts.shape[1:], dtype)):
+                x = x.total(dtype)
+        if isinstance(x, gemv.Partials) or (partials and self.takes_gemv(x)):
+            parts = isinstance(x, gemv.Partials)
+            rows = x.reshape(1, -1) if parts else x.reshape(1, -1).astype(self.compute_dtype or x.dtype)
+            (y,) = gemv.gemv_many(rows, (self.grouped_weights(),), gemv.ONE_GROUP,
+                                  quantise=(self.fp8_act and not rounded,), partials=(partials,),
+                                  out_dtype=out_dtype or (self.num.dtype if parts else x.dtype),
+                                  rows_dtype=self.num.dtype if parts else None)
+            return y.reshape(*(x.parts.shape[1:-1] if parts else x.shape[:-1]), -1)
         if self.mesh is None:
             return self._apply(x, out_dtype, rounded)
         out_axes, in_axes = (*self.spec, None, None)[:2]
@@ -313,11 +324,19 @@ class Linear(nnx.Module):
 
         return self._per_device(local, x, PartitionSpec(*lead, in_axes), PartitionSpec(*lead, out_axes))
 
-    def grouped(self, x: Float[Array, "b t g i"]) -> Float[Array, "b t g r"]:
+    def grouped(self, x: Float[Array, "b t g i"], *, partials: bool = False) -> Float[Array, "b t g r"] | gemv.Partials:
         """The weight's g row blocks applied to x's g groups (``wo_a``'s grouped low-rank
         projection: block j to x[:, :, j]), in x's dtype. On a mesh every device runs it on its
-        requests and its groups (the weight's rows split over ``model`` whole groups at a time)."""
+        requests and its groups (the weight's rows split over ``model`` whole groups at a time).
+        ``partials``: at one token on ``gemv``, the K split's partial sums (``gemv.Partials``) for a
+        consumer that adds them (wo_b: ``__call__`` takes them)."""
         if self.mesh is None:
+            b, t, g, _ = x.shape
+            if partials and b * t == 1 and self.runs_kernel(x[..., 0, :]) and self.groups_fit(g):
+                w = self.grouped_weights(g)
+                if gemv.takes(1, w, self.num.kernel_impl()):
+                    (y,) = gemv.gemv_many(x.reshape(g, -1), (w,), np.arange(g, dtype=np.int32), partials=(True,))
+                    return y.reshape(b, t, g, -1)
             return self._grouped(x)
         spec = PartitionSpec(batch_axes(x.shape[0], self.mesh) or None, None, (*self.spec, None)[0])
         return self._per_device(lambda lin, x: lin._grouped(x), x, spec, spec)

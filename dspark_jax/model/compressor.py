@@ -66,13 +66,11 @@ class Compressor(nnx.Module):
         c, ring_kv, ring_score = compressor_pool.pool(
             state.kv, state.score, kv_new, score_new, self.ape[...], chunk.start, chunk.n_valid, ratio=m,
             overlap=self.overlap, impl=self.num.kernel_impl())  # [b, k, w] fp32: windows start // m + k
-        win = chunk.start[:, None] // m + jnp.arange(c.shape[1], dtype=jnp.int32)[None]  # [b, k]
-        win_ok = win < (chunk.start + chunk.n_valid)[:, None] // m
-        slots = jnp.where(win_ok, win, state.entries.shape[1])  # windows not closed: not written
         # norm, RoPE, the reference's rounding (KV entries: fp8; the indexer's keys: Hadamard + e2m1;
-        # without quantisation the indexer's rotation cancels in q.k) and the write: one launch on the Pallas path
+        # without quantisation the indexer's rotation cancels in q.k) and the write of every window the
+        # chunk closed: one launch on the Pallas path
         quant = ("keys" if self.rotate else "kv") if self.num.quant_sim else None
-        entries = kv_rows.write_rows(state.entries, slots, win * m, c, self.norm.weight[...],
-                                     layer_inv_freq(self.cfg, m), eps=self.norm.eps, quant=quant, dtype=self.num.dtype,
-                                     impl=self.num.kernel_impl())
+        entries = kv_rows.write_window_rows(state.entries, chunk.start, chunk.n_valid, m, c, self.norm.weight[...],
+                                            layer_inv_freq(self.cfg, m), eps=self.norm.eps, quant=quant,
+                                            dtype=self.num.dtype, impl=self.num.kernel_impl())
         return entries, dataclasses.replace(state, kv=ring_kv, score=ring_score, entries=entries)

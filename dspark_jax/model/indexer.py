@@ -11,13 +11,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dspark_jax.cache import CompressorState, read_kv
+from dspark_jax.cache import CompressorState
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.compressor import Compressor
-from dspark_jax.model.norms_rope import apply_rope, layer_inv_freq
-from dspark_jax.model.quant import fp4_sim, hadamard
+from dspark_jax.model.norms_rope import layer_inv_freq
 from dspark_jax.sharding import per_request
+from pallas_kernels import index_scores as scoring
+from pallas_kernels import kv_rows
+from pallas_kernels.gemv import total
 from pallas_kernels.top_k import top_k
 
 
@@ -65,17 +67,21 @@ class Indexer(nnx.Module):
         """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
         queries are unpacked, their picks packed back)."""
         w_raw, *kv_score = projected or (self.weights_proj(x), None, None)
-        q = self.wq_b(qr, rounded=rounded).reshape(*x.shape[:2], self.n_heads, self.head_dim)
-        q = apply_rope(q, chunk.positions, layer_inv_freq(self.cfg, 4))
-        if self.num.quant_sim:
-            q = fp4_sim(hadamard(q), 32)
+        # queries: wq_b (at one token its split's partial sums), RoPE, the Hadamard rotation and e2m1
+        # (with quant_sim): one launch after wq_b's on the Pallas path (``kv_rows.query_rows``)
+        q = self.wq_b(qr, rounded=rounded, partials=True).reshape(*x.shape[:2], self.n_heads, self.head_dim)
+        impl = self.num.kernel_impl() if self.mesh is None else "xla"
+        q = kv_rows.query_rows(q, chunk.positions, layer_inv_freq(self.cfg, 4),
+                               quant="keys" if self.num.quant_sim else None, dtype=x.dtype, impl=impl)
         keys, state = self.compressor(x, chunk, state, None if projected is None else tuple(kv_score))  # [b, n, d_I]
 
-        w = w_raw * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        score = index_scores(chunk.unpack(q), read_kv(keys, q.dtype), chunk.unpack(w))  # fp8 keys: exact in bf16
+        # the scores of the entries visible to each query (the others -inf; fp8 keys: exact in bf16),
+        # one launch on the Pallas path (``pallas_kernels.index_scores``), then their top-k (-1: none)
         n = keys.shape[1]
-        limit = visible_entries(chunk.dense.positions, 4)[..., None]
-        score = jnp.where(jnp.arange(n)[None, None] < limit, score, -jnp.inf)
-        impl = self.num.kernel_impl()
-        top = per_request(lambda sc: top_k(sc, min(self.topk, n), impl=impl), self.mesh, score)
-        return chunk.pack(jnp.where(top < limit, top, -1).astype(jnp.int32)), state
+        limit = visible_entries(chunk.dense.positions, 4)
+        w_raw = w_raw if chunk.packing is None else chunk.unpack(total(w_raw, x.dtype))
+        score = scoring.scores(chunk.unpack(q), keys, w_raw, limit, scale=self.head_dim**-0.5 * self.n_heads**-0.5,
+                               dtype=x.dtype, impl=impl)
+        top = per_request(lambda sc, lim: top_k(sc, min(self.topk, n), lim, impl=self.num.kernel_impl()), self.mesh,
+                          score, limit)
+        return chunk.pack(top), state

@@ -179,8 +179,11 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
         rows = gathered(act_in(x))
     row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
     meta = dict(tile_group=tiles.tile_group, num_tiles=tiles.num_tiles, block_m=bm, impl=impl, **kernel_options)
-    h = gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)
-    y = gm.grouped_matmul(act_in(h), w2, **meta)
+    if codes and tiles.pair_of_row.shape[0] > bm:  # w2's input quantised by XLA: with the SwiGLU instead
+        y = gm.grouped_matmul(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, quantised_out=True, **meta), w2,
+                              **meta)
+    else:
+        y = gm.grouped_matmul(act_in(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)), w2, **meta)
     return jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
