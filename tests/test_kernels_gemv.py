@@ -204,6 +204,14 @@ def test_flash_linears_lower_for_gpus(arch, platform):
                                                        quantise=(True, True, False, False), interpret=False),
                           x, wq_a, wkv, cmp, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_bf16_q_x4_split" in text
+    # wo_b on wo_a's 4 partial sums, its own as partial sums
+    from pallas_kernels.gemv import Partials
+
+    wo_b = gm.Weights(SD((1, 4096, 8192), jnp.float8_e4m3fn), SD((1, 32, 64), jnp.uint8), "fp8")
+    text = lowering.lower(lambda p, w: gemv_many(Partials(p), (w,), jnp.zeros((1,), jnp.int32), quantise=(True,),
+                                                 partials=(True,), rows_dtype=jnp.bfloat16, interpret=False)[0].parts,
+                          SD((4, 1, 8192), jnp.float32), wo_b, arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_split" in text
 
 
 def test_bad_input_is_named():
@@ -322,3 +330,61 @@ def test_partial_sums_on_request():
         assert split == 1 or np.abs(np.asarray(b.parts[0]) - np.asarray(rb)).max() > 1e-3 * np.abs(rb).max()
     with pytest.raises(ValueError, match="one partials flag per weight"):
         gemv_many(x, (w, dense), group, quantise=(True, False), partials=(True,))
+
+
+@pytest.mark.parametrize("quantise", [True, False])
+def test_rows_as_partial_sums(quantise):
+    """Rows given as their producer's partial sums (``Partials`` [S, R, K], e.g. wo_a's for wo_b):
+    every program adds its inputs' parts in order and rounds them to ``rows_dtype``, then
+    (quantise) quantises them: the products of those rows, bit for bit, from partial sums in and
+    out alike; and through ``Linear`` the product of the rounded sum."""
+    from dspark_jax.model.common import Linear, Numerics
+    from flax import nnx
+    from pallas_kernels.gemv import Partials
+
+    rng, w, _, _ = _case(17, "fp8", 1, 1, 256, 512)
+    parts = jnp.asarray(rng.standard_normal((4, 1, 512)) * 2, jnp.float32)
+    summed = np.asarray(parts[0])
+    for s in range(1, 4):
+        summed = summed + np.asarray(parts[s])
+    rows = jnp.asarray(summed).astype(jnp.bfloat16)
+    cfg = GemvConfig(block_n=32, split_k=2)
+    kw = dict(quantise=(quantise,), config=cfg, out_dtype=jnp.float32)
+    (got,) = gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16, **kw)
+    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **kw)
+    assert np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    (got_parts,) = gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16,
+                             partials=(True,), **kw)
+    np.testing.assert_allclose(np.asarray(got_parts.total()), np.asarray(want), rtol=0,
+                               atol=1e-6 * np.abs(np.asarray(want)).max())
+    with pytest.raises(ValueError, match="rows_dtype"):
+        gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), **kw)
+
+    num = Numerics(dtype=jnp.bfloat16, quant_sim=quantise, weight_format="fp8", kernels="pallas")
+    lin = Linear(512, 256, num, rngs=nnx.Rngs(0))
+    x = Partials(parts.reshape(4, 1, 1, 512))
+    got = lin(x)
+    want = lin(jnp.asarray(summed).reshape(1, 1, 512).astype(jnp.bfloat16))
+    assert got.shape == (1, 1, 256) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7, atol=0)
+    calls = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda p: lin(Partials(p)))(x.parts).jaxpr)]
+    assert len(calls) == 1 and calls[0].startswith("gemv_fp8"), calls
+
+
+def test_grouped_linear_partial_sums():
+    """``Linear.grouped(partials=True)`` at one token (wo_a's 8 groups, here 4): the groups' K-split
+    partial sums, adding up to ``grouped``'s product; more than one token: the product itself."""
+    from dspark_jax.model.common import Linear, Numerics
+    from flax import nnx
+    from pallas_kernels.gemv import Partials
+
+    num = Numerics(dtype=jnp.bfloat16, quant_sim=True, weight_format="fp8", kernels="pallas")
+    lin = Linear(512, 4 * 128, num, rngs=nnx.Rngs(1), fp8_act=False, fp8_weight=True)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 1, 4, 512)), jnp.bfloat16)
+    got = lin.grouped(x, partials=True)
+    want = np.asarray(lin.grouped(x), np.float32)
+    assert isinstance(got, Partials) and got.parts.shape[1:] == (1, 1, 4, 128) and np.abs(want).max() > 0
+    np.testing.assert_allclose(np.asarray(got.total(jnp.bfloat16), np.float32), want, rtol=2**-7, atol=0)
+    two = jnp.concatenate([x, x], axis=1)
+    assert not isinstance(lin.grouped(two, partials=True), Partials)

@@ -284,6 +284,38 @@ def test_split_k_matches_the_reference(fmt, split, bk):
     assert (np.asarray(h_split, np.float32)[pair < 0] == 0).all()
 
 
+@pytest.mark.parametrize("fmt,split", [("fp8_k128", 2), ("fp8", 4), ("fp8_k128", 1)])
+def test_swiglu_quantised_out(fmt, split):
+    """``quantised_out``: the SwiGLU half's result quantised as w2's input (``ActQuant.of``). After a
+    K split in one launch from the partial sums (``swiglu_quantise``): with two parts bit for bit the
+    codes and amax of the unfused path's rounded SwiGLU (a sum of two is the same in any order);
+    with four, its values to the sums' order; unsplit: ``ActQuant.of`` of the kernel's output. The
+    reference path gives the same kind of result."""
+    rng = np.random.default_rng(13)
+    w, w3, tiles, pair, x, meta = _uneven_case(rng, fmt, n=256)
+    cfg = gm.GemmConfig(block_n=32, block_k=128, split_k=split)
+    rw = jnp.asarray(np.where(pair >= 0, rng.random(pair.size), 0.0), jnp.float32)
+    kw = dict(block_m=16, limit=1.0, config=cfg, interpret=True)
+    got = gm.swiglu_kernel(x, w, w3, rw, *meta, quantised_out=True, **kw)
+    want = gm.ActQuant.of(gm.swiglu_kernel(x, w, w3, rw, *meta, **kw))
+    assert isinstance(got, gm.ActQuant) and got.codes.shape == (pair.size, 256) and got.amax.shape == (pair.size, 2)
+    assert np.asarray(got.amax).max() > 0 and (np.asarray(got.amax)[pair < 0] == 0).all()
+    if split <= 2:
+        np.testing.assert_array_equal(np.asarray(got.codes, np.float32), np.asarray(want.codes, np.float32))
+        np.testing.assert_array_equal(np.asarray(got.amax), np.asarray(want.amax))
+    else:
+        v, r = np.asarray(got.values(), np.float32), np.asarray(want.values(), np.float32)
+        np.testing.assert_allclose(v, r, rtol=2**-3, atol=1e-6)
+        assert np.mean(v == r) > 0.95
+    jaxpr = str(jax.make_jaxpr(lambda x: gm.swiglu_kernel(x, w, w3, rw, *meta, quantised_out=True, block_m=16,
+                                                            limit=1.0, config=cfg, interpret=False))(x))
+    assert ("swiglu_quantise" in jaxpr) == (split > 1)
+    ref = gm.grouped_swiglu(x, w, w3, rw, *meta, block_m=16, limit=1.0, impl="xla", quantised_out=True)
+    assert isinstance(ref, gm.ActQuant)
+    np.testing.assert_allclose(np.asarray(ref.values(), np.float32), np.asarray(want.values(), np.float32),
+                               rtol=2**-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 16),
                                              ("fp8", 1, 128, 32),
                                              ("fp8_k128", 2, 128, 16), ("fp8_k128", 1, 256, 16),
@@ -556,6 +588,11 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
                                                                          limit=10.0, interpret=False),
                               x, w13, SD((t * bm,), jnp.float32), *meta)  # rows quantised in the kernel
         assert lowering.count_triton_calls(text) == 1 and "grouped_matmul_" + fmt + "_a8q" in text
+        # the SwiGLU quantised as w2's input: after a K split, one more launch (swiglu_quantise)
+        text = lowering.lower(lambda r, w, rw, tg, nt: gm.swiglu_kernel(r, w, w, rw, tg, nt, block_m=bm, limit=10.0,
+                                                                         interpret=False, quantised_out=True).codes,
+                              rows, w13, SD((t * bm,), jnp.float32), *meta)
+        assert lowering.count_triton_calls(text) == 1 + (split > 1) and ("swiglu_quantise" in text) == (split > 1)
 
 
 @pytest.mark.parametrize("bm", [32, 64])

@@ -199,6 +199,7 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     # kv_norm + RoPE + kv_sim + the write of every layer's window row and of the C4 and C128 layers'
     # compressed entries; the indexer's keys with their Hadamard + e2m1 rounding (without quant_sim, plain rows)
     assert (count("kv_rows"), count("key_rows")) == ((layers + 2, 1) if quant_sim else (layers + 3, 0)), names
+    assert (count("query_rows"), count("index_scores"), count("top_k_rank")) == (1, 1, 1), names  # the indexer's
     if not quant_sim:
         assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # no row quantised
     else:  # rows quantised by the q norm's launch: every wq_b and the C4 layer's indexer wq_b; the

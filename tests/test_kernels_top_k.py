@@ -39,6 +39,23 @@ def test_kernel_equals_lax_top_k(shape, k, config):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.lax.top_k(s, k)[1]))
 
 
+def test_limit_marks_invisible_picks():
+    """With a per-row ``limit`` (the indexer's visible entries, the others scored -inf) picks at or
+    above it come back as -1, the others as ``lax.top_k``'s; kernel and reference alike."""
+    rng = np.random.default_rng(4)
+    s = np.asarray(_scores(rng, (2, 3, 100)))
+    limit = np.asarray([[0, 17, 100], [40, 99, 5]], np.int32)
+    s = np.where(np.arange(100)[None, None] < limit[..., None], s, -np.inf).astype(np.float32)
+    want = np.asarray(jax.lax.top_k(jnp.asarray(s), 32)[1])
+    want = np.where(want < limit[..., None], want, -1)
+    assert (want == -1).any() and (want >= 0).any()
+    for got in (top_k.kernel(jnp.asarray(s), 32, jnp.asarray(limit), config=top_k.TopKConfig(block_i=16, block_j=32)),
+                top_k.top_k(jnp.asarray(s), 32, jnp.asarray(limit), impl="xla")):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="limit must have the scores' leading shape"):
+        top_k.kernel(jnp.asarray(s), 32, jnp.asarray(limit[0]))
+
+
 def test_total_order_of_signed_zeros_and_nan():
     """+0 ranks above -0 and NaN above everything, as ``lax.top_k`` orders them."""
     s = jnp.asarray([[0.0, -0.0, 1.0, -0.0, 0.0, -jnp.inf, -jnp.inf, 2.0, jnp.nan, -3.0]], jnp.float32)
@@ -64,6 +81,9 @@ def test_lowers_for_gpus(arch, platform, rows, n):
     fn = lambda s: top_k.kernel(s, 512, interpret=False)  # noqa: E731
     assert lowering.count_triton_calls(lowering.lower(fn, SD((rows, n), jnp.float32), arch=arch,
                                                       platform=platform)) == 1
+    fn = lambda s, lim: top_k.kernel(s, 512, lim, interpret=False)  # noqa: E731 (with the rows' limits)
+    assert lowering.count_triton_calls(lowering.lower(fn, SD((rows, n), jnp.float32), SD((rows,), jnp.int32),
+                                                      arch=arch, platform=platform)) == 1
 
 
 def test_bad_input_is_named():

@@ -1,0 +1,83 @@
+"""The lightning indexer's scores in one launch (``pallas_kernels.index_scores``: q.K, relu, the
+heads' weights from weights_proj's output or its partial sums, the weighted sum, the visibility
+mask) against the pure-JAX reference, its lowering for gfx950 and NVIDIA, and bad input.
+Interpret mode fills outputs with NaN first: finite or -inf results were written."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import index_scores, lowering
+from pallas_kernels.gemv import Partials
+
+SD = jax.ShapeDtypeStruct
+SCALE = 128**-0.5 * 16**-0.5
+
+
+def _case(rng, b, t, h, d, n, dtype):
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    keys = jnp.asarray(rng.standard_normal((b, n, d)), dtype)
+    parts = jnp.asarray(rng.standard_normal((4, b, t, h)) * 3, jnp.float32)
+    return q, keys, parts
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("partials", [False, True])
+def test_kernel_matches_reference(dtype, partials):
+    """Two requests of three queries over 100 entries (two entry blocks, the last partial); limits
+    from none visible to all: the visible scores agree to float32 summation order, the others are
+    -inf in both."""
+    rng = np.random.default_rng(1 + partials)
+    q, keys, parts = _case(rng, 2, 3, 16, 128, 100, dtype)
+    w_raw = Partials(parts) if partials else jnp.sum(parts, axis=0).astype(dtype)
+    limit = jnp.asarray([[0, 37, 100], [64, 65, 1]], jnp.int32)
+    got = np.asarray(index_scores.scores_kernel(q, keys, w_raw, limit, scale=SCALE, dtype=dtype))
+    want = np.asarray(index_scores.scores_reference(q, keys, w_raw, limit, scale=SCALE, dtype=dtype))
+    assert got.shape == (2, 3, 100) and got.dtype == np.float32
+    visible = np.arange(100)[None, None] < np.asarray(limit)[..., None]
+    assert (got[~visible] == -np.inf).all() and (want[~visible] == -np.inf).all()
+    assert np.isfinite(got[visible]).all() and np.abs(want[visible]).max() > 1
+    np.testing.assert_allclose(got[visible], want[visible], rtol=1e-5, atol=1e-5 * np.abs(want[visible]).max())
+    via = index_scores.scores(q, keys, w_raw, limit, scale=SCALE, dtype=dtype, impl="xla")
+    np.testing.assert_array_equal(np.asarray(via), want)
+
+
+def test_head_weights_round_as_the_model():
+    """The heads' weights: weights_proj's output rounded to the activations' dtype, times the scale
+    in that dtype (``head_weights``), which the kernel reproduces bit for bit: a weight changed by
+    one bf16 step moves the scores."""
+    rng = np.random.default_rng(3)
+    q, keys, parts = _case(rng, 1, 1, 16, 128, 64, jnp.bfloat16)
+    limit = jnp.asarray([[64]], jnp.int32)
+    w = index_scores.head_weights(Partials(parts), SCALE, jnp.bfloat16)
+    w16 = np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(w), w16)  # values of the dtype
+    got = index_scores.scores_kernel(q, keys, Partials(parts), limit, scale=SCALE, dtype=jnp.bfloat16)
+    dots = np.einsum("hd,nd->hn", np.asarray(q[0, 0], np.float64), np.asarray(keys[0], np.float64))
+    exact = np.einsum("hn,h->n", np.maximum(dots, 0), np.asarray(w[0, 0], np.float64))
+    np.testing.assert_allclose(np.asarray(got)[0, 0], exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_flash_scores_lower_for_gpus(arch, platform):
+    """A Flash C4 layer at one token and a 2k-token context (64 heads of 128, 672 entries, the
+    weights from 8 partial sums): one Triton call."""
+    fn = lambda q, k, w, lim: index_scores.scores_kernel(q, k, Partials(w), lim, scale=SCALE,  # noqa: E731
+                                                         dtype=jnp.bfloat16, interpret=False)
+    text = lowering.lower(fn, SD((1, 1, 64, 128), jnp.bfloat16), SD((1, 672, 128), jnp.bfloat16),
+                          SD((8, 1, 1, 64), jnp.float32), SD((1, 1), jnp.int32), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "index_scores" in text
+
+
+def test_bad_input_is_named():
+    rng = np.random.default_rng(0)
+    q, keys, parts = _case(rng, 1, 2, 16, 128, 32, jnp.bfloat16)
+    limit = jnp.zeros((1, 2), jnp.int32)
+    kw = dict(scale=SCALE, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="h and d powers of two >= 16"):
+        index_scores.scores_kernel(q[:, :, :8], keys, Partials(parts[..., :8]), limit, **kw)
+    with pytest.raises(ValueError, match="head weights must be"):
+        index_scores.scores_kernel(q, keys, Partials(parts[:, :, :1]), limit, **kw)
+    with pytest.raises(ValueError, match="limit"):
+        index_scores.scores_kernel(q, keys, Partials(parts), limit[:, :1], **kw)
