@@ -9,6 +9,10 @@ entries of width w = C / 2; other ratios have a span of m slots and w = C. The p
 scores of recent tokens live in a ring of R rows per request (row = position % R); a chunk brings
 t new rows at positions start .. start + t - 1, of which the first ``n_valid`` are real.
 
+The chunk's rows may come as the float32 partial sums of the split projection that made them
+(``gemv.Partials``, at one token from the attention's shared launch): the kernel adds them as it
+loads each chunk row (t rows of its channels, not one per window slot); the reference first.
+
 ``pool(...)`` returns the pooled rows of the chunk's k_max = ceil(t / m) candidate windows
 (window ``start // m + k``; the caller keeps those whose closing token is real) in float32 and
 the ring with the chunk's real rows written. In plain XLA that is a concatenation and two gathers,
@@ -38,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend
+from pallas_kernels.gemv import Partials, total
 
 if TYPE_CHECKING:  # shape annotations only
     from jaxtyping import Array, Float, Int
@@ -62,12 +67,18 @@ def geometry(ratio: int, overlap: bool, channels: int) -> tuple[int, int]:
     return (2 * ratio, channels // 2) if overlap else (ratio, channels)
 
 
+def _rows_shape(x) -> tuple[int, ...]:
+    """The shape of the chunk's rows (of their sum, for a split linear's ``Partials``)."""
+    return tuple(x.parts.shape[1:]) if isinstance(x, Partials) else tuple(x.shape)
+
+
 def _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap) -> None:
     if ring_kv.ndim != 3 or ring_kv.shape != ring_score.shape:
         raise ValueError(f"ring kv / score must both be [b, R, C], got {ring_kv.shape} / {ring_score.shape}")
     b, ring, c = ring_kv.shape
-    if kv_new.ndim != 3 or kv_new.shape != score_new.shape or kv_new.shape[0] != b or kv_new.shape[2] != c:
-        raise ValueError(f"new kv / score must both be [{b}, t, {c}], got {kv_new.shape} / {score_new.shape}")
+    kv_shape, score_shape = _rows_shape(kv_new), _rows_shape(score_new)
+    if len(kv_shape) != 3 or kv_shape != score_shape or kv_shape[0] != b or kv_shape[2] != c:
+        raise ValueError(f"new kv / score must both be [{b}, t, {c}], got {kv_shape} / {score_shape}")
     if ape.shape != (ratio, c):
         raise ValueError(f"ape must be [{ratio}, {c}], got {ape.shape}")
     if start.shape != (b,) or n_valid.shape != (b,):
@@ -86,6 +97,7 @@ def pool_reference(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r
     from dspark_jax.cache import ring_write_slots, scatter_rows
 
     _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap)
+    kv_new, score_new = total(kv_new), total(score_new)  # (a split linear's partial sums added, float32)
     m = ratio
     b, t, _ = kv_new.shape
     ring = ring_kv.shape[1]
@@ -117,9 +129,13 @@ def _iota(n: int) -> Array:
 
 
 def _pool_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, ring_kv_in, ring_score_in,
-                 c_ref, ring_kv_ref, ring_score_ref, *, m: int, span: int, overlap: bool, w: int, bc: int):
+                 c_ref, ring_kv_ref, ring_score_ref, *, m: int, span: int, overlap: bool, w: int, bc: int,
+                 parts: int):
+    """``parts``: the chunk's rows come as that many partial sums of a split linear (refs
+    [parts * b, t, C], part s of request r at s * b + r), added in order as they are loaded."""
     del ring_kv_in, ring_score_in  # aliased to ring_kv_ref / ring_score_ref
     t, ring = kv_new_ref.shape[1], ring_kv_ref.shape[1]
+    b = kv_new_ref.shape[0] // parts
     req, blk = pl.program_id(0), pl.program_id(1)
     start, n_valid = start_ref[req], n_valid_ref[req]
     chan = blk * bc + _iota(bc)  # this program's output channels [bc]
@@ -127,6 +143,25 @@ def _pool_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, rin
     slot = _iota(sp)[:, None]  # [sp, 1]
     # ring / chunk column of each (slot, channel): C4's slots m.. read the second half (Cb)
     col = chan[None, :] + (jnp.where(slot >= m, w, 0) if overlap else 0 * slot)  # [sp, bc]
+
+    def chunk_rows(ref, rows, cols, mask=None):  # the chunk's rows at cols, their parts added in order
+        kw = {} if mask is None else dict(mask=mask, other=0.0)
+        v = pltriton.load(ref.at[req, rows, cols], **kw)
+        for s in range(1, parts):
+            v = v + pltriton.load(ref.at[s * b + req, rows, cols], **kw)
+        return v
+
+    # every chunk row at this program's channels (each half for C4): t x [1, bc] loads, not [sp, bc]
+    halves = (chan, chan + w) if overlap else (chan,)
+    new_rows = [[[chunk_rows(ref, i, cols[None, :]) for cols in halves] for i in range(t)]
+                for ref in (kv_new_ref, score_new_ref)]  # [kv / score][row][half]: [1, bc]
+
+    def chunk_values(which: int, row_new):  # [sp, bc]: each slot's chunk row (row_new) at its half's columns
+        out = None
+        for i, row in enumerate(new_rows[which]):
+            v = row[0] if not overlap else jnp.where(slot >= m, row[1], row[0])
+            out = v + 0 * col if out is None else jnp.where(row_new == i, v, out)
+        return out
 
     for k in range(-(-t // m)):  # candidate windows
         win = start // m + k
@@ -136,10 +171,10 @@ def _pool_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, rin
         old = real & (pos < start)
         row_new = jnp.clip(pos - start, 0, t - 1)
         row_old = jnp.where(old, pos, 0) % ring
-        new_m, old_m = jnp.broadcast_to(new, col.shape), jnp.broadcast_to(old, col.shape)
-        kv = jnp.where(new, pltriton.load(kv_new_ref.at[req, row_new, col], mask=new_m, other=0.0),
+        old_m = jnp.broadcast_to(old, col.shape)
+        kv = jnp.where(new, chunk_values(0, row_new),
                        pltriton.load(ring_kv_ref.at[req, row_old, col], mask=old_m, other=0.0))
-        sc = jnp.where(new, pltriton.load(score_new_ref.at[req, row_new, col], mask=new_m, other=0.0),
+        sc = jnp.where(new, chunk_values(1, row_new),
                        pltriton.load(ring_score_ref.at[req, row_old, col], mask=old_m, other=0.0))
         sc = sc + pltriton.load(ape_ref.at[jnp.where(real, pos, 0) % m, col])
         sc = jnp.where(real, sc, -jnp.inf)
@@ -155,20 +190,29 @@ def _pool_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, rin
     ok = jnp.broadcast_to(real, (i.shape[0], bc))
     dest = jnp.where(real, (start + i) % ring, ring)
     src = jnp.where(i < t, i, 0)
-    halves = (chan, chan + w) if overlap else (chan,)
     for cols in halves:
         for new_ref, ring_ref in ((kv_new_ref, ring_kv_ref), (score_new_ref, ring_score_ref)):
-            rows = pltriton.load(new_ref.at[req, src, cols[None, :]], mask=ok, other=0.0)
-            pltriton.store(ring_ref.at[req, dest, cols[None, :]], rows, mask=ok)
+            pltriton.store(ring_ref.at[req, dest, cols[None, :]], chunk_rows(new_ref, src, cols[None, :], ok), mask=ok)
+
+
+def _flat_parts(x) -> tuple[Array, int]:
+    """(rows [S b, t, C] float32, S): a split linear's partial sums part-major, or the rows, S = 1."""
+    if isinstance(x, Partials):
+        return x.parts.reshape(-1, *x.parts.shape[2:]).astype(jnp.float32), x.parts.shape[0]
+    return x.astype(jnp.float32), 1
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "overlap", "config", "interpret"))
 def _pool_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, *, ratio: int, overlap: bool,
                  config: PoolConfig, interpret: bool):
-    b, t, c = kv_new.shape
+    (kv_new, parts), (score_new, score_parts) = _flat_parts(kv_new), _flat_parts(score_new)
+    if parts != score_parts:
+        kv_new, score_new = _flat_parts(total(kv_new))[0], _flat_parts(total(score_new))[0]
+        parts = 1
+    b, t, c = ring_kv.shape[0], kv_new.shape[1], kv_new.shape[2]
     span, w = geometry(ratio, overlap, c)
     bc = backend.largest_pow2_divisor(w, max(1, config.tile // backend.next_power_of_2(span)))
-    kernel = functools.partial(_pool_kernel, m=ratio, span=span, overlap=overlap, w=w, bc=bc)
+    kernel = functools.partial(_pool_kernel, m=ratio, span=span, overlap=overlap, w=w, bc=bc, parts=parts)
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(
             kernel,
@@ -180,8 +224,8 @@ def _pool_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, *,
             compiler_params=backend.compiler_params(config.num_warps, config.num_stages),
             interpret=interpret,
             name="compressor_pool",
-        )(start.astype(jnp.int32), n_valid.astype(jnp.int32), ape.astype(jnp.float32),
-          kv_new.astype(jnp.float32), score_new.astype(jnp.float32), ring_kv, ring_score)
+        )(start.astype(jnp.int32), n_valid.astype(jnp.int32), ape.astype(jnp.float32), kv_new, score_new, ring_kv,
+          ring_score)
 
 
 def pool_kernel(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"],
@@ -193,9 +237,9 @@ def pool_kernel(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"
     in place (jit the caller with them donated to avoid a copy). Needs t <= R - span."""
     _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap)
     span, _ = geometry(ratio, overlap, ring_kv.shape[2])
-    if kv_new.shape[1] > ring_kv.shape[1] - span:
+    if _rows_shape(kv_new)[1] > ring_kv.shape[1] - span:
         raise ValueError(f"the kernel takes chunks of at most R - span = {ring_kv.shape[1] - span} tokens, "
-                         f"got {kv_new.shape[1]}")
+                         f"got {_rows_shape(kv_new)[1]}")
     if ring_kv.dtype != jnp.float32 or ring_score.dtype != jnp.float32:
         raise ValueError(f"the rings must be float32, got {ring_kv.dtype} / {ring_score.dtype}")
     return _pool_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap,
@@ -209,7 +253,7 @@ def pool(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"], kv_n
     """The backend switch: the kernel for chunks of up to R - span tokens (decode and verify)
     when ``impl`` resolves to "pallas", else the reference."""
     span, _ = geometry(ratio, overlap, ring_kv.shape[-1])
-    fits = kv_new.shape[1] <= ring_kv.shape[1] - span and ring_kv.dtype == jnp.float32
+    fits = _rows_shape(kv_new)[1] <= ring_kv.shape[1] - span and ring_kv.dtype == jnp.float32
     if backend.resolve(impl) == "pallas" and fits:
         return pool_kernel(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap)
     return pool_reference(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap)

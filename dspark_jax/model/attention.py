@@ -106,8 +106,8 @@ class Attention(nnx.Module):
         # every linear of x in one launch at one row: wq_a, wkv, the compressor's, the indexer's
         cmp = (self.compressor.wkv, self.compressor.wgate) if self.ratio else ()
         idx = self.indexer.x_linears() if self.ratio == 4 else ()
-        # (wq_a's, wkv's and the indexer's weights_proj's as partial sums: their consumers add them)
-        partials = (True, True, *(False for _ in cmp), *(True, False, False)[:len(idx)])
+        # (as the split's partial sums: their consumers add them)
+        partials = (True,) * (2 + len(cmp) + len(idx))
         a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh, partials=partials)
         b, t = x.shape[:2]
         ring = cache.window.shape[1]

@@ -23,6 +23,7 @@ from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.norms_rope import RMSNorm, layer_inv_freq
 from dspark_jax.sharding import per_request
 from pallas_kernels import compressor_pool, kv_rows
+from pallas_kernels.gemv import total
 
 
 class Compressor(nnx.Module):
@@ -44,7 +45,8 @@ class Compressor(nnx.Module):
         """Compress every window closed inside the chunk; returns all entries and the new state.
         ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state.
         ``projected``: (wkv(x), wgate(x)) when the caller computed them (``Attention``: in one
-        launch with its own projections at one row).
+        launch with its own projections at one row, as the split's partial sums, ``gemv.Partials``,
+        which the pooling kernel adds as it loads them).
 
         The projections run token-wise in the chunk's layout (packed: only the real tokens); the
         pooling runs per request. On a mesh every device pools its own requests in a
@@ -52,6 +54,8 @@ class Compressor(nnx.Module):
         by window position made it collect every request's rows on every device."""
         with jax.named_scope("compressor"):
             kv_new, score_new = projected or (self.wkv(x), self.wgate(x))
+            if chunk.packing is not None or self.mesh is not None:  # (partial sums: the pooling adds them)
+                kv_new, score_new = total(kv_new), total(score_new)
             kv_new, score_new = chunk.unpack(kv_new), chunk.unpack(score_new)  # [b, t, coff*w] fp32
             if self.mesh is None:
                 return self._pool(kv_new, score_new, chunk.dense, state)
