@@ -50,6 +50,38 @@ def test_kernel_matches_reference(ratio, overlap, channels, t, start, n_valid):
     assert not np.array_equal(np.asarray(kv), np.asarray(args[0]))  # some rows were written
 
 
+@pytest.mark.parametrize("ratio,overlap,t,start,n_valid", [
+    (4, True, 1, [0, 3, 7, 101], [1, 1, 0, 1]),  # C4 decode
+    (4, True, 6, [0, 2, 29, 50], [6, 3, 6, 0]),  # C4 verify
+    (128, False, 1, [0, 127, 250, 1023], [1, 1, 1, 1]),  # C128 decode: windows close at 127 / 1023
+])
+def test_rows_as_partial_sums(ratio, overlap, t, start, n_valid):
+    """The chunk's rows as a split projection's partial sums (``gemv.Partials``, 8 parts): the
+    kernel adds them in order as it loads each row: the pooled rows and the rings are those of the
+    rows summed in that order first, bit for bit, and the reference's to float32 rounding."""
+    from pallas_kernels.gemv import Partials
+
+    rng = np.random.default_rng(ratio + t)
+    args = list(_case(rng, len(start), ratio, overlap, 64, t, start, n_valid))
+    kv_parts = jnp.asarray(rng.standard_normal((8, *args[2].shape)), jnp.float32)
+    sc_parts = jnp.asarray(rng.standard_normal((8, *args[3].shape)) * 2, jnp.float32)
+    summed = [np.asarray(p[0]) for p in (kv_parts, sc_parts)]
+    for s in range(1, 8):
+        summed = [acc + np.asarray(p[s]) for acc, p in zip(summed, (kv_parts, sc_parts))]
+    kw = dict(ratio=ratio, overlap=overlap)
+    rest = (args[4], args[5], args[6])
+    got = compressor_pool.pool_kernel(args[0], args[1], Partials(kv_parts), Partials(sc_parts), *rest, **kw)
+    same = compressor_pool.pool_kernel(args[0], args[1], jnp.asarray(summed[0]), jnp.asarray(summed[1]), *rest, **kw)
+    want = compressor_pool.pool_reference(args[0], args[1], Partials(kv_parts), Partials(sc_parts), *rest, **kw)
+    real = _real_windows(start, n_valid, ratio, got[0].shape[1])
+    assert real.any()
+    np.testing.assert_array_equal(np.asarray(got[0])[real], np.asarray(same[0])[real])
+    for g, sm, w in zip(got[1:], same[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(sm))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[0])[real], np.asarray(want[0])[real], rtol=1e-5, atol=1e-5)
+
+
 def test_rows_of_padding_and_other_requests_stay():
     """Poisoned rings: a request with no real rows keeps its ring bit for bit; a request writes
     exactly the rows (start + i) % R for its real rows i and nothing else."""
