@@ -306,14 +306,21 @@ def queries_reference(c: Float[Array, "b t h w"] | Partials, positions: Int[Arra
     return fp4_sim(hadamard(q), KEY_BLOCK) if quant == "keys" else q
 
 
+# The most tokens ``query_rows`` takes the kernel for: each of its programs (a token's head) reads
+# the 64 KiB Hadamard matrix, so a verify of 32 x 6 tokens would stream ~0.8 GB through the L2
+# (the batch-32 DSpark round took ~2 % longer on an H200); XLA's GEMM beyond.
+QUERY_KERNEL_MAX_TOKENS = 8
+
+
 def query_rows(c: Float[Array, "b t h w"] | Partials, positions: Int[Array, "b t"], inv_freq, *, quant: str | None,
                dtype, impl: str | None = None) -> Float[Array, "b t h w"]:
     """Queries (the indexer's: wq_b's output, at one token its split's partial sums) rotated and
     rounded as ``queries_reference``, in one launch on the Pallas path (grid (tokens, heads); w a
-    power of two, at most 128 with "keys")."""
+    power of two, at most 128 with "keys"; up to ``QUERY_KERNEL_MAX_TOKENS`` tokens)."""
     shape = _shape(c)
     rope_dim = 2 * np.asarray(inv_freq).shape[0]
     fits = (len(shape) == 4 and backend.is_power_of_2(shape[3]) and rope_dim <= shape[3]
+            and shape[0] * shape[1] <= QUERY_KERNEL_MAX_TOKENS
             and (quant is None or (quant == "keys" and KEY_BLOCK <= shape[3] <= 128)))
     if backend.resolve(impl) == "pallas" and fits and positions.shape == shape[:2]:
         return _queries_pallas(c, positions, jnp.asarray(inv_freq, jnp.float32), quant=quant, dtype=jnp.dtype(dtype),

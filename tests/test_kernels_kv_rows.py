@@ -12,6 +12,7 @@ from dspark_jax.cache import Fp8Keys
 from dspark_jax.config import tiny
 from dspark_jax.model.norms_rope import layer_inv_freq
 from pallas_kernels import kv_rows, lowering
+from tests.helpers import pallas_calls
 
 SD = jax.ShapeDtypeStruct
 INV_FREQ = layer_inv_freq(tiny(), 4)  # 32 pairs: 64 rope dims
@@ -166,6 +167,11 @@ def test_query_rows_match_reference(quant):
         np.testing.assert_allclose(g, r, rtol=2**-7, atol=1e-6)
     same = kv_rows.query_rows(jnp.sum(parts, axis=0).astype(jnp.bfloat16), positions, INV_FREQ, impl="xla", **kw)
     np.testing.assert_array_equal(np.asarray(same, np.float32), r)
+    # more tokens than the kernel takes: XLA's (the reference)
+    many = jnp.tile(parts, (1, 1, 3, 1, 1))  # 2 x 9 tokens
+    calls = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda p: kv_rows.query_rows(
+        Partials(p), jnp.tile(positions, (1, 3)), INV_FREQ, impl="pallas", **kw))(many).jaxpr)]
+    assert calls == [] and 2 * 9 > kv_rows.QUERY_KERNEL_MAX_TOKENS >= 2 * 3
     with pytest.raises(ValueError, match="query rows take quant"):
         kv_rows.queries_reference(Partials(parts), positions, INV_FREQ, quant="kv", dtype=jnp.bfloat16)
 
