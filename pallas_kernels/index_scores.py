@@ -34,6 +34,11 @@ from pallas_kernels import backend
 from pallas_kernels.gemv import Partials, total
 
 BLOCK_N = 64  # entries per program
+# The most query rows ``scores`` takes the kernel for: measured on an H200 at one token (a decode
+# step) and six (a batch-1 verify); larger verifies (e.g. 32 x 6 rows, ~2 % slower DSpark rounds at
+# batch 32 in the run that also moved the indexer's queries into a kernel) not separated: XLA's
+# batched GEMM beyond.
+KERNEL_MAX_ROWS = 8
 
 
 def head_weights(w_raw: Array | Partials, scale: float, dtype) -> Float[Array, "... h"]:
@@ -123,9 +128,10 @@ def scores_kernel(q: Float[Array, "b t h d"], keys: Float[Array, "b n d"], w_raw
 
 def scores(q: Float[Array, "b t h d"], keys, w_raw: Array | Partials, limit: Int[Array, "b t"], *, scale: float,
            dtype, impl: str | None = None) -> Float[Array, "b t n"]:
-    """The backend switch: the kernel when ``impl`` resolves to "pallas" and it takes the keys,
-    else the reference (fp8 keys dequantised to the queries' dtype)."""
-    if backend.resolve(impl) == "pallas" and kernel_takes(q, keys):
+    """The backend switch: the kernel when ``impl`` resolves to "pallas", it takes the keys and
+    there are at most ``KERNEL_MAX_ROWS`` query rows, else the reference (fp8 keys dequantised to
+    the queries' dtype)."""
+    if backend.resolve(impl) == "pallas" and kernel_takes(q, keys) and q.shape[0] * q.shape[1] <= KERNEL_MAX_ROWS:
         return scores_kernel(q, keys, w_raw, limit, scale=scale, dtype=dtype)
     from dspark_jax.cache import read_kv
 

@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels import index_scores, lowering
 from pallas_kernels.gemv import Partials
+from tests.helpers import pallas_calls
 
 SD = jax.ShapeDtypeStruct
 SCALE = 128**-0.5 * 16**-0.5
@@ -41,6 +42,14 @@ def test_kernel_matches_reference(dtype, partials):
     np.testing.assert_allclose(got[visible], want[visible], rtol=1e-5, atol=1e-5 * np.abs(want[visible]).max())
     via = index_scores.scores(q, keys, w_raw, limit, scale=SCALE, dtype=dtype, impl="xla")
     np.testing.assert_array_equal(np.asarray(via), want)
+    # the switch: the kernel up to KERNEL_MAX_ROWS query rows (6 here), XLA's beyond
+    names = lambda q: [n for n, _ in pallas_calls(jax.make_jaxpr(lambda q: index_scores.scores(  # noqa: E731
+        q, keys, w_raw, limit, scale=SCALE, dtype=dtype, impl="pallas"))(q).jaxpr)]
+    assert names(q) == ["index_scores"]
+    big = jnp.tile(q, (1, 3, 1, 1))
+    limit = jnp.tile(limit, (1, 3))
+    w_raw = Partials(jnp.tile(parts, (1, 1, 3, 1))) if partials else jnp.tile(w_raw, (1, 3, 1))
+    assert 2 * 9 > index_scores.KERNEL_MAX_ROWS and names(big) == []
 
 
 def test_head_weights_round_as_the_model():
