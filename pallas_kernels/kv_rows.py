@@ -308,7 +308,7 @@ def queries_reference(c: Float[Array, "b t h w"] | Partials, positions: Int[Arra
 
 # The most tokens ``query_rows`` takes the kernel for: each of its programs (a token's head) reads
 # the 64 KiB Hadamard matrix, so a verify of 32 x 6 tokens would stream ~0.8 GB through the L2
-# (the batch-32 DSpark round took ~2 % longer on an H200); XLA's GEMM beyond.
+# (measured on an H200 at a decode step and a batch-1 verify only); XLA's GEMM beyond.
 QUERY_KERNEL_MAX_TOKENS = 8
 
 

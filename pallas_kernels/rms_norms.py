@@ -1,13 +1,14 @@
 """RMSNorms of several rows in one launch, each row given as the float32 partial sums of a split
 matrix-vector product, beside its pure-JAX reference.
 
-At a batch-1 decode step an attention layer's wq_a and wkv outputs come from one ``gemv`` launch
-as K-split partial sums (``gemv.Partials``), and each is RMS-normalised next (q_norm, kv_norm). In
-XLA each norm is two launches (a reduction: the parts' sum and its sum of squares; then the
-elementwise scaling, which sums the parts again): four launches of ~1.2 us for 6 KiB of values.
-``rms_norms`` does both in one launch: program i adds up input i's parts, rounds the sum to the
-output dtype (the linear's output, as the reference stores it), and normalises it as
-``norms_rope.rms_norm`` does: ``(w * (y * 1 / sqrt(mean(y^2) + eps)))`` in float32, rounded.
+At a batch-1 decode step an attention layer's wq_a output comes from one ``gemv`` launch as K-split
+partial sums (``gemv.Partials``) and is RMS-normalised next (q_norm; kv_norm runs with the window's
+write, ``kv_rows``). In XLA each norm is two launches (a reduction: the parts' sum and its sum of
+squares; then the elementwise scaling, which sums the parts again) of ~1.2 us for a few KiB.
+``rms_norms`` normalises any number of such rows in one launch: program i adds up input i's
+parts, rounds the sum to the output dtype (the linear's output, as the reference stores it), and
+normalises it as ``norms_rope.rms_norm`` does: ``(w * (y * 1 / sqrt(mean(y^2) + eps)))`` in
+float32, rounded.
 
 An input flagged ``rounded`` also comes back quantised as the reference quantises an FP8 GEMM's
 input (``quant.fp8_sim(y, 128)``: e4m3 values times a power of two per 128 columns, exact in the
