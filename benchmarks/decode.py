@@ -56,6 +56,11 @@ batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB o
 ``--slices each`` builds and measures one depth at a time (the deepest slice's memory only), e.g.
 for deeper pairs, whose per-layer difference is less affected by host time at batch 1.
 
+``--options engine,xla`` times every round under the engine's compiler options
+(``compile_cache.COMPILER_OPTIONS``) and under XLA's defaults side by side, interleaved as the
+depths and modes are, each with its own extrapolation (and records each program's temporary
+bytes).
+
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python benchmarks/decode.py --batch 1,32,8,64 --budget-s 470
     python benchmarks/decode.py --weights official --batch 1,32 --budget-s 470   # FP4 experts
     python benchmarks/decode.py --smoke     # the tiny config on CPU: checks the script runs
@@ -82,6 +87,8 @@ from dspark_jax.decoding.engine import Engine
 from pallas_kernels import grouped_matmul as gm, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
+# ``--options``: the rounds' compiler options (``Engine(compiler_options=...)``; None: the engine's)
+OPTION_SETS = {"engine": None, "xla": {}}
 
 METHOD = (
     "Per-layer cost from two slice depths d1 < d2 (first n layers of the full model, 3 drafter taps "
@@ -290,6 +297,14 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> d
                 states[k], per_round[k]) for k in programs}
 
 
+def temp_bytes(program) -> int | None:
+    """The compiled program's temporary buffers (bytes), where the backend reports them."""
+    try:
+        return int(program.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001  (backends without a memory analysis)
+        return None
+
+
 def compile_group(jobs: dict, threads: int) -> dict:
     """Lower every (key -> (engine, state)) round in this thread, compile them in ``threads``
     threads (XLA compiles without the interpreter lock); returns key -> (compiled, seconds)."""
@@ -310,18 +325,19 @@ def compile_group(jobs: dict, threads: int) -> dict:
 # ---------------------------------------------------------------------------- summary
 def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: dict,
               kv_layout: str) -> list[dict]:
-    """Per (weights, batch, context): measured values per depth and the full-model extrapolation.
+    """Per (weights, compiler options, batch, context): measured values per depth and the
+    full-model extrapolation.
     ``parts`` maps (weights, layers) to ``weight_parts`` of that slice (or of the full model); the
     byte rooflines are given where it has an entry."""
     bw, peak = ceil["copy_GBps"] * 1e9, ceil["bf16_matmul_TFLOPs"] * 1e12
     rows = []
-    keys = sorted({(r["weights"], r["batch"], r["context"]) for r in results})
-    for w, b, c in keys:
-        sel = [r for r in results if (r["weights"], r["batch"], r["context"]) == (w, b, c)]
+    key = lambda r: (r["weights"], r.get("options", "engine"), r["batch"], r["context"])  # noqa: E731
+    for w, opt, b, c in sorted({key(r) for r in results}):
+        sel = [r for r in results if key(r) == (w, opt, b, c)]
         t = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "target"}
         d = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "dspark"}
         tau = {r["depth"]: r["tokens_per_round"] for r in sel if r["mode"] == "dspark"}
-        row = {"weights": w, "batch": b, "context": c, "measured": {}}
+        row = {"weights": w, "options": opt, "batch": b, "context": c, "measured": {}}
         for depth in sorted(set(t) & set(d)):
             row["measured"][str(depth)] = {
                 "step_ms": 1e3 * t[depth], "round_ms": 1e3 * d[depth], "tau": tau[depth],
@@ -359,19 +375,25 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
     return rows
 
 
+def label(row: dict) -> str:
+    """The weights of a row, and its compiler options unless the engine's."""
+    opt = row.get("options", "engine")
+    return row["weights"] + ("" if opt == "engine" else f" ({opt} options)")
+
+
 def table(rows: list[dict]) -> str:
     head = ("| weights | batch | context | depth | step ms | round ms | round / step | tau | speed-up "
             "| target tok/s/user | DSpark tok/s/user | step / roofline | speed-up at the roofline |")
     lines = [head, "|" + "---|" * 13]
     for r in rows:
         for depth, m in r["measured"].items():
-            lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | {depth} (measured) | "
+            lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | {depth} (measured) | "
                          f"{m['step_ms']:.2f} | {m['round_ms']:.2f} | {m['round_over_step']:.2f} | {m['tau']:.2f} "
                          f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | "
                          f"{m.get('step_over_byte_roofline', math.nan):.1f} (bytes) | |")
         if "full" in r:
             f = r["full"]
-            lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | **{f['layers']} (extrapolated)** | "
+            lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | **{f['layers']} (extrapolated)** | "
                          f"{f['step_ms']:.2f} | {f['round_ms']:.2f} | {f['round_over_step']:.2f} | {f['tau']:.2f} | "
                          f"**{f['speedup']:.2f}** | {f['target_tok_s_per_user']:.0f} | "
                          f"{f['dspark_tok_s_per_user']:.0f} | {f['step_over_roofline']:.1f} | "
@@ -386,7 +408,7 @@ def goals(rows: list[dict]) -> dict:
         f = r.get("full")
         if not f:
             continue
-        key = f"{r['weights']} batch {r['batch']} context {r['context']}"
+        key = f"{label(r)} batch {r['batch']} context {r['context']}"
         out[key] = {"step_over_byte_roofline": f["step_over_byte_roofline"],
                     "step_over_read_roofline": f["step_over_read_roofline"],
                     "step_over_roofline": f["step_over_roofline"],
@@ -402,9 +424,9 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = sorted({(r["weights"], r["context"]) for r in rows})
+    series = sorted({(label(r), r["context"]) for r in rows})
     for w, c in series:
-        sel = sorted((r for r in rows if (r["weights"], r["context"]) == (w, c)), key=lambda r: r["batch"])
+        sel = sorted((r for r in rows if (label(r), r["context"]) == (w, c)), key=lambda r: r["batch"])
         full = [r for r in sel if "full" in r]
         if full:
             bs_ = [r["batch"] for r in full]
@@ -441,22 +463,25 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
     jobs = {}
     for depth in depths:
         for mode in ("target", "dspark"):
-            eng = Engine(models[depth], gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
-                         accept_profile=profile if mode == "dspark" else None)
-            jobs[(depth, mode)] = (eng, random_state(eng, b, alloc, seed=depth))
+            for opt in args.options:
+                eng = Engine(models[depth], gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
+                             accept_profile=profile if mode == "dspark" else None,
+                             compiler_options=OPTION_SETS[opt])
+                jobs[(depth, mode, opt)] = (eng, random_state(eng, b, alloc, seed=depth))
     compiled = compile_group(jobs, args.compile_threads)
     group_compile_s = time.perf_counter() - g0
-    for (depth, mode), (_, secs) in compiled.items():
+    for (depth, mode, opt), (program, secs) in compiled.items():
         meta["compiles"].append({"weights": w, "batch": b, "alloc": alloc, "depth": depth, "mode": mode,
-                                 "lower_compile_s": secs, "threads": args.compile_threads})
+                                 "options": opt, "lower_compile_s": secs, "threads": args.compile_threads,
+                                 "temp_bytes": temp_bytes(program)})
     print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
-          f"({', '.join(f'{k[0]}L {k[1]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
+          f"({', '.join(f'{k[0]}L {k[1]} {k[2]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
     for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
                             args.rounds, args.repeats)
-        for (depth, mode), (sec, tau, bs, each) in timed.items():
-            jobs[(depth, mode)] = (jobs[(depth, mode)][0], bs)
-            r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode,
+        for (depth, mode, opt), (sec, tau, bs, each) in timed.items():
+            jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)
+            r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode, "options": opt,
                  "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each}
             meta["results"].append(r)
             print(r, flush=True)
@@ -503,6 +528,9 @@ def main(argv=None):
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn): fused = hc_pre + norm and hc_post + hc_pre + "
                          "norm as two Pallas launches each")
+    ap.add_argument("--options", default="engine",
+                    help="compiler options of the rounds, timed side by side: engine (the engine's, "
+                         "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args(argv)
@@ -511,6 +539,9 @@ def main(argv=None):
     if args.codes_max_block_m:
         gm.LINEAR_CODES_MAX_BLOCK_M = args.codes_max_block_m
     args.split_programs = apply_split_option(args)
+    args.options = args.options.split(",")
+    if not args.options or set(args.options) - set(OPTION_SETS):
+        raise SystemExit(f"--options takes a list of {sorted(OPTION_SETS)}, got {args.options}")
     start = time.perf_counter()
 
     full = config.tiny() if args.smoke else config.flash()

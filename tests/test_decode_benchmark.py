@@ -63,6 +63,25 @@ def test_summary_of_synthetic_timings(flash_fp8_parts):
     assert 5e9 < f["step_bytes"] < 20e9
 
 
+def test_compiler_options_are_summarised_apart(flash_fp8_parts):
+    """Rounds timed under two option sets give two rows, each extrapolated from its own timings."""
+    full = config.flash()
+    results = []
+    for opt, scale in (("engine", 1.0), ("xla", 1.5)):
+        for d in (2, 4):
+            for mode, base, tau in (("target", 1.0, 1.0), ("dspark", 9.0, 4.0)):
+                results.append({"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": mode,
+                                "options": opt, "round_s": 1e-3 * scale * (base + 0.5 * d), "tokens_per_round": tau})
+    parts = {("fp8", 43): flash_fp8_parts}
+    ceil = {"copy_GBps": 2000.0, "read_GBps": 3200.0, "bf16_matmul_TFLOPs": 600.0}
+    rows = decode.summarize(results, full, parts, ceil, "bf16")
+    assert [r["options"] for r in rows] == ["engine", "xla"]
+    assert rows[0]["full"]["step_ms"] == pytest.approx(22.5) and rows[1]["full"]["step_ms"] == pytest.approx(33.75)
+    text = decode.table(rows)
+    assert "| fp8 | 1 |" in text and "| fp8 (xla options) | 1 |" in text
+    assert set(decode.goals(rows)) == {"fp8 batch 1 context 2048", "fp8 (xla options) batch 1 context 2048"}
+
+
 def test_weight_parts_add_up_to_the_model():
     cfg = config.tiny()
     parts = decode.weight_parts(cfg, "official")

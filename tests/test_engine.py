@@ -393,3 +393,22 @@ def test_verify_buckets_and_bad_ragged_inputs(tiny_f32):
         dspark_jax.generate([[1, 2]], model=tiny_f32, scheduler="fast")
     with pytest.raises(InputError, match="needs speculative decoding"):
         dspark_jax.generate([[1, 2]], model=tiny_f32, speculative=False, scheduler="lagged")
+
+
+def test_compiler_options_reach_the_programs(tiny_f32):
+    """The engine's programs compile with its XLA options: a value XLA rejects fails the prefill's
+    and the round's compile (the option is not dropped on the way); the default is
+    ``COMPILER_OPTIONS``, ``{}`` passes none."""
+    from dspark_jax.compile_cache import COMPILER_OPTIONS
+
+    assert Engine(tiny_f32, gamma=GAMMA).compiler_options == COMPILER_OPTIONS
+    assert Engine(tiny_f32, gamma=0, compiler_options={}).compiler_options == {}
+    bad = Engine(tiny_f32, gamma=GAMMA, compiler_options={"xla_gpu_command_buffer_scheduling_mode": "SOMETIMES"})
+    prompts = [np.arange(3, 9), np.arange(5, 20)]
+    bs = bad.init_state(prompts, [SamplingParams(max_new_tokens=8)] * 2, [1, 2], 64)
+    with pytest.raises(Exception, match="xla_gpu_command_buffer_scheduling_mode"):
+        bad.prefill(bs, prompts)
+    with pytest.raises(Exception, match="xla_gpu_command_buffer_scheduling_mode"):
+        bad.round(bad.init_slots(2, 64), sampled=False, top_k=False, top_p=False)
+    with pytest.raises(ValueError, match="compiler_options must be a dict"):
+        Engine(tiny_f32, gamma=GAMMA, compiler_options="CONCURRENT")

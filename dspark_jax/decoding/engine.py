@@ -41,6 +41,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from dspark_jax.cache import TargetCache, commit, init_cache
+from dspark_jax.compile_cache import COMPILER_OPTIONS
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
                                           accept_greedy, accept_sampled, pick_tokens, process_logits, request_keys)
 from dspark_jax.decoding.scheduler import SPSTable, allocate_topk, bucket_early_stopping, survival
@@ -211,13 +212,16 @@ class Engine:
     fine_buckets: the buckets of ragged rounds given no table (``round``'s ``verify_lens``, hence
     the buckets ``serving.profile_sps`` times by default): 0 powers of 2, k > 0 multiples of
     slots / k above the slots (``verify_bucket``).
+    compiler_options: XLA options of the engine's programs (default
+    ``compile_cache.COMPILER_OPTIONS``: on GPUs, kernels that share no buffer run concurrently;
+    ``{}``: XLA's defaults and the ``XLA_FLAGS`` environment).
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
                  accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
                  sps_table: SPSTable | None = None, profile_confidence: float | None = None, adapt_sps: bool = True,
-                 fine_buckets: int = 0):
+                 fine_buckets: int = 0, compiler_options: dict | None = None):
         cfg = model.config
         check_scheduler(scheduler, gamma)
         if profile_confidence is not None and (accept_profile is None or not np.isfinite(profile_confidence)
@@ -252,17 +256,20 @@ class Engine:
         # 0.33 ms per call against 0.06 ms on the CPU; Flash has 1,937).
         self.params, self._params_def = jax.tree_util.tree_flatten(model.state)
         scoped = model.numerics.scoped  # float32 matmuls as the model's Numerics say
-        self._prefill = jax.jit(scoped(self._prefill_impl), donate_argnums=(1,))
-        self._first = jax.jit(scoped(self._first_impl), donate_argnums=(1,))
-        self._prefill_rows = jax.jit(scoped(self._prefill_rows_impl), donate_argnums=(1,))
-        self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
+        if compiler_options is not None and not isinstance(compiler_options, dict):
+            raise ValueError(f"compiler_options must be a dict of XLA options, got {compiler_options!r}")
+        self.compiler_options = dict(COMPILER_OPTIONS if compiler_options is None else compiler_options)
+        jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
+        self._prefill = jit(scoped(self._prefill_impl), donate_argnums=(1,))
+        self._first = jit(scoped(self._first_impl), donate_argnums=(1,))
+        self._prefill_rows = jit(scoped(self._prefill_rows_impl), donate_argnums=(1,))
+        self._admit = jit(self._admit_impl, donate_argnums=(0,))
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._empty: dict[tuple, Callable] = {}  # (rows, max_len, active, stop width) -> program building a state
-        self._round = jax.jit(scoped(self._round_impl), donate_argnums=(1,),
-                              static_argnames=("sampled", "top_k", "top_p"))
-        self._draft_step = jax.jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "schedule"))
-        self._verify_step = jax.jit(scoped(self._verify_impl), donate_argnums=(1,),
-                                    static_argnames=("sampled", "top_k", "top_p", "tokens"))
+        self._round = jit(scoped(self._round_impl), donate_argnums=(1,), static_argnames=("sampled", "top_k", "top_p"))
+        self._draft_step = jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "schedule"))
+        self._verify_step = jit(scoped(self._verify_impl), donate_argnums=(1,),
+                                static_argnames=("sampled", "top_k", "top_p", "tokens"))
 
     # ------------------------------------------------------------------ device functions
     def _module(self, params: list[Array]):
