@@ -18,7 +18,6 @@ from flax import nnx
 from dspark_jax.cache import KV_LAYOUTS, commit, init_cache
 from dspark_jax.checkpoint import hf
 from dspark_jax.checkpoint.files import read_json
-from dspark_jax.compile_cache import COMPILER_OPTIONS
 from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
@@ -54,8 +53,7 @@ def check_kv_cache(kv_cache: str) -> None:
         raise InputError(f"kv_cache must be one of {KV_LAYOUTS}, got {kv_cache!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capture", "logits"), donate_argnames=("cache",),
-                   compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef", "capture", "logits"), donate_argnames=("cache",))
 def forward_step(graphdef, state, ids, n_valid, cache, *, capture=(), logits="all"):
     """Jitted ``DeepSeekV4.forward`` on split (graphdef, state)."""
     model = nnx.merge(graphdef, state)

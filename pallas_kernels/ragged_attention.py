@@ -58,7 +58,7 @@ from pallas_kernels import attention_configs, backend
 from pallas_kernels.attention_configs import BlockConfig, default_config  # noqa: F401 (re-exported)
 from pallas_kernels.attention_metadata import RaggedMeta, check_shapes, check_values, ring_positions  # noqa: F401
 from pallas_kernels.kv_fp8 import BLOCK, Fp8Rows, check_layout, dequantize
-from pallas_kernels.rope import partner_columns, rotate_pairs
+from pallas_kernels.rope import partner_columns, q_norm_rope_reference, rotate_pairs
 
 if TYPE_CHECKING:  # shape annotations only; jaxtyping is not needed at run time
     from jaxtyping import Array, Float
@@ -263,9 +263,30 @@ def _online_update(state, q_blocks: list[Array], keys: list[tuple[Array, Array |
     return m_new, l, tuple(new_acc)
 
 
+def _normed_rotated(q_blocks: list[Array], spans, pos: Array, pos_ref_freq, d: int, eps: float,
+                    partner_load) -> list[Array]:
+    """The queries' per-head RMS norm (no weight) and RoPE of their last 2 len(inv_freq) columns, as
+    ``rope.q_norm_rope`` computes them, on a program's q rows held as column blocks (``spans``).
+    ``pos``: each row's position [rows, 1] (or a scalar); ``partner_load(start, width)``: the rows'
+    values at the pair partners of columns start .. start + width."""
+    dt = q_blocks[0].dtype
+    sq = sum(jnp.sum(jnp.square(b.astype(jnp.float32)), axis=1) for b in q_blocks)
+    r = lax.rsqrt(sq / d + eps).astype(dt).astype(jnp.float32)[:, None]
+    rope_dim = 2 * pos_ref_freq.shape[0]
+    out = []
+    for (start, width), b in zip(spans, q_blocks):
+        y = (b.astype(jnp.float32) * r).astype(dt)
+        if start + width > d - rope_dim:  # a block holding rotated columns
+            cols = start + _iota(width)[None, :]
+            partner = (partner_load(start, width).astype(jnp.float32) * r).astype(dt)
+            y = rotate_pairs(y, partner, cols, d, rope_dim, pos, pos_ref_freq, inverse=False)
+        out.append(y)
+    return out
+
+
 def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries: int, kind: str | None,
                       n_head_blocks: int, n_tok_blocks: int, num_tokens: int, spans: tuple, w_fp8: bool,
-                      c_fp8: bool, scale: float):
+                      c_fp8: bool, scale: float, q_eps: float | None):
     refs = list(refs)
     split = cfg.kv_splits > 1
     if split:  # normalised partial output + log-sum-exp of each key split
@@ -273,6 +294,9 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
         refs = refs[:-2]
     else:
         o_ref = refs.pop()
+    if q_eps is not None:  # the queries' norm + RoPE here: their positions and inv_freq
+        pos_ref, freq_ref = refs[-2:]
+        refs = refs[:-2]
     cu_ref, lo_ref, hi_ref, end_ref, q_ref, sink_ref = refs[:6]
     rest = refs[6:]
     n_w = 2 if w_fp8 else 1
@@ -324,6 +348,15 @@ def _attention_kernel(*refs, cfg: BlockConfig, heads: int, ring: int, n_entries:
             row = tok * heads + head
             row_c = jnp.where(row_ok, row, 0)
             q_blocks = [_load_cols(q_ref, row_c, row_ok, start, width, 0.0) for start, width in spans]
+            if q_eps is not None:
+                pos = pos_ref[q0 + j] if bt == 1 else pltriton.load(pos_ref.at[tok_c], mask=row_ok, other=0)[:, None]
+                d = sum(width for _, width in spans)
+
+                def partner_load(start, width):
+                    cols = partner_columns(start + _iota(width))
+                    return pltriton.load(q_ref.at[row_c[:, None], cols[None, :]], mask=row_ok[:, None], other=0.0)
+
+                q_blocks = _normed_rotated(q_blocks, spans, pos, freq_ref, d, q_eps, partner_load)
 
             def per_token(ref, other, reduce):
                 """A per-token value for every row (a scalar when the program holds one token,
@@ -480,9 +513,9 @@ def spans_for(cfg: BlockConfig, d: int, fp8: bool) -> tuple[tuple[int, int], ...
     return tuple((start, width) for start in range(0, d, width))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "scale", "interpret"))
-def _pallas(q, window, entries, sink, meta: RaggedMeta, out_rope, *, cfg: BlockConfig, scale: float,
-            interpret: bool):
+@functools.partial(jax.jit, static_argnames=("cfg", "scale", "q_eps", "interpret"))
+def _pallas(q, window, entries, sink, meta: RaggedMeta, out_rope, q_rope, *, cfg: BlockConfig, scale: float,
+            q_eps: float | None, interpret: bool):
     t, h, d = q.shape
     s = meta.num_requests
     ring = _pool_shape(window)[1]
@@ -494,10 +527,12 @@ def _pallas(q, window, entries, sink, meta: RaggedMeta, out_rope, *, cfg: BlockC
             sink.astype(jnp.float32), *_flat(window)]
     if kind is not None:
         args += [meta.comp_count if kind == "prefix" else meta.comp_topk.reshape(-1), *_flat(entries)]
+    if q_eps is not None:
+        args += list(q_rope)
     kernel = functools.partial(
         _attention_kernel, cfg=cfg, heads=h, ring=ring, n_entries=_pool_shape(entries)[1] if kind else 0,
         kind=kind, n_head_blocks=n_head_blocks, n_tok_blocks=n_tok_blocks, num_tokens=t,
-        spans=spans_for(cfg, d, w_fp8 or c_fp8), w_fp8=w_fp8, c_fp8=c_fp8, scale=scale)
+        spans=spans_for(cfg, d, w_fp8 or c_fp8), w_fp8=w_fp8, c_fp8=c_fp8, scale=scale, q_eps=q_eps)
     p = cfg.kv_splits
     if p > 1:
         out_shape = (jax.ShapeDtypeStruct((p * t * h, d), q.dtype), jax.ShapeDtypeStruct((p * t * h,), jnp.float32))
@@ -545,8 +580,10 @@ def select_config(q: Array, window: Pool, entries: Pool | None, meta: RaggedMeta
 
 def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: Float[Array, " h"],
            meta: RaggedMeta, *, scale: float | None = None, config: BlockConfig | None = None,
-           out_rope: tuple[Array, Array] | None = None, interpret: bool | None = None) -> Float[Array, "t h d"]:
-    """The Pallas kernel (same contract as ``reference``; ``out_rope`` as in ``ragged_attention``)."""
+           out_rope: tuple[Array, Array] | None = None, q_rope: tuple[Array, Array, float] | None = None,
+           interpret: bool | None = None) -> Float[Array, "t h d"]:
+    """The Pallas kernel (same contract as ``reference``; ``out_rope`` and ``q_rope`` as in
+    ``ragged_attention``)."""
     check_inputs(q, window, entries, sink, meta)
     t, h, d = q.shape
     if not backend.is_power_of_2(d) or d < 16:
@@ -560,18 +597,40 @@ def kernel(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: F
     scale = d**-0.5 if scale is None else float(scale)
     if out_rope is not None:
         out_rope = (jnp.asarray(out_rope[0], jnp.int32), jnp.asarray(out_rope[1], jnp.float32))
-    return _pallas(q, window, entries, sink, meta, out_rope, cfg=cfg, scale=scale,
+    q_eps = None
+    if q_rope is not None:
+        positions, inv_freq, q_eps = _check_q_rope(q, q_rope)
+        q_rope = (positions, inv_freq)
+    return _pallas(q, window, entries, sink, meta, out_rope, q_rope, cfg=cfg, scale=scale, q_eps=q_eps,
                    interpret=backend.interpret_mode(interpret))
+
+
+def _check_q_rope(q: Array, q_rope) -> tuple[Array, Array, float]:
+    """(positions [t] int32, inv_freq [r] float32, eps) of a ``q_rope`` argument, checked."""
+    positions, inv_freq, eps = q_rope
+    positions, inv_freq = jnp.asarray(positions, jnp.int32), jnp.asarray(inv_freq, jnp.float32)
+    t, _, d = q.shape
+    if positions.shape != (t,) or inv_freq.ndim != 1 or not 0 < 2 * inv_freq.shape[0] <= d:
+        raise ValueError(f"q_rope needs positions [{t}] and inv_freq [r] with 0 < 2r <= {d}, got "
+                         f"{positions.shape} and {inv_freq.shape}")
+    return positions, inv_freq, float(eps)
 
 
 def ragged_attention(q: Float[Array, "t h d"], window: Pool, entries: Pool | None, sink: Float[Array, " h"],
                      meta: RaggedMeta, *, scale: float | None = None, impl: str | None = None,
-                     out_rope: tuple[Array, Array] | None = None, **kernel_options) -> Float[Array, "t h d"]:
+                     out_rope: tuple[Array, Array] | None = None, q_rope: tuple[Array, Array, float] | None = None,
+                     **kernel_options) -> Float[Array, "t h d"]:
     """Ragged sink attention through the backend switch (``backend``): the Pallas kernel or the
     XLA reference. ``kernel_options`` (config, interpret) go to the kernel only. ``out_rope``:
     (positions [t], inv_freq [r]): the output rotated back (inverse RoPE of each token's last 2r
     dims at its position, as ``norms_rope.apply_rope(..., inverse=True)``), by the kernel's split
-    merge when it has one (a decode step's launch the fewer), else by XLA."""
+    merge when it has one (a decode step's launch the fewer), else by XLA. ``q_rope``: (positions
+    [t], inv_freq [r], eps): q is wq_b's output, and the queries' per-head RMS norm and RoPE
+    (``rope.q_norm_rope``) are applied first, by the kernel as it loads its rows (a launch the
+    fewer), else by XLA."""
     if backend.resolve(impl) == "xla":
+        if q_rope is not None:
+            positions, inv_freq, eps = _check_q_rope(q, q_rope)
+            q = q_norm_rope_reference(q, positions, inv_freq, eps)
         return _rotated_back(reference(q, window, entries, sink, meta, scale=scale), out_rope)
-    return kernel(q, window, entries, sink, meta, scale=scale, out_rope=out_rope, **kernel_options)
+    return kernel(q, window, entries, sink, meta, scale=scale, out_rope=out_rope, q_rope=q_rope, **kernel_options)

@@ -427,3 +427,57 @@ def test_output_rotated_back_in_the_merge(splits):
     assert ("attention_merge_splits_rope" in names) == (splits > 1), names
     via = ra.ragged_attention(q, keys, None, sink, meta, impl="xla", out_rope=(pos, inv_freq))
     np.testing.assert_array_equal(np.asarray(via, np.float32), w)
+
+
+@pytest.mark.parametrize("kind,layout,cfg", [
+    ("window", "plain", ra.BlockConfig(block_t=4, block_h=4, block_k=16, kv_splits=1, block_d=128)),
+    ("window", "fp8", ra.BlockConfig(block_t=1, block_h=16, block_k=16, kv_splits=3, fp8_fold=True)),
+    ("prefix", "plain", ra.BlockConfig(block_t=8, block_h=2, block_k=16, kv_splits=2, block_d=64)),
+    ("topk", "fp8", ra.BlockConfig(block_t=1, block_h=16, block_k=16, kv_splits=1, block_d=64)),
+])
+def test_queries_normed_and_rotated_by_the_kernel(kind, layout, cfg):
+    """``q_rope``: the kernel applies the queries' head norm and RoPE as it loads them; the result
+    equals the kernel on ``rope.q_norm_rope``'s queries up to one bf16 rounding step of a query
+    (the norm's sum over the kernel's column blocks in another order), and the XLA path applies
+    the reference first (exactly). Positions differ per token; the unnormed queries' scale is far
+    from 1, so a skipped norm would show."""
+    from dspark_jax.model.norms_rope import rope_inv_freq
+    from pallas_kernels import rope
+    from tests.helpers import pallas_calls
+
+    rng = np.random.default_rng(7)
+    q_lens, lengths = VERIFY
+    t, n, eps = sum(q_lens) + 1, 16, 1e-6
+    meta, pos = am.verify(q_lens, lengths, window=W, num_tokens=t, max_q_len=6)
+    entries = None
+    if kind == "prefix":
+        meta = am.with_prefix_entries(meta, pos, ratio=4, num_slots=n)
+        entries = _rand(rng, (S, n, D), jnp.bfloat16)
+    elif kind == "topk":
+        vis = np.maximum((np.asarray(pos) + 1) // 4, 1)
+        meta = am.with_topk_entries(meta, jnp.asarray(np.stack([np.arange(3) % v for v in vis]), jnp.int32))
+        entries = _rand(rng, (S, n, D), jnp.bfloat16)
+    q = _rand(rng, (t, H, D), jnp.bfloat16, scale=7.0)
+    ring = _rand(rng, (S, R, D), jnp.bfloat16)
+    if layout == "fp8":
+        ring = kv_fp8.quantize(ring)
+        entries = None if entries is None else kv_fp8.quantize(entries)
+    sink = _rand(rng, (H,))
+    inv_freq = rope_inv_freq(64, 10000.0, None)
+    q_rope = (pos, inv_freq, eps)
+    got = ra.kernel(q, ring, entries, sink, meta, config=cfg, q_rope=q_rope)
+    qn = rope.q_norm_rope_reference(q, pos, inv_freq, eps)
+    want = ra.kernel(qn, ring, entries, sink, meta, config=cfg)
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(g).all() and np.abs(w[:sum(q_lens)]).max() > 0.05
+    np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * np.abs(w).max())
+    plain = np.asarray(ra.kernel(q, ring, entries, sink, meta, config=cfg), np.float32)
+    assert np.abs(plain - w).max() > 10 * np.abs(g - w).max()  # the norm and rotation did happen
+    via = ra.ragged_attention(q, ring, entries, sink, meta, impl="xla", q_rope=q_rope)
+    np.testing.assert_array_equal(np.asarray(via, np.float32),
+                                  np.asarray(ra.reference(qn, ring, entries, sink, meta), np.float32))
+    names = [nm for nm, _ in pallas_calls(jax.make_jaxpr(
+        lambda q: ra.kernel(q, ring, entries, sink, meta, config=cfg, q_rope=q_rope))(q).jaxpr)]
+    assert "q_norm_rope" not in names and "ragged_sink_attention" in names
+    with pytest.raises(ValueError, match="q_rope needs positions"):
+        ra.kernel(q, ring, entries, sink, meta, config=cfg, q_rope=(pos[:-1], inv_freq, eps))

@@ -84,6 +84,24 @@ def test_decode_shape_lowers_for_gfx950():
     assert '"attention_merge_splits"' in text  # 4 requests x 1 token: the keys are split
 
 
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+@pytest.mark.parametrize("kind,layout,config", [
+    ("window", "fp8", None),  # a decode step: split keys, the inverse RoPE in the merge
+    ("topk", "bf16", ra.BlockConfig(block_h=32, block_k=16, block_d=128, kv_splits=1)),
+    ("prefix", "fp8", ra.BlockConfig(block_t=2, block_h=16, block_k=64, fp8_fold=True, kv_splits=4)),
+])
+def test_queries_normed_and_rotated_in_the_kernel_lower(arch, platform, kind, layout, config):
+    """``q_rope``: the queries' head norm + RoPE inside the attention kernel (no launch of its own)."""
+    tokens = S if kind == "window" else T
+    args = (SD((tokens, H, D), jnp.bfloat16), _pool(RING, layout), None if kind == "window" else _pool(N, layout),
+            SD((H,), jnp.float32), _meta(kind, max_q_len=1 if kind == "window" else 6, tokens=tokens),
+            SD((tokens,), jnp.int32), SD((32,), jnp.float32))
+    text = lowering.lower(lambda q, w, e, s, m, pos, f: ra.kernel(q, w, e, s, m, config=config, out_rope=(pos, f),
+                                                                  q_rope=(pos, f, 1e-6), interpret=False),
+                          *args, arch=arch, platform=platform)
+    assert text.count('"ragged_sink_attention"') == 1 and '"q_norm_rope"' not in text
+
+
 def _double(x, *, interpret: bool):
     def body(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 2.0

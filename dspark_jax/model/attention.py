@@ -64,19 +64,27 @@ class Attention(nnx.Module):
         return layer_inv_freq(self.cfg, self.ratio)
 
     def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None, qr: Array | None = None,
-                  rounded: bool = False) -> tuple[Float[Array, "b t h d"], Array]:
+                  rounded: bool = False, rope: bool = True) -> tuple[Float[Array, "b t h d"], Array]:
         """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x), or ``qr`` itself, when already computed;
-        ``rounded``: that qr holds the quantised values wq_b takes, ``Linear(rounded=True)``)."""
+        ``rounded``: that qr holds the quantised values wq_b takes, ``Linear(rounded=True)``).
+        ``rope`` False: the queries before their head norm and RoPE, for the ragged attention to
+        apply (``q_rope``: ``ragged_q_rope``)."""
         cfg = self.cfg
         if qr is None:
             qr = self.q_norm(self.wq_a(x) if a is None else a)
         q = self.wq_b(qr, rounded=rounded)
         b, t = x.shape[:2]
+        if not rope:
+            return q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), qr
         # a weightless per-head RMS norm, then RoPE (one launch on the Pallas path without a mesh)
         impl = self.num.kernel_impl() if self.mesh is None else "xla"
         q = q_norm_rope(q.reshape(b * t, cfg.num_attention_heads, cfg.head_dim), pos.reshape(-1), self.inv_freq,
                         cfg.rms_norm_eps, impl=impl)
         return q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), qr
+
+    def ragged_q_rope(self, positions: Int[Array, " t"]) -> tuple[Array, Array, float]:
+        """``ragged_attention``'s ``q_rope`` for queries of ``project_q(rope=False)`` at ``positions``."""
+        return positions, self.inv_freq, self.cfg.rms_norm_eps
 
     def project_kv(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None) -> Float[Array, "b t d"]:
         """Keys = values (``a``: wkv(x), when already computed; at one token the kernel path does
@@ -131,7 +139,8 @@ class Attention(nnx.Module):
         else:
             a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
             kv = self.project_kv(x, pos, a_kv)
-        q, qr = self.project_q(x, pos, a_q, qr, rounded)
+        # (a decode step's queries get their head norm and RoPE inside the ragged attention)
+        q, qr = self.project_q(x, pos, a_q, qr, rounded, rope=not decode)
 
         entries = top = None
         if self.ratio:
@@ -238,5 +247,5 @@ class Attention(nnx.Module):
             meta = attention_metadata.with_prefix_entries(meta, pos_flat, ratio=self.ratio,
                                                           num_slots=r["entries"].shape[1])
         o = ragged_attention(q.reshape(b * t, h, d), r["window"], r.get("entries"), sink, meta, scale=d**-0.5,
-                             impl=impl, out_rope=(pos_flat, self.inv_freq))
+                             impl=impl, out_rope=(pos_flat, self.inv_freq), q_rope=self.ragged_q_rope(pos_flat))
         return o.reshape(b, t, h, d)

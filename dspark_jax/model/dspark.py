@@ -82,7 +82,7 @@ class DSparkStage(Block):
         return self.ffn_out(*self.ffn_in(f, x, post, comb), ids)
 
     def _block_attention(self, y, pos, ring, ring_visible, lengths) -> Float[Array, "b g d"]:
-        q, _ = self.attn.project_q(y, pos)
+        q, _ = self.attn.project_q(y, pos, rope=lengths is None)  # (inference: normed and rotated by the kernel)
         kv = self.attn.project_kv(y, pos).astype(ring.dtype)
         b, g, h, d = q.shape
         scale = self.cfg.head_dim**-0.5
@@ -95,8 +95,8 @@ class DSparkStage(Block):
         def attend(q, sink, r):  # per device on a mesh (``Attention.per_device``); rotated back as well
             meta = attention_metadata.draft(r["lengths"], block=g, window=self.cfg.sliding_window)
             return ragged_attention(q.reshape(-1, *q.shape[2:]), r["ring"], None, sink, meta, scale=scale,
-                                    impl=self.num.kernel_impl(),
-                                    out_rope=(r["pos"].reshape(-1), self.attn.inv_freq)).reshape(q.shape)
+                                    impl=self.num.kernel_impl(), out_rope=(r["pos"].reshape(-1), self.attn.inv_freq),
+                                    q_rope=self.attn.ragged_q_rope(r["pos"].reshape(-1))).reshape(q.shape)
 
         o = self.attn.per_device(attend, q, dict(ring=scatter_rows(ring, slots, kv), lengths=lengths, pos=pos))
         return self.attn.project_out(o, None)
