@@ -56,6 +56,10 @@ batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB o
 ``--slices each`` builds and measures one depth at a time (the deepest slice's memory only), e.g.
 for deeper pairs, whose per-layer difference is less affected by host time at batch 1.
 
+Each measured round also records the time its calls alone took on the host (``host_s``); a
+round no longer than that (``HOST_BOUND``) measured the host's dispatch rather than the device,
+and the table says so ("target host-bound"): at batch 1 the 2-layer slice's step sits near it.
+
 ``--options engine,xla`` times every round under the engine's compiler options
 (``compile_cache.COMPILER_OPTIONS``) and under XLA's defaults side by side, interleaved as the
 depths and modes are, each with its own extrapolation (and records each program's temporary
@@ -87,6 +91,8 @@ from dspark_jax.decoding.engine import Engine
 from pallas_kernels import grouped_matmul as gm, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
+# A measured round whose calls alone took this share of its time or more is marked host-bound
+HOST_BOUND = 0.9
 # ``--options``: the rounds' compiler options (``Engine(compiler_options=...)``; None: the engine's)
 OPTION_SETS = {"engine": None, "xla": {}}
 
@@ -277,24 +283,31 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> d
     Interleaved, so that a drift of the machine (clocks settling after compilation, another
     process) reaches every program alike: measured one after the other, the first program's time
     moved by up to 25 % between runs, and the 43-layer extrapolation multiplies the depths'
-    difference by 19.5. Returns key -> (seconds, tau, final state, seconds of every pass)."""
+    difference by 19.5. Returns key -> (seconds, tau, final state, seconds of every pass, host
+    seconds): host seconds, the median over the passes of the time the calls themselves took per
+    round (the host's dispatch; a program whose rounds take no longer than that is host-bound)."""
     states = {k: bs for k, (_, _, bs) in programs.items()}
     for key, (compiled, params, _) in programs.items():
         for _ in range(warmup):
             states[key], res = compiled(params, states[key])
         jax.block_until_ready(res.n_new)
     per_round = {k: [] for k in programs}
+    host = {k: [] for k in programs}
     new = {k: [] for k in programs}
     for _ in range(repeats):
         for key, (compiled, params, _) in programs.items():
+            calls = 0.0
             t0 = time.perf_counter()
             for _ in range(rounds):
+                c0 = time.perf_counter()
                 states[key], res = compiled(params, states[key])
+                calls += time.perf_counter() - c0
                 new[key].append(res.n_new)
             jax.block_until_ready(res.n_new)
             per_round[key].append((time.perf_counter() - t0) / rounds)
+            host[key].append(calls / rounds)
     return {k: (float(np.median(per_round[k])), float(np.mean(np.stack([np.asarray(x) for x in new[k]]))),
-                states[k], per_round[k]) for k in programs}
+                states[k], per_round[k], float(np.median(host[k]))) for k in programs}
 
 
 def temp_bytes(program) -> int | None:
@@ -337,11 +350,14 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
         t = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "target"}
         d = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "dspark"}
         tau = {r["depth"]: r["tokens_per_round"] for r in sel if r["mode"] == "dspark"}
+        # a round no longer than its calls' own time measured the host's dispatch, not the device
+        host_bound = {(r["depth"], r["mode"]) for r in sel if r.get("host_s", 0.0) >= HOST_BOUND * r["round_s"]}
         row = {"weights": w, "options": opt, "batch": b, "context": c, "measured": {}}
         for depth in sorted(set(t) & set(d)):
             row["measured"][str(depth)] = {
                 "step_ms": 1e3 * t[depth], "round_ms": 1e3 * d[depth], "tau": tau[depth],
-                "round_over_step": d[depth] / t[depth], "speedup": tau[depth] * t[depth] / d[depth]}
+                "round_over_step": d[depth] / t[depth], "speedup": tau[depth] * t[depth] / d[depth],
+                "host_bound": sorted(m for dd, m in host_bound if dd == depth)}
             if (w, depth) in parts:
                 roof = roofline(sliced(full, depth), parts[(w, depth)], b, c, kv_layout)
                 row["measured"][str(depth)].update({
@@ -387,7 +403,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 13]
     for r in rows:
         for depth, m in r["measured"].items():
-            lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | {depth} (measured) | "
+            bound = f"; {' and '.join(m['host_bound'])} host-bound" if m.get("host_bound") else ""
+            lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | {depth} (measured{bound}) | "
                          f"{m['step_ms']:.2f} | {m['round_ms']:.2f} | {m['round_over_step']:.2f} | {m['tau']:.2f} "
                          f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | "
                          f"{m.get('step_over_byte_roofline', math.nan):.1f} (bytes) | |")
@@ -479,10 +496,11 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
     for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
                             args.rounds, args.repeats)
-        for (depth, mode, opt), (sec, tau, bs, each) in timed.items():
+        for (depth, mode, opt), (sec, tau, bs, each, host) in timed.items():
             jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)
             r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode, "options": opt,
-                 "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each}
+                 "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each,
+                 "host_s": host}
             meta["results"].append(r)
             print(r, flush=True)
         save()

@@ -22,7 +22,10 @@ Measured per round, for each program (model x mode):
   handling alone, no donation).
 
 Each XLA setting (``--variants``) runs in its own process (XLA reads its flags once):
-``default`` (the installed jax's defaults), ``off`` (no command buffers: one launch per kernel),
+``default`` (the installed jax's defaults and the engine's compiler options,
+``compile_cache.COMPILER_OPTIONS``: kernels that share no buffer run concurrently),
+``xla_order`` (the engine without its options, ``Engine(compiler_options={})``: XLA's default
+command-buffer order), ``off`` (no command buffers: one launch per kernel),
 ``skip_temp`` (``--xla_gpu_command_buffer_update_mode=SKIP_TEMP``: temporaries at stable virtual
 addresses, so their graph nodes need no update), ``min1`` (``--xla_gpu_graph_min_graph_size=1``).
 A setting the installed XLA does not know is recorded as failed.
@@ -53,6 +56,7 @@ import time
 
 VARIANTS = {
     "default": "",
+    "xla_order": "",  # (an engine option, not a flag: ``child``)
     "off": "--xla_gpu_enable_command_buffer=",
     "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
     "min1": "--xla_gpu_graph_min_graph_size=1",
@@ -85,7 +89,8 @@ def child(args) -> None:
         for mode in args.modes.split(","):
             gamma = model.config.dspark.block_size if mode == "dspark" else 0
             profile = DEFAULT_PROFILE if (mode == "dspark" and name != "shipped") else None
-            eng = Engine(model, gamma=gamma, accept_profile=profile)
+            eng = Engine(model, gamma=gamma, accept_profile=profile,
+                         compiler_options={} if args.variant == "xla_order" else None)
             growth = (gamma + 1) * (2 * n + 3) + 128  # the tokens of one repeat's rounds (each starts afresh)
             limit = model.config.max_position_embeddings + MAX_VERIFY_TOKENS
             context = min(args.context, limit - growth)  # the shipped model stops at 1024 positions
@@ -183,7 +188,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="default,off,skip_temp,min1")
+    ap.add_argument("--variants", default="default,xla_order,off,skip_temp,min1")
     ap.add_argument("--models", default="shipped,flash2")
     ap.add_argument("--modes", default="target,dspark")
     ap.add_argument("--context", type=int, default=2048)

@@ -79,6 +79,12 @@ def test_compiler_options_are_summarised_apart(flash_fp8_parts):
     assert rows[0]["full"]["step_ms"] == pytest.approx(22.5) and rows[1]["full"]["step_ms"] == pytest.approx(33.75)
     text = decode.table(rows)
     assert "| fp8 | 1 |" in text and "| fp8 (xla options) | 1 |" in text
+    assert "host-bound" not in text  # no host times given
+    for r in results:  # the 2-layer target step's calls took 95 % of its time: host-bound
+        r["host_s"] = 0.95 * r["round_s"] if (r["depth"], r["mode"]) == (2, "target") else 0.1 * r["round_s"]
+    rows = decode.summarize(results, full, parts, ceil, "bf16")
+    assert rows[0]["measured"]["2"]["host_bound"] == ["target"] and rows[0]["measured"]["4"]["host_bound"] == []
+    assert decode.table(rows).count("| 2 (measured; target host-bound) |") == 2
     assert set(decode.goals(rows)) == {"fp8 batch 1 context 2048", "fp8 (xla options) batch 1 context 2048"}
 
 
@@ -142,4 +148,6 @@ def test_rounds_of_every_program_are_timed_in_turn():
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
     assert out["a"][1] == 1.0 and out["b"][1] == 3.0
     assert out["a"][2] == 0 + 1 + 6 and out["b"][2] == 10 + 1 + 6
-    assert all(sec > 0 and len(each) == 3 and sec == sorted(each)[1] for sec, _, _, each in out.values())
+    assert all(sec > 0 and len(each) == 3 and sec == sorted(each)[1] for sec, _, _, each, _ in out.values())
+    # the calls themselves (here: the whole round, nothing runs behind them) are within the round's time
+    assert all(0 < host <= max(each) for _, _, _, each, host in out.values())
