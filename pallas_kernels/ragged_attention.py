@@ -263,23 +263,23 @@ def _online_update(state, q_blocks: list[Array], keys: list[tuple[Array, Array |
     return m_new, l, tuple(new_acc)
 
 
-def _normed_rotated(q_blocks: list[Array], spans, pos: Array, pos_ref_freq, d: int, eps: float,
+def _normed_rotated(q_blocks: list[Array], spans, pos: Array, freq_ref, d: int, eps: float,
                     partner_load) -> list[Array]:
     """The queries' per-head RMS norm (no weight) and RoPE of their last 2 len(inv_freq) columns, as
     ``rope.q_norm_rope`` computes them, on a program's q rows held as column blocks (``spans``).
-    ``pos``: each row's position [rows, 1] (or a scalar); ``partner_load(start, width)``: the rows'
-    values at the pair partners of columns start .. start + width."""
+    ``pos``: each row's position [rows, 1] (or a scalar); ``freq_ref``: inv_freq; ``partner_load(start,
+    width)``: the rows' values at the pair partners of columns start .. start + width."""
     dt = q_blocks[0].dtype
     sq = sum(jnp.sum(jnp.square(b.astype(jnp.float32)), axis=1) for b in q_blocks)
     r = lax.rsqrt(sq / d + eps).astype(dt).astype(jnp.float32)[:, None]
-    rope_dim = 2 * pos_ref_freq.shape[0]
+    rope_dim = 2 * freq_ref.shape[0]
     out = []
     for (start, width), b in zip(spans, q_blocks):
         y = (b.astype(jnp.float32) * r).astype(dt)
         if start + width > d - rope_dim:  # a block holding rotated columns
             cols = start + _iota(width)[None, :]
             partner = (partner_load(start, width).astype(jnp.float32) * r).astype(dt)
-            y = rotate_pairs(y, partner, cols, d, rope_dim, pos, pos_ref_freq, inverse=False)
+            y = rotate_pairs(y, partner, cols, d, rope_dim, pos, freq_ref, inverse=False)
         out.append(y)
     return out
 
