@@ -20,7 +20,7 @@ ENV = "DSPARK_JAX_COMPILE_CACHE"
 # (``LHS``) in program order; ``CONCURRENT`` orders them only by the buffers they share, so
 # kernels that do not depend on each other run at the same time: at a batch-1 Flash step the new
 # KV rows, the compressors and the indexer's keys beside wq_b, the router beside the shared
-# expert. On an H200 the batch-1 DSpark round of Flash slices took 8-10 % less wall time in every
+# expert. On an H200 the batch-1 DSpark round of Flash slices took 7-10 % less wall time in every
 # run (docs/benchmarks.md). Temporaries that may now be live at the same time are kept apart: a
 # 2-layer slice's batch-1 round held 16.5-46 MB of them instead of 9.5, a 4-layer slice's batch-32
 # round 500 MB instead of 355. CPUs ignore the option.
