@@ -10,7 +10,9 @@ this device reads at this size). Device time per call: one program runs R calls 
 weight copies (together >= 256 MiB, more than the L2), traced ``--calls`` times; every kernel
 of the program counted (the row padding and a split's partial-product sum included). Each
 gemv result is checked against the dots on the device (``max_rel``; the products are exact in
-both, only float32 summation order differs).
+both, only float32 summation order differs). ``gemv_l2``: the R calls on the first copy alone
+(other rows each), so that after the first call its weights come from the L2 (a linear's time
+had its weights been read into the L2 ahead of it; the 33 MB linears fit in an H200's 50 MB).
 
     PYTHONPATH=. OUT=out python benchmarks/gemv.py --sweep
     PYTHONPATH=. python benchmarks/gemv.py --smoke    # small shapes, interpret mode (CPU)
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
         variants = [("dots", None), ("gemv", None)]  # gemv None: the library's default tiles
         if case.quantised:  # the rows quantised before the kernel (by their producer)
             variants.append(("gemv_rounded", None))
+        variants.append(("gemv_l2", None))  # every call on the first copy: its weights found in L2
         variants += [("gemv", c) for c in (sweep_configs(args.smoke) if sweep else [])]
         row = {"name": s.name, "fmt": s.fmt, "n": s.n, "k": s.k, "groups": s.groups, "rows": s.tiles,
                "quantised": case.quantised, "bytes_per_call": call_bytes, "copies": copies, "variants": []}
@@ -155,8 +158,15 @@ def main(argv=None) -> int:
         for vi, (kind, cfg) in enumerate(variants):
             rec = {"kind": kind, "config": dataclasses.asdict(cfg) if cfg else None}
             row["variants"].append(rec)
+            args_in = (x, sets)
             if kind == "dots":
                 fn = lambda x, sets: [dots(case, x, ws) for ws in sets]  # noqa: E731
+            elif kind == "gemv_l2":  # other rows per call (identical calls would be computed once)
+                fn = lambda xs, sets: [multiply_adds(case, xi, sets[0], None) for xi in xs]  # noqa: E731
+                args_in = ([x] + [jax.random.normal(jax.random.fold_in(keys[-1], c), x.shape, x.dtype)
+                                  for c in range(1, copies)], sets)
+                got = np.asarray(fn(*args_in)[0], np.float32)  # the first call: x on the first copy
+                rec["max_rel"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
             else:
                 rounded = kind == "gemv_rounded"
                 fn = functools.partial(lambda cfg, r, x, sets: [multiply_adds(case, x, ws, cfg, r) for ws in sets],
@@ -169,8 +179,8 @@ def main(argv=None) -> int:
                     continue
             if args.smoke:
                 continue
-            c, module, _, _ = compile_highest(fn, f"gemv_{ci}_{vi}", x, sets)
-            compiled[vi] = (c, module, (x, sets))
+            c, module, _, _ = compile_highest(fn, f"gemv_{ci}_{vi}", *args_in)
+            compiled[vi] = (c, module, args_in)
         if not args.smoke:
             # cuBLAS's bf16 matrix-vector product over the same bytes: [1, K] x [K, bytes / 2K]
             nb = max(16, call_bytes // 2 // s.k // 16 * 16)
@@ -191,8 +201,9 @@ def main(argv=None) -> int:
         dflt = row["variants"][1]
         fmt_us = lambda v: f"{v['us']:6.1f} us {v['GBps']:5.0f} GB/s" if v and "us" in v else "   -"  # noqa: E731
         rnd = next((v for v in row["variants"] if v["kind"] == "gemv_rounded"), None)
+        l2 = next((v for v in row["variants"] if v["kind"] == "gemv_l2"), None)
         print(f"{s.name:24s} N {s.n:5d} K {s.k:5d} | dots {fmt_us(lib)} | gemv default {fmt_us(dflt)} "
-              f"| rows rounded before {fmt_us(rnd)} "
+              f"| rows rounded before {fmt_us(rnd)} | weights in L2 {fmt_us(l2)} "
               f"rel {dflt.get('max_rel', float('nan')):.1e} | best {fmt_us(best)} {best['config'] if best else ''} "
               f"| cuBLAS bf16 {fmt_us(row.get('xla_bf16'))}", flush=True)
         write_json("gemv.json", out)
