@@ -221,13 +221,12 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
 
 
 def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple[str, ...],
-            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt, x_parts: int = 0,
-            n_after: int = 0):
+            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt, x_parts: int = 0):
     w_sets = []
     for fmt in fmts:  # fp8: values and scales; dense: values
         w_sets.append((refs[0], refs[1]) if fmt == "fp8" else (refs[0], None))
         refs = refs[2 if fmt == "fp8" else 1:]
-    o_refs = refs[n_after:]  # the ordering inputs (``after``) are not read
+    o_refs = refs
     r, j = pl.program_id(0), pl.program_id(1)
     s_id = pl.program_id(2) if cfg.split_k > 1 else 0  # (read here: interpret mode has none in branches)
     bn, bk, split = cfg.block_n, cfg.block_k, cfg.split_k
@@ -266,11 +265,10 @@ def _name(fmts: tuple[str, ...], quantise: tuple[bool, ...], swiglu: bool, split
 
 @functools.partial(jax.jit, static_argnames=("quantise", "cfg", "limit", "out_dtype", "partials", "rows_dtype",
                                              "interpret"))
-def _pallas(rows_in, ws, group, after=(), *, quantise: tuple[bool, ...], cfg: GemvConfig, limit, out_dtype,
+def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, limit, out_dtype,
             partials: tuple[bool, ...] = (), rows_dtype=None, interpret: bool) -> tuple[Array | Partials, ...]:
     """``rows_in``: rows [R, K], or (``Partials``) their producer's partial sums, rounded to
-    ``rows_dtype`` once added (in the kernel). ``after``: arrays the launch waits for and does not
-    read (``l2_prefetch`` tokens)."""
+    ``rows_dtype`` once added (in the kernel)."""
     x_parts = rows_in.parts.shape[0] if isinstance(rows_in, Partials) else 0
     x = rows_in.parts.reshape(-1, rows_in.parts.shape[-1]).astype(jnp.float32) if x_parts else rows_in
     k, r = ws[0].shape[2], x.shape[0] // max(x_parts, 1)
@@ -281,9 +279,8 @@ def _pallas(rows_in, ws, group, after=(), *, quantise: tuple[bool, ...], cfg: Ge
     args = [group.astype(jnp.int32), x]
     for w in ws:
         args += [w.values.reshape(-1, k)] + ([w.scales.reshape(-1, w.scales.shape[-1])] if w.fmt == "fp8" else [])
-    args += list(after)
     kernel = functools.partial(_kernel, rows=r, ns=ns, fmts=fmts, quantise=quantise, cfg=cfg, limit=limit, dt=dt,
-                               x_parts=x_parts, n_after=len(after))
+                               x_parts=x_parts)
     grid = (r, sum(ns) // cfg.block_n) + ((split,) if split > 1 else ())
     if limit is not None:
         out_shape = [jax.ShapeDtypeStruct((r, ns[0]), out_dtype) if split == 1
@@ -322,18 +319,16 @@ def _rows_and_flags(x: Array | QuantRows | Partials, count: int, quantise: tuple
 
 
 def gemv(x: Float[Array, "r k"] | QuantRows, w: Weights, group: Int[Array, " r"], *, out_dtype=None,
-         after: tuple[Array, ...] = (), config: GemvConfig | None = None,
-         interpret: bool | None = None) -> Float[Array, "r n"]:
+         config: GemvConfig | None = None, interpret: bool | None = None) -> Float[Array, "r n"]:
     """``x[r] @ W[group[r]]^T`` for every row r (``QuantRows``: the rows quantised as the reference's
-    FP8 GEMM input first). ``after``: arrays the launch waits for without reading them (an
-    ``l2_prefetch.prefetch`` token of the weight)."""
-    return gemv_many(x, (w,), group, out_dtype=out_dtype, after=after, config=config, interpret=interpret)[0]
+    FP8 GEMM input first)."""
+    return gemv_many(x, (w,), group, out_dtype=out_dtype, config=config, interpret=interpret)[0]
 
 
 def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials, ws: tuple[Weights, ...], group: Int[Array, " r"], *,
               quantise: tuple[bool, ...] | None = None, out_dtype=None, partials: tuple[bool, ...] | None = None,
-              rows_dtype=None, after: tuple[Array, ...] = (), config: GemvConfig | None = None,
-              interpret: bool | None = None) -> tuple[Float[Array, "r n"] | Partials, ...]:
+              rows_dtype=None, config: GemvConfig | None = None, interpret: bool | None = None
+              ) -> tuple[Float[Array, "r n"] | Partials, ...]:
     """``gemv`` of the same rows with several weights (same groups and K, any N and format) in one
     launch: the rows read by every program, each program's tile in one weight's columns (e.g. an
     attention layer's wq_a and wkv and its compressors' wkv and wgate). ``QuantRows`` quantise the
@@ -341,7 +336,7 @@ def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials, ws: tuple[Weights, 
     ``partials`` (one flag per weight): those flagged come back as ``Partials`` (float32, one part
     when K is not split), the others summed in ``out_dtype``. x may itself be a producer's
     ``Partials`` [S, R, K]: each program adds the parts of its inputs and rounds them to
-    ``rows_dtype`` (the producer's output dtype) before using them. ``after``: as ``gemv``'s."""
+    ``rows_dtype`` (the producer's output dtype) before using them."""
     rows, flags = _rows_and_flags(x, len(ws), quantise)
     if isinstance(rows, Partials):
         if rows_dtype is None or rows.parts.ndim != 3:
@@ -355,17 +350,17 @@ def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials, ws: tuple[Weights, 
     if keep and len(keep) != len(ws):
         raise ValueError(f"gemv needs one partials flag per weight ({len(ws)}), got {partials}")
     dtype = jnp.dtype(out_dtype or view.dtype)
-    return _pallas(rows, tuple(ws), group, tuple(after), quantise=flags, cfg=config or default_config(), limit=None,
+    return _pallas(rows, tuple(ws), group, quantise=flags, cfg=config or default_config(), limit=None,
                    out_dtype=dtype, partials=keep, rows_dtype=None if view is rows else jnp.dtype(rows_dtype),
                    interpret=backend.interpret_mode(interpret))
 
 
 def gemv_swiglu(x: Float[Array, "r k"] | QuantRows, w1: Weights, w3: Weights, group: Int[Array, " r"], *,
-                limit: float, after: tuple[Array, ...] = (), config: GemvConfig | None = None,
+                limit: float, config: GemvConfig | None = None,
                 interpret: bool | None = None) -> Float[Array, "r n"]:
     """``swiglu(x W1^T, x W3^T)`` per row (routing weight 1) in x's dtype: the grouped-matmul
-    SwiGLU's roundings. ``after``: as ``gemv``'s."""
+    SwiGLU's roundings."""
     rows, flags = _rows_and_flags(x, 2, None)
     check_inputs(rows, (w1, w3), group, same_n=True, quantise=flags)
-    return _pallas(rows, (w1, w3), group, tuple(after), quantise=flags, cfg=config or default_config(swiglu=True),
+    return _pallas(rows, (w1, w3), group, quantise=flags, cfg=config or default_config(swiglu=True),
                    limit=float(limit), out_dtype=jnp.dtype(rows.dtype), interpret=backend.interpret_mode(interpret))[0]
