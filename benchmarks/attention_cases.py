@@ -1,5 +1,5 @@
 """Attention call shapes at DeepSeek-V4-Flash sizes for the kernel benchmarks
-(``benchmarks/kernels.py``, ``benchmarks/attention_decode.py``): a layer kind's inputs
+(``benchmarks/kernels.py``, ``benchmarks/attention_tiles.py``): a layer kind's inputs
 (queries, window ring, compressed entries, sink, metadata) for a batch, context and verify
 length, with the bytes and FLOPs the call must move."""
 

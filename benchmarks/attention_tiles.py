@@ -1,21 +1,22 @@
-"""The attention kernel's tiles at a decode step (one token per request), as the model calls it:
-the queries' norm + RoPE in the kernel's prologue (``q_rope``) and the output's inverse RoPE in
-the split merge (``out_rope``; by XLA when the keys are not split).
+"""The attention kernel's tiles at one call shape, as the model calls it (the queries' norm +
+RoPE in the kernel's prologue, ``q_rope``; the output's inverse RoPE in the split merge,
+``out_rope``, or by XLA when the keys are not split), timed by a profiler trace.
 
-The table (``pallas_kernels/attention_configs.json``) was tuned at verify shapes (6 tokens per
-request) before the kernel took ``q_rope``; a decode step takes those entries with their key
-splits rescaled (``attention_configs.select``). Here each candidate (rows per program x key
-splits x key tile) is compiled as one call and timed by a profiler trace (the device time of
-every kernel of the call: the attention kernel, the split merge or XLA's inverse RoPE; launches
-counted), and checked against the XLA path. (Timed instead per call inside a jitted loop, the
-loop's own cost, 10-100 us, moved by more than the candidates differed and picked tiles that
-were slower in the step: docs/benchmarks.md.) ``--write-table`` adds the winners that beat
-the table's selection as entries of 1 token per request (``q_len`` 1; ``select`` prefers them at decode steps) for the
-window-only and C4 (top-512) layers, whose keys do not grow with the context; C128 layers keep
-the verify entries (their keys do).
+For a layer kind, pool layout, batch, tokens per request (1 at a decode step, 6 at a verify) and
+context, each candidate (heads per program x key tile x key splits) is compiled as one call, run
+``--calls`` times under the profiler, and timed by the device time of every kernel of the call
+(the attention kernel, the split merge or XLA's inverse RoPE; launches counted); its output is
+checked against the XLA path. The first candidate is what the engine takes now
+(``attention_configs.select`` from the table). Timed instead per call inside a jitted loop (as
+``benchmarks/kernels.py`` times), the loop's own cost, 10-100 us, moved by more than decode
+candidates differed and ranked slower tiles first (docs/benchmarks.md). ``--write-table`` puts the
+winners that beat the table's selection into the table as entries of this batch and tokens per
+request (replacing such entries); C128 (prefix) entries depend on the context they were
+measured at (their keys grow with it; the verify entries' was 32k).
 
-    PYTHONPATH=. OUT=out python benchmarks/attention_decode.py --write-table
-    PYTHONPATH=. python benchmarks/attention_decode.py --smoke     # interpret mode (CPU)
+    PYTHONPATH=. OUT=out python benchmarks/attention_tiles.py                 # decode, batch 1, 2k
+    PYTHONPATH=. OUT=out python benchmarks/attention_tiles.py --q-len 6 --ctx 32768 --batch 64
+    PYTHONPATH=. python benchmarks/attention_tiles.py --smoke     # interpret mode (CPU)
 """
 
 from __future__ import annotations
@@ -62,15 +63,18 @@ def candidates(layout: str, n_keys: int, rows: list[int], splits: list[int], smo
     return out
 
 
-def with_decode_entries(table: dict, winners: dict, env: dict, heads: int) -> dict:
-    """``table`` with one CUDA entry of 1 token per request at batch 1 per (kind, pool) of
-    ``winners`` ({(kind, pool): result with "config" and "us"}), replacing such entries of a
-    previous run; every other entry kept."""
-    keep = [e for e in table["entries"] if not (e["platform"] == "cuda" and e["q_len"] == 1 and e["batch"] == 1
-                                                 and e["heads"] == heads and (e["kind"], e["pool"]) in winners)]
+def with_entries(table: dict, winners: dict, env: dict, heads: int, q_len: int, batch: int) -> dict:
+    """``table`` with one CUDA entry of ``q_len`` tokens per request at ``batch`` per (kind, pool)
+    of ``winners`` ({(kind, pool): result with "config" and "us"}), replacing the entry of that
+    shape if there is one; every other entry kept."""
+    def same(e):
+        return (e["platform"], e["heads"], e["q_len"], e["batch"]) == ("cuda", heads, q_len, batch) and (
+            e["kind"], e["pool"]) in winners
+
+    keep = [e for e in table["entries"] if not same(e)]
     for (kind, pool), r in sorted(winners.items()):
-        keep.append(dict(platform="cuda", kind=kind, pool=pool, heads=heads, q_len=1, batch=1, config=r["config"],
-                         source=dict(device=env["device"], date=env["date"], commit=env["commit"],
+        keep.append(dict(platform="cuda", kind=kind, pool=pool, heads=heads, q_len=q_len, batch=batch,
+                         config=r["config"], source=dict(device=env["device"], date=env["date"], commit=env["commit"],
                                      us=round(r["us"], 2))))
     order = lambda e: (e["platform"], ac.KINDS.index(e["kind"]), e["pool"], -e["batch"], -e["q_len"])  # noqa: E731
     return dict(table, entries=sorted(keep, key=order))
@@ -81,29 +85,31 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="swa,c4,c128")
     ap.add_argument("--layouts", default="bf16,fp8")
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1, help="requests")
+    ap.add_argument("--q-len", type=int, default=1, help="tokens per request (1: decode, 6: verify)")
     ap.add_argument("--rows", default="16,32,64", help="heads per program")
     ap.add_argument("--splits", default="1,2,3,5,8", help="key splits")
     ap.add_argument("--calls", type=int, default=20, help="traced calls of each candidate")
     ap.add_argument("--budget-s", type=float, default=300.0)
-    ap.add_argument("--write-table", action="store_true", help="add the winners (window, C4) as q_len 1 entries")
+    ap.add_argument("--write-table", action="store_true", help="put winners that beat the selection into the table")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
     dims = dict(SMOKE if args.smoke else FLASH, ctx=512 if args.smoke else args.ctx)
     env = environment()
-    trace_root = tempfile.mkdtemp(prefix="dspark_attention_decode_")
+    trace_root = tempfile.mkdtemp(prefix="dspark_attention_tiles_")
     out = {"env": env, "method": __doc__.split("\n\n")[1], "dims": dims, "cases": []}
     print(env, flush=True)
     winners = {}
     for kind in args.kinds.split(","):
         for layout in args.layouts.split(","):
-            case = Case(kind, 1, dims["ctx"], 1, layout)
+            case = Case(kind, args.batch, dims["ctx"], args.q_len, layout)
             inputs, _, info = build_case(case, dims)
             q, window, entries, sink, meta = inputs
             out_rope, q_rope = rope_args(np.asarray(meta.win_hi), dims["rope"])  # each token's position
             fp8 = layout == "fp8"
             n_keys = dims["ring"] + (dims["topk"] if kind == "c4" else dims["ctx"] // 128 if kind == "c128" else 0)
-            table_cfg = ac.select(dims["heads"], 1, 1, TABLE_KIND[kind], fp8, n_keys=n_keys)
+            table_cfg = ac.select(dims["heads"], args.q_len, args.batch, TABLE_KIND[kind], fp8, n_keys=n_keys)
 
             def call(cfg):
                 return lambda q, w, e, s: ra.ragged_attention(q, w, e, s, meta, scale=dims["head_dim"] ** -0.5,
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
                     err = float(np.abs(got - ref).max())
                     r.update(max_abs_err=err, ok=bool(np.isfinite(got).all() and err <= 2e-2 * np.abs(ref).max()))
                     if not args.smoke:
-                        c, module, _, _ = compile_highest(call(cfg), f"attn_decode_{kind}_{layout}_{i}", q, window,
+                        c, module, _, _ = compile_highest(call(cfg), f"attn_tiles_{kind}_{layout}_{i}", q, window,
                                                           entries, sink)
                         compiled[i] = (c, module, (q, window, entries, sink))
                 except Exception as e:  # noqa: BLE001 (a configuration the compiler rejects is a result too)
@@ -143,18 +149,18 @@ def main(argv=None) -> int:
                 print(f"{case.key:22s} {'table ' if r['table'] else '      '}h{cfg['block_h']:3d} k{cfg['block_k']:3d} "
                       f"s{cfg['kv_splits']:2d} w{cfg['num_warps']} {r.get('us', float('nan')):7.2f} us "
                       f"{r.get('launches', 0):.0f} launches ok={r['ok']}", flush=True)
-            write_json("attention_decode.json", out)
+            write_json("attention_tiles.json", out)
             good = sorted((r for r in row["results"] if r["ok"] and "us" in r), key=lambda r: r["us"])
             if good:
                 row["best"] = good[0]
                 print(f"  best {good[0]['config']} {good[0]['us']:.2f} us; table {row['results'][0].get('us')}",
                       flush=True)
-                if kind != "c128" and not good[0]["table"]:
+                if not good[0]["table"]:
                     winners[(TABLE_KIND[kind], layout)] = good[0]
-    write_json("attention_decode.json", out)
+    write_json("attention_tiles.json", out)
     if args.write_table and winners and not args.smoke:
         with open(ac.TABLE_PATH) as f:
-            table = with_decode_entries(json.load(f), winners, env, dims["heads"])
+            table = with_entries(json.load(f), winners, env, dims["heads"], args.q_len, args.batch)
         with open(ac.TABLE_PATH, "w") as f:
             f.write(json.dumps(table, indent=1) + "\n")
         write_json("attention_configs.json", table)
