@@ -30,19 +30,24 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.attention_cases import FLASH, SMOKE, TABLE_KIND, Case, build_case
 from benchmarks.common import environment, write_json
 from benchmarks.hc_fused import compile_highest, device_times
-from benchmarks.attention_cases import FLASH, SMOKE, TABLE_KIND, Case, build_case
+from dspark_jax import config
+from dspark_jax.model.norms_rope import layer_inv_freq
 from pallas_kernels import attention_configs as ac
 from pallas_kernels import ragged_attention as ra
 
-EPS = 1e-6
+RATIO = {"swa": 0, "c4": 4, "c128": 128}
 
 
-def rope_args(positions, rope: int):
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, rope, 2, dtype=jnp.float32) / rope))
+def rope_args(positions, kind: str):
+    """``(out_rope, q_rope)`` as a Flash layer of ``kind`` passes them (its RoPE frequencies and
+    norm epsilon; the positions given)."""
+    cfg = config.flash()
     pos = jnp.asarray(positions, jnp.int32)
-    return (pos, inv_freq), (pos, inv_freq, EPS)
+    inv_freq = layer_inv_freq(cfg, RATIO[kind])
+    return (pos, inv_freq), (pos, inv_freq, cfg.rms_norm_eps)
 
 
 def candidates(layout: str, n_keys: int, rows: list[int], splits: list[int], smoke: bool) -> list[ra.BlockConfig]:
@@ -104,12 +109,10 @@ def main(argv=None) -> int:
     for kind in args.kinds.split(","):
         for layout in args.layouts.split(","):
             case = Case(kind, args.batch, dims["ctx"], args.q_len, layout)
-            inputs, _, info = build_case(case, dims)
-            q, window, entries, sink, meta = inputs
-            out_rope, q_rope = rope_args(np.asarray(meta.win_hi), dims["rope"])  # each token's position
-            fp8 = layout == "fp8"
+            (q, window, entries, sink, meta), _, _ = build_case(case, dims)
+            out_rope, q_rope = rope_args(np.asarray(meta.win_hi), kind)  # each token's position
+            table_cfg = ra.select_config(q, window, entries, meta)  # what the engine takes
             n_keys = dims["ring"] + (dims["topk"] if kind == "c4" else dims["ctx"] // 128 if kind == "c128" else 0)
-            table_cfg = ac.select(dims["heads"], args.q_len, args.batch, TABLE_KIND[kind], fp8, n_keys=n_keys)
 
             def call(cfg):
                 return lambda q, w, e, s: ra.ragged_attention(q, w, e, s, meta, scale=dims["head_dim"] ** -0.5,
@@ -131,12 +134,12 @@ def main(argv=None) -> int:
                 r = {"config": dataclasses.asdict(cfg), "table": i == 0}
                 row["results"].append(r)
                 try:
-                    got = np.asarray(call(cfg)(q, window, entries, sink), np.float32)
+                    c, module, _, _ = compile_highest(call(cfg), f"attn_tiles_{kind}_{layout}_{i}", q, window,
+                                                      entries, sink)
+                    got = np.asarray(c(q, window, entries, sink), np.float32)
                     err = float(np.abs(got - ref).max())
                     r.update(max_abs_err=err, ok=bool(np.isfinite(got).all() and err <= 2e-2 * np.abs(ref).max()))
                     if not args.smoke:
-                        c, module, _, _ = compile_highest(call(cfg), f"attn_tiles_{kind}_{layout}_{i}", q, window,
-                                                          entries, sink)
                         compiled[i] = (c, module, (q, window, entries, sink))
                 except Exception as e:  # noqa: BLE001 (a configuration the compiler rejects is a result too)
                     r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
