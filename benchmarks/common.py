@@ -112,13 +112,3 @@ def apply_split_option(args) -> int:
         gm.SPLIT_TARGET_PROGRAMS = args.split_programs
     return gm.SPLIT_TARGET_PROGRAMS
 
-
-
-def with_read(engine, compiled):
-    """A compiled round program of ``engine`` (``Engine._round``: it returns the state alone) as
-    ``Engine.round`` runs it: (params, state) -> (state, RoundOutput), the outputs copied out of
-    the state by ``Engine.read``."""
-    def call(params, bs):
-        bs = compiled(params, bs)
-        return bs, engine.read(bs)
-    return call

@@ -90,8 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax
-from benchmarks.common import (add_split_option, apply_split_option, ceilings, environment, out_dir, with_read,
-                               write_json)
+from benchmarks.common import add_split_option, apply_split_option, ceilings, environment, out_dir, write_json
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from pallas_kernels import grouped_matmul as gm, kv_fp8
@@ -504,8 +503,7 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
     print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
           f"({', '.join(f'{k[0]}L {k[1]} {k[2]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
     for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
-        timed = time_rounds({key: (with_read(eng, compiled[key][0]), eng.params, at_context(bs, c))
-                             for key, (eng, bs) in jobs.items()},
+        timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
                             args.rounds, args.repeats)
         for (depth, mode, opt), (sec, tau, bs, each, host) in timed.items():
             jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)

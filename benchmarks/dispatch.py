@@ -70,7 +70,6 @@ def child(args) -> None:
     import numpy as np
 
     import dspark_jax
-    from benchmarks.common import with_read
     from benchmarks.decode import DEFAULT_PROFILE, at_context, random_state, sliced
     from dspark_jax import SamplingParams, config
     from dspark_jax.config import MAX_VERIFY_TOKENS
@@ -100,7 +99,7 @@ def child(args) -> None:
             start = at_context(random_state(eng, 1, context + growth, seed=0), context)
             fresh = lambda: jax.tree.map(jnp.copy, start)  # noqa: E731
             t0 = time.perf_counter()
-            fn = with_read(eng, eng._round.lower(eng.params, start, sampled=False, top_k=False, top_p=False).compile())
+            fn = eng._round.lower(eng.params, start, sampled=False, top_k=False, top_p=False).compile()
             compile_s = time.perf_counter() - t0
             params = eng.params
             calls, pipelined, sync = [], [], []

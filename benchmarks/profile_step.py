@@ -519,7 +519,6 @@ def prepare(model, eng, args):
 def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str, save) -> dict:
     """Compile, time and profile one mode; ``save(partial result)`` after each part (a killed run
     keeps what it measured)."""
-    from benchmarks.common import with_read
     from dspark_jax.decoding.engine import Engine
 
     eng = Engine(model, gamma=gamma, kv_layout=args.kv_layout)
@@ -549,14 +548,13 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
         times = []
         for _ in range(args.rounds):
             t1 = time.perf_counter()
-            bs, res = step(state, bs)
+            bs, res = compiled(state, bs)
             jax.block_until_ready(res.tokens)
             times.append(time.perf_counter() - t1)
         return bs, times
 
-    step = with_read(eng, compiled)  # the round as Engine.round runs it
     for _ in range(args.warmup):
-        bs, res = step(state, bs)
+        bs, res = compiled(state, bs)
     jax.block_until_ready(res.tokens)
     bs, times = timed_rounds(bs)
     out["wall_ms"] = 1e3 * float(np.median(times))

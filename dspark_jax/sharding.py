@@ -113,7 +113,7 @@ STATE_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^(cache\.)?lengths$", ("batch",)),
     (r"^(draft\.)?rings\.\d+$", ("batch", None, None)),
     (r"^(anchor|active|n_generated|max_new)$", ("batch",)),
-    (r"^(stop_ids|out)$", ("batch", None)),
+    (r"^stop_ids$", ("batch", None)),
     (r"^sampling\.(temperature|top_k|top_p|seed)$", ("batch",)),
 )
 _PARAM = tuple((re.compile(p), axes) for p, axes in PARAM_RULES)

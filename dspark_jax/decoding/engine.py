@@ -6,9 +6,7 @@ One round (DESIGN 3), a single jitted function with the batch state donated:
             capturing the hc-means the drafter reads
   3 accept  greedy prefix match or chain rejection sampling -> a accepted drafts and a bonus token
   4 commit  L += a + 1; draft rings get the context keys of the a + 1 committed rows; anchor = bonus
-Target-only decoding is the same round with γ = 0 (verify = [anchor]). The program returns the
-state alone, the round's outputs packed in it (``BatchState.out``), and a small program copies them
-out (``Engine.read``: why, there). The host dispatches rounds
+Target-only decoding is the same round with γ = 0 (verify = [anchor]). The host dispatches rounds
 and reads each round's tokens one round later, so it never waits for the device in between;
 requests stop on the device (stop token ids, max_new_tokens), so a late read costs no capacity.
 
@@ -72,7 +70,6 @@ class BatchState:
     max_new: Int[Array, " b"]
     stop_ids: Int[Array, "b s"]  # -1 padded
     sampling: SamplingArrays
-    out: Int[Array, "b w"]  # the last round's outputs, packed (``pack_round``; w = 2γ + 4; see ``Engine.read``)
 
 
 @jax.tree_util.register_dataclass
@@ -94,28 +91,14 @@ def pack_round(tokens, n_new, accepted, confidence, verify_lens) -> Int[Array, "
     return jnp.concatenate([tokens, n_new[:, None], accepted[:, None], verify_lens[:, None], bits], axis=1)
 
 
-def _round_columns(packed, gamma: int):
-    """``pack_round``'s columns (a NumPy or jax array): tokens, n_new, accepted, verify_lens and
-    the confidences' bits."""
-    g1 = gamma + 1
-    if packed.ndim != 2 or packed.shape[1] != 2 * gamma + 4:
-        raise ValueError(f"a packed round for gamma = {gamma} has {2 * gamma + 4} columns, got shape {packed.shape}")
-    return packed[:, :g1], packed[:, g1], packed[:, g1 + 1], packed[:, g1 + 2], packed[:, g1 + 3:]
-
-
 def unpack_round(host: np.ndarray, gamma: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``pack_round``'s array, read on the host, back into (tokens, n_new, accepted, confidence, verify_lens)."""
-    tokens, n_new, accepted, verify_lens, bits = _round_columns(np.asarray(host), gamma)
-    return tokens, n_new, accepted, np.ascontiguousarray(bits).view(np.float32), verify_lens
-
-
-def read_round(packed: Int[Array, "b w"], gamma: int) -> RoundOutput:
-    """A round's outputs, from the packed array it leaves in ``BatchState.out``, in new buffers
-    (the next round writes ``out`` in place). ``Engine.read`` runs it as a program of its own."""
-    tokens, n_new, accepted, verify_lens, bits = _round_columns(packed, gamma)
-    return RoundOutput(tokens=tokens, n_new=n_new, accepted=accepted,
-                       confidence=jax.lax.bitcast_convert_type(bits, jnp.float32), verify_lens=verify_lens,
-                       host=jnp.copy(packed))
+    host = np.asarray(host)
+    g1 = gamma + 1
+    if host.ndim != 2 or host.shape[1] != 2 * gamma + 4:
+        raise ValueError(f"a packed round for gamma = {gamma} has {2 * gamma + 4} columns, got shape {host.shape}")
+    return (host[:, :g1], host[:, g1], host[:, g1 + 1], np.ascontiguousarray(host[:, g1 + 3:]).view(np.float32),
+            host[:, g1 + 2])
 
 
 # A drafter maps (model, draft cache, anchor [b], lengths [b], pick) to a DraftOutput.
@@ -284,7 +267,6 @@ class Engine:
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._empty: dict[tuple, Callable] = {}  # (rows, max_len, active, stop width) -> program building a state
         self._round = jit(scoped(self._round_impl), donate_argnums=(1,), static_argnames=("sampled", "top_k", "top_p"))
-        self._read = jax.jit(functools.partial(read_round, gamma=gamma))
         self._draft_step = jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "schedule"))
         self._verify_step = jit(scoped(self._verify_impl), donate_argnums=(1,),
                                 static_argnames=("sampled", "top_k", "top_p", "tokens"))
@@ -433,8 +415,7 @@ class Engine:
     def _accept_commit(self, model, bs: BatchState, drafts, q_logits, conf, logits, hid, cache, proc, sampled: bool,
                        lens=None, packing: Packing | None = None):
         """Acceptance (greedy or chain rejection sampling) of at most lens - 1 drafts (``lens``
-        None: all γ), the emitted tokens, and the commit (slots verifying nothing commit nothing).
-        Returns the state only, the round's outputs packed in its ``out`` (``pack_round``)."""
+        None: all γ), the emitted tokens, and the commit (slots verifying nothing commit nothing)."""
         sp, g = bs.sampling, self.gamma
         lengths, was_active = bs.cache.lengths, bs.active
         b = lengths.shape[0]
@@ -461,12 +442,13 @@ class Engine:
             draft = write_context(model.mtp, draft, hid, lengths, n_new, packing)
         n_gen = bs.n_generated + n_new
         active = was_active & (n_gen < bs.max_new) & ~_stopped(tokens, col < n_new[:, None], bs.stop_ids)
+        bs = dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen, active=active,
+                                 anchor=jnp.where(commits, bonus, bs.anchor))
         verified = jnp.where(was_active, g + 1, 0) if lens is None else lens
-        out = pack_round(tokens, n_new, jnp.where(commits, a, 0), conf, verified.astype(jnp.int32))
-        out = jax.lax.dynamic_update_slice(bs.out, out, (0, 0))  # over the input: jit drops (and then
-        # does not donate) an argument its function does not read, and ``out`` would be a new buffer
-        return self._placed(dataclasses.replace(bs, cache=commit(cache, n_new), draft=draft, n_generated=n_gen,
-                                                active=active, anchor=jnp.where(commits, bonus, bs.anchor), out=out))
+        accepted, verified = jnp.where(commits, a, 0), verified.astype(jnp.int32)
+        return self._placed(bs), RoundOutput(tokens=tokens, n_new=n_new, accepted=accepted, confidence=conf,
+                                             verify_lens=verified,
+                                             host=pack_round(tokens, n_new, accepted, conf, verified))
 
     def _profile_accept(self, sp: SamplingArrays, lengths, logits, conf, proc, sampled: bool, limit=None):
         """Accepted drafts drawn from ``accept_profile`` (benchmark only; at most ``limit``): with
@@ -524,7 +506,7 @@ class Engine:
                               draft=init_draft_cache(cfg, b, dtype) if self.uses_rings else None,
                               anchor=jnp.zeros((b,), jnp.int32), active=jnp.full((b,), active),
                               n_generated=jnp.zeros((b,), jnp.int32), max_new=max_new_, stop_ids=stop_ids,
-                              sampling=sampling_, out=jnp.zeros((b, 2 * self.gamma + 4), jnp.int32))
+                              sampling=sampling_)
 
         key = (b, max_len, active, args[0].shape[1])
         if key not in self._empty:
@@ -634,8 +616,7 @@ class Engine:
         flags = dict(sampled=sampled, top_k=top_k, top_p=top_p)
         if verify_lens is None:
             self._shapes.add(("round", b, max_len, sampled, top_k, top_p))
-            bs = self._round(self.params, bs, **flags)
-            return bs, self.read(bs)
+            return self._round(self.params, bs, **flags)
         lens = np.asarray(verify_lens)
         if lens.shape != (b,) or not np.issubdtype(lens.dtype, np.integer):
             raise ValueError(f"verify_lens must be integers of shape ({b},) (one per slot), got {lens.dtype} "
@@ -694,22 +675,8 @@ class Engine:
         bucket = self.last_bucket = (verify_bucket(tokens, b, self.gamma, self.fine_buckets) if buckets is None
                                      else table_bucket(tokens, b, self.gamma, buckets))
         self._shapes.add(("verify", b, bs.cache.max_len, sampled, top_k, top_p, bucket))
-        bs = self._verify_step(self.params, bs, drafted, verify_lens, np.int32(capacity), sampled=sampled,
-                               top_k=top_k, top_p=top_p, tokens=bucket)
-        return bs, self.read(bs)
-
-    def read(self, bs: BatchState) -> RoundOutput:
-        """The outputs of the round that made ``bs``, copied out of ``bs.out`` by a program of their
-        own (``read_round``), so that they outlive the state's donation to the next round.
-
-        Why the round programs return the state alone: on GPUs XLA runs a program's kernels as a
-        CUDA graph, and re-records the whole graph at every call in which a buffer it references
-        has moved. The state is donated, so its buffers stay in place from call to call, while a
-        program's own outputs are new buffers at each call: five of them cost 0.22-0.33 ms of
-        host time per call of the shipped model's step (232 kernels; 0.10 ms for a 2-layer Flash
-        slice's 71) by an H200's XLA log. Measured against the round returning its outputs
-        (docs/benchmarks.md), this second program cost more than the re-recording it saves."""
-        return self._read(bs.out)
+        return self._verify_step(self.params, bs, drafted, verify_lens, np.int32(capacity), sampled=sampled,
+                                 top_k=top_k, top_p=top_p, tokens=bucket)
 
     def round_flags(self, slots: int, max_len: int, *, sampled: bool, top_k: bool, top_p: bool) -> dict[str, bool]:
         """The round variant to run for requests that need these flags: a compiled variant for
