@@ -130,6 +130,24 @@ def test_group_tiles_on_random_routings(n, k, groups, bm):
         _check_tiles(ids, groups, bm)
 
 
+@pytest.mark.parametrize("n,k,groups,bm", [(1, 6, 256, 16), (6, 6, 256, 16), (10, 6, 256, 16), (21, 3, 3, 32),
+                                           (7, 5, 100, 64), (64, 1, 8, 16)])
+def test_group_tiles_kernel_equals_the_sort(n, k, groups, bm):
+    """The one-program layout (counting, no sort) gives the XLA path's integers: distinct experts
+    per token, and tokens crowding onto a few groups (several tiles of one group)."""
+    rng = np.random.default_rng(n * k)
+    for crowded in (False, True):
+        ids = (rng.integers(0, min(groups, 3), (n, k)) if crowded else
+               np.stack([rng.choice(groups, k, replace=False) for _ in range(n)])).astype(np.int32)
+        got = md.tiles_kernel(jnp.asarray(ids), groups, bm, interpret=True)
+        want = md.reference(jnp.asarray(ids), groups, bm)
+        for field in ("tile_group", "num_tiles", "row_of_pair", "pair_of_row"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), field)
+        _check_tiles(ids, groups, bm)  # (the switch: the kernel for these sizes)
+    with pytest.raises(ValueError, match="pairs"):
+        md.tiles_kernel(jnp.zeros((md.MAX_KERNEL_PAIRS + 1, 1), jnp.int32), groups, bm, interpret=True)
+
+
 def test_group_tiles_extremes():
     _check_tiles(np.full((40, 1), 5, np.int32), 8, 16)  # one group takes every row
     _check_tiles(np.arange(16, dtype=np.int32).reshape(8, 2), 16, 16)  # every group one row
@@ -557,6 +575,14 @@ def _flash_weights(fmt: str, n: int, k: int) -> gm.Weights:
     if fmt == "fp8_k128":
         return gm.Weights(SD((e, n, k), jnp.float8_e4m3fn), SD((e, n, k // 128), jnp.uint8), "fp8_k128")
     return gm.Weights(SD((e, n, k), jnp.bfloat16), None, "dense")
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+@pytest.mark.parametrize("pairs", [36, md.MAX_KERNEL_PAIRS])  # a batch-1 verify of 6 tokens x top-6; the most
+def test_group_tiles_kernel_lowers_for_gpus(arch, platform, pairs):
+    text = lowering.lower(lambda ids: md.tiles_kernel(ids, FLASH["e"], 16, interpret=False),
+                          SD((pairs,), jnp.int32), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and '"group_tiles"' in text
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_k128", "fp8", "dense"])

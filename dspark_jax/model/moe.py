@@ -163,7 +163,7 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     if n * k <= PAIR_TILES_MAX and not dropped:
         tiles = pair_tiles(idx, bm)
     else:
-        tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped)
+        tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped, impl=impl)
     pair = tiles.pair_of_row
     real = pair >= 0
     gathered = lambda a: jnp.where(real[:, None], a[jnp.maximum(pair, 0) // k], 0)  # noqa: E731
