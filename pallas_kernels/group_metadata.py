@@ -14,8 +14,8 @@ use depends on the routing; the arrays are sized by the static bound ``max_tiles
 with tokens x top-k, never with tokens x experts.
 
 ``group_tiles`` builds the layout with XLA (a scatter, two cumulative sums, a stable sort and
-gathers: 4-6 launches, ~15 us on an H200 for the 36 pairs of a batch-1 verify, on the critical
-path before the experts), or, for at most ``MAX_KERNEL_PAIRS`` pairs on the Pallas path, with
+gathers: a chain of launches, 15-17 us on an H200 for the 36 pairs of a batch-1 verify, on the
+critical path before the experts), or, for at most ``MAX_KERNEL_PAIRS`` pairs on the Pallas path, with
 ``tiles_kernel``: one program that counts instead of sorting. A pair's row is its group's first
 row plus the pairs of its group before it (the stable order), every row's pair the pair whose row
 it is, every tile's group the number of groups that end at or before the tile's first row:
@@ -111,7 +111,7 @@ def reference(group_ids: Int[Array, "n k"], num_groups: int, block_m: int, *, dr
 
 
 # The most pairs ``tiles_kernel`` takes: one program compares every pair with every group
-# ([pairs, groups]) and pair, in registers (64 x 256 at a DeepSeek-V4-Flash verify of 10 tokens).
+# ([pairs, groups]) and pair, in registers (64 x 256 at most: 10 tokens x top-6 of Flash's 256 experts).
 MAX_KERNEL_PAIRS = 64
 
 
