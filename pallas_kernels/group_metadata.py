@@ -73,6 +73,11 @@ def max_tiles(num_pairs: int, num_groups: int, block_m: int) -> int:
     return max(1, (num_pairs + busy * (block_m - 1)) // block_m)
 
 
+def _check_block_m(block_m: int) -> None:
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+
+
 def group_tiles(group_ids: Int[Array, "n k"], num_groups: int, block_m: int, *, dropped: bool = False,
                 impl: str | None = None) -> GroupTiles:
     """Sort the pairs ``group_ids`` [n, k] by group (stable: token order inside a group) and tile them.
@@ -81,15 +86,14 @@ def group_tiles(group_ids: Int[Array, "n k"], num_groups: int, block_m: int, *, 
     to another device's experts). They sort after every group, into tiles past ``num_tiles``, so
     no program computes their rows and their outputs are zeros. ``impl`` (``pallas_kernels.backend``):
     "pallas" takes ``tiles_kernel`` for up to ``MAX_KERNEL_PAIRS`` pairs without dropped ones."""
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
-    if not dropped and group_ids.size <= MAX_KERNEL_PAIRS and backend.resolve(impl) == "pallas":
+    if not dropped and 1 <= group_ids.size <= MAX_KERNEL_PAIRS and backend.resolve(impl) == "pallas":
         return tiles_kernel(group_ids, num_groups, block_m)
     return reference(group_ids, num_groups, block_m, dropped=dropped)
 
 
 def reference(group_ids: Int[Array, "n k"], num_groups: int, block_m: int, *, dropped: bool = False) -> GroupTiles:
     """``group_tiles`` in XLA: a stable sort of the pairs by group."""
+    _check_block_m(block_m)
     buckets = num_groups + 1 if dropped else num_groups
     flat = group_ids.reshape(-1).astype(jnp.int32)
     p = flat.shape[0]
@@ -166,8 +170,7 @@ def tiles_kernel(group_ids: Int[Array, "n k"], num_groups: int, block_m: int, *,
     flat = group_ids.reshape(-1).astype(jnp.int32)
     if not 1 <= flat.shape[0] <= MAX_KERNEL_PAIRS:
         raise ValueError(f"tiles_kernel takes 1 to {MAX_KERNEL_PAIRS} pairs, got {flat.shape[0]}")
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    _check_block_m(block_m)
     tile_group, num_tiles, row_of_pair, pair_of_row = _tiles_pallas(
         flat, num_groups=num_groups, block_m=block_m, interpret=backend.interpret_mode(interpret))
     return GroupTiles(tile_group=tile_group, num_tiles=num_tiles, row_of_pair=row_of_pair, pair_of_row=pair_of_row,

@@ -146,6 +146,9 @@ def test_group_tiles_kernel_equals_the_sort(n, k, groups, bm):
         _check_tiles(ids, groups, bm)  # (the switch: the kernel for these sizes)
     with pytest.raises(ValueError, match="pairs"):
         md.tiles_kernel(jnp.zeros((md.MAX_KERNEL_PAIRS + 1, 1), jnp.int32), groups, bm, interpret=True)
+    for impl in ("pallas", "xla"):  # either path names a bad tile
+        with pytest.raises(ValueError, match="block_m must be a power of two"):
+            md.group_tiles(jnp.asarray(ids), groups, 24, impl=impl)
 
 
 def test_group_tiles_extremes():
