@@ -7,7 +7,8 @@ Flash layer (and the drafter's input projection) at one token (rows padded to th
 and the routed experts at a 6-token verify and a batch-32 verify (192 tokens: every expert one
 row tile), for the configuration the library picks
 (``grouped_matmul.default_config``, which splits K), the same tiles without the split, and a
-sweep of column tiles x step widths x splits.
+sweep of column tiles x step widths x splits (``--pipelines``: then the three fastest of the
+sweep again with each warps x stages pair given).
 
 Device time per call: one jitted program runs the kernel on R distinct copies of the weights
 (together >= 256 MiB, more than the H200's 50 MiB L2, so no call reads another's weights from the
@@ -153,8 +154,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="only the picked and the unsplit configuration")
     ap.add_argument("--calls", type=int, default=3, help="traced executions of each program")
     ap.add_argument("--only", default="", help="comma-separated substrings of the shape names to run")
+    ap.add_argument("--pipelines", default="",
+                    help="comma-separated WARPSxSTAGES (e.g. 4x3,4x5,8x4): the sweep's three fastest configs "
+                         "timed again with each")
+    ap.add_argument("--codes-only", action="store_true",
+                    help="FP8 weights: sweep only the rows as fp8 codes (as the model multiplies them at decode)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    pipelines = [tuple(int(v) for v in p.split("x")) for p in args.pipelines.split(",") if p]
     t0 = time.time()
     interpret = args.smoke
     env = environment()
@@ -175,7 +182,8 @@ def main(argv=None) -> int:
         x, sets, metas, rw = build(shape, copies, jax.random.key(si))
         metas = (metas * calls)[:calls]
         nbytes = call_bytes + x.size * 2
-        picked = gm.default_config(16, shape.fmt, n=shape.n, k=shape.k, tiles=shape.tiles)
+        picked = gm.default_config(16, shape.fmt, n=shape.n, k=shape.k, tiles=shape.tiles,
+                                   weights=2 if shape.swiglu else 1)
         picked = picked.fit(shape.n, shape.k, shape.fmt)
         unsplit = dataclasses.replace(picked, split_k=1)
         row = {**dataclasses.asdict(shape), "bytes_per_call": nbytes, "calls_per_program": calls,
@@ -184,9 +192,10 @@ def main(argv=None) -> int:
         ref = np.asarray(call(shape, x, sets[0], metas[0], rw, unsplit, interpret), np.float32)
         got = np.asarray(call(shape, x, sets[0], metas[0], rw, picked, interpret), np.float32)
         row["picked_vs_unsplit_max_rel"] = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-        configs = [unsplit, picked] + ([] if args.no_sweep else candidates(shape, args.smoke))
-        configs = [(c, "bf16") for c in dict.fromkeys(configs)]
         a8 = shape.fmt in ("fp8", "fp8_k128")  # also with the rows as fp8 codes (e4m3 x e4m3 dots)
+        sweep_bf16 = not args.no_sweep and not (a8 and args.codes_only)
+        configs = [unsplit, picked] + (candidates(shape, args.smoke) if sweep_bf16 else [])
+        configs = [(c, "bf16") for c in dict.fromkeys(configs)]
         if a8:
             x8 = gm.ActQuant.of(x)
             got8 = np.asarray(call(shape, x8, sets[0], metas[0], rw, picked, interpret), np.float32)
@@ -199,25 +208,35 @@ def main(argv=None) -> int:
             configs += [(c, "fp8") for c in dict.fromkeys([picked, unsplit] + (
                 [] if args.no_sweep else candidates(shape, args.smoke)))]
             configs += [(picked, "fp8q")]
-        compiled = {}
-        for ci, (cfg, rows) in enumerate(configs):
-            xi = {"fp8": x8 if a8 else None, "fp8q": gm.QuantRows(x) if a8 else None}.get(rows, x)
-            fn = functools.partial(lambda cfg, x, sets, metas, rw: [
-                call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)], cfg)
-            try:
-                c, module, _, _ = compile_highest(fn, f"gemm_decode_{si}_{ci}", xi, sets, metas, rw)
-                compiled[ci] = (c, module, (xi, sets, metas, rw))
-            except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
-                row["configs"].append({"config": cfg.__dict__, "rows": rows,
-                                       "error": f"{type(e).__name__}: {str(e)[:160]}"})
-        for ci, t in device_times(compiled, args.calls, trace_root).items():
-            cfg, rows = configs[ci]
-            if "device_us" not in t:
-                row["configs"].append({"config": cfg.__dict__, "rows": rows, **t})
-                continue
-            us = t["device_us"] / calls
-            row["configs"].append({"config": cfg.__dict__, "rows": rows, "us": us, "GBps": nbytes / us / 1e3,
-                                   "launches_per_call": t["launches"] / calls})
+
+        def time_configs(configs, tag):
+            compiled = {}
+            for ci, (cfg, rows) in enumerate(configs):
+                xi = {"fp8": x8 if a8 else None, "fp8q": gm.QuantRows(x) if a8 else None}.get(rows, x)
+                fn = functools.partial(lambda cfg, x, sets, metas, rw: [
+                    call(shape, x, sets[c % copies], metas[c], rw, cfg, interpret) for c in range(calls)], cfg)
+                try:
+                    c, module, _, _ = compile_highest(fn, f"gemm_decode_{si}_{tag}{ci}", xi, sets, metas, rw)
+                    compiled[ci] = (c, module, (xi, sets, metas, rw))
+                except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
+                    row["configs"].append({"config": cfg.__dict__, "rows": rows,
+                                           "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            for ci, t in device_times(compiled, args.calls, trace_root).items():
+                cfg, rows = configs[ci]
+                if "device_us" not in t:
+                    row["configs"].append({"config": cfg.__dict__, "rows": rows, **t})
+                    continue
+                us = t["device_us"] / calls
+                row["configs"].append({"config": cfg.__dict__, "rows": rows, "us": us, "GBps": nbytes / us / 1e3,
+                                       "launches_per_call": t["launches"] / calls})
+
+        time_configs(configs, "")
+        if pipelines:  # the fastest three of the sweep (rows as the model multiplies them) per warps x stages
+            kind = "fp8" if a8 else "bf16"
+            top = sorted((r for r in row["configs"] if "us" in r and r["rows"] == kind), key=lambda r: r["us"])[:3]
+            again = [(dataclasses.replace(gm.GemmConfig(**r["config"]), num_warps=w, num_stages=st), kind)
+                     for r in top for w, st in pipelines]
+            time_configs([c for c in dict.fromkeys(again) if c not in configs], "p")
         key = lambda cfg, rows: json.dumps([cfg.__dict__, rows], sort_keys=True)  # noqa: E731
         timed = {json.dumps([r["config"], r["rows"]], sort_keys=True): r for r in row["configs"] if "us" in r}
         row["unsplit"] = timed.get(key(unsplit, "bf16"))
@@ -242,15 +261,18 @@ def main(argv=None) -> int:
               f"{b_['us'] if b_ else float('nan'):6.1f} us {b_['config'] if b_ else ''} | rel diff "
               f"{row['picked_vs_unsplit_max_rel']:.1e}", flush=True)
         write_json("gemm_decode.json", out)
-        del x, sets, compiled
+        del x, sets
     print("\n| shape | format | N | K | tiles | unsplit us | picked split | picked us (GB/s) | best us (config) "
           "| fp8 rows: picked us (GB/s) | fp8 rows: best us (config) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out["shapes"]:
         b, u, p_ = r.get("best"), r.get("unsplit"), r.get("picked_time")
         def best(b):
-            return (f"{b['us']:.1f} (bn {b['config']['block_n']}, bk {b['config']['block_k']}, split "
-                    f"{b['config']['split_k']}, st {b['config']['num_stages']})") if b else "-"
+            if not b:
+                return "-"
+            c = b["config"]
+            return (f"{b['us']:.1f} (bn {c['block_n']}, bk {c['block_k']}, split {c['split_k']}, w {c['num_warps']}, "
+                    f"st {c['num_stages']})")
         a = r.get("picked_a8")
         a8 = f"{a['us']:.1f} ({a['GBps']:.0f})" if a else "-"
         print(f"| {r['name']} | {r['fmt']} | {r['n']} | {r['k']} | {r['tiles']} | {u['us'] if u else float('nan'):.1f} "

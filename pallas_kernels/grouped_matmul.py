@@ -396,17 +396,27 @@ def split_for(programs: int, k_steps: int, target: int | None = None, min_steps:
 
 
 def default_config(block_m: int, fmt: str, *, n: int | None = None, k: int | None = None,
-                   tiles: int | None = None) -> GemmConfig:
+                   tiles: int | None = None, weights: int = 1) -> GemmConfig:
     """Few rows (decode / verify): narrow column tiles, many programs streaming weights, and K split
     (``split_for``) when the output's ``tiles`` x N give too few programs (not FP4, whose SwiGLU at
     one token measured 98 us unsplit against 103 us split in two on an H200). Many rows (prefill):
     wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an H200 (the
-    in-register decoding favours 64 columns); the others as first measured there."""
+    in-register decoding favours 64 columns); the others as first measured there. Routed experts
+    (``fp8_k128``) with enough programs unsplit (a verify's or a batch's pairs): 256-input steps in
+    3 stages, which read their weights 3-13 % faster on an H200 than 128-input steps in 4
+    (``gemm_decode.py --pipelines``: the 36-pair SwiGLU 173 -> 151 us, docs/benchmarks.md); split
+    programs (a decode step's 6 pairs) were slower with them. ``weights`` = 2 (the fused SwiGLU):
+    FP4 in 32-column tiles, which decode twice the weights per program in registers (the 1-token
+    SwiGLU 98 -> 73 us, the 36-pair one 448 -> 416 us on an H200; one weight is fastest at 64)."""
     cfg = _tile_config(block_m, fmt)
+    if fmt == "fp4" and block_m <= 16 and weights == 2:
+        cfg = dataclasses.replace(cfg, block_n=32)
     if block_m > 16 or None in (n, k, tiles) or fmt == "fp4":  # FP4: bound by its decoding, faster unsplit
         return cfg
     fit = cfg.fit(n, k, fmt)
     split = split_for(tiles * (n // fit.block_n), k // fit.block_k)
+    if split == 1 and fmt == "fp8_k128":
+        return dataclasses.replace(cfg, block_k=256, num_stages=3)
     return dataclasses.replace(cfg, split_k=split)
 
 
@@ -725,7 +735,8 @@ def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
     x = _kernel_rows(x, w1, block_m, codes)
-    cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0])
+    cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0],
+                                   weights=2)
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, quantised_out=quantised_out, interpret=backend.interpret_mode(interpret))
 

@@ -468,6 +468,17 @@ def test_decode_configs_split_k_only_where_programs_are_few():
     # projection (6 x 64 column tiles) has enough programs already
     assert gm.default_config(16, "fp8_k128", n=2048, k=4096, tiles=6).split_k == 2
     assert gm.default_config(16, "fp8_k128", n=4096, k=2048, tiles=6).split_k == 1
+    # unsplit routed experts (a 6-token verify's 36 pairs, the step's down projection) stream
+    # 256-input steps in 3 stages; the split step SwiGLU keeps 128-input steps in 4
+    for n, k, t in ((2048, 4096, 36), (4096, 2048, 36), (4096, 2048, 6)):
+        cfg = gm.default_config(16, "fp8_k128", n=n, k=k, tiles=t)
+        assert (cfg.split_k, cfg.block_k, cfg.num_stages) == (1, 256, 3)
+    cfg = gm.default_config(16, "fp8_k128", n=2048, k=4096, tiles=6)
+    assert (cfg.block_k, cfg.num_stages) == (128, 4)
+    # FP4's fused SwiGLU (two weights decoded per program) in 32-column tiles, one weight in 64
+    assert gm.default_config(16, "fp4", n=2048, k=4096, tiles=6, weights=2).block_n == 32
+    assert gm.default_config(16, "fp4", n=4096, k=2048, tiles=6).block_n == 64
+    assert gm.default_config(32, "fp4", n=2048, k=4096, tiles=6, weights=2).block_n == 64
     assert gm.default_config(16, "fp4", n=2048, k=4096, tiles=6).split_k == 1  # FP4: faster unsplit
     # the split keeps at least SPLIT_MIN_STEPS loop steps per program (K 1024: 8 steps of 128)
     assert gm.default_config(16, "fp8", n=512, k=1024, tiles=1).split_k == 2
