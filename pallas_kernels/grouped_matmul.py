@@ -400,8 +400,8 @@ def default_config(block_m: int, fmt: str, *, n: int | None = None, k: int | Non
     """Few rows (decode / verify): narrow column tiles, many programs streaming weights, and K split
     (``split_for``) when the output's ``tiles`` x N give too few programs (not FP4, whose SwiGLU at
     one token measured 98 us unsplit against 103 us split in two on an H200). Many rows (prefill):
-    wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an H200 (the
-    in-register decoding favours 64 columns); the others as first measured there. Routed experts
+    wider tiles for reuse. FP4 tiles as tuned by ``benchmarks/moe.py --tune`` on an H200 (one
+    weight: 64 columns); the others as first measured there. Routed experts
     (``fp8_k128``) with enough programs unsplit (a verify's or a batch's pairs): 256-input steps in
     3 stages, which read their weights 3-13 % faster on an H200 than 128-input steps in 4
     (``gemm_decode.py --pipelines``: the 36-pair SwiGLU 173 -> 151 us, docs/benchmarks.md); split
