@@ -494,6 +494,14 @@ def build(args):
     model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
     if args.sinkhorn != "auto":
         model = dspark_jax.with_numerics(model, sinkhorn=args.sinkhorn)
+    if args.one_row_select:
+        from flax import nnx
+
+        from dspark_jax.model.moe import Gate
+
+        for _, mod in nnx.iter_modules(model):
+            if isinstance(mod, Gate):
+                mod.one_row_select = True
     return dspark_jax.with_dense_copies(model) if args.dense_copies else model
 
 
@@ -671,6 +679,8 @@ def main():
                     help="hold the FP8 linears also dequantised (dspark_jax.with_dense_copies)")
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn; fused: the hc_fused kernels)")
+    ap.add_argument("--one-row-select", action="store_true",
+                    help="the routers of one-token steps as gemv's partial sums + routing.select (Gate.one_row_select)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
@@ -694,6 +704,7 @@ def main():
             "experts": cfg.n_routed_experts,
             "batch": args.batch, "context": args.context, "rounds": args.rounds, "weights": args.weights,
             "kv_layout": args.kv_layout, "prefill": args.prefill, "smoke": args.smoke,
+            "one_row_select": args.one_row_select,
             "weight_bytes": model.weight_bytes, "init_s": time.time() - t0}
     print(info, flush=True)
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="dspark_profile_")

@@ -16,6 +16,11 @@ bf16 activations and weights in one bf16 dot; fp32 activations with bf16 weights
 bf16 parts (three dots, combined as hi + (mid + lo)); fp32 weights in an IEEE fp32 dot (never TF32).
 Only the summation order can differ from XLA's GEMM. The top-k is ``jax.lax.top_k``'s: the largest
 first, equal values in index order (scores must not be NaN).
+
+``select`` alone takes the logits from elsewhere, also as the float32 partial sums of their K
+split (``gemv.Partials``): a batch-1 step's router is ``gemv``'s one-row product with its partial
+sums kept, then ``select`` (two launches, where the sums, the scores, the top-k and the weights
+took two XLA fusions after the product).
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend
+from pallas_kernels.gemv import Partials
 
 if TYPE_CHECKING:
     from jaxtyping import Array, Float, Int
 
 SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
-BLOCK_T = 16  # tokens per program (the dot's smallest row tile)
+BLOCK_T = 16  # tokens per logits program (the dot's smallest row tile), and at most per selection program
 
 
 # ------------------------------------------------------------------------------ pure-JAX reference
@@ -72,19 +78,23 @@ def reference(x: Float[Array, "n d"], weight: Float[Array, "e d"], bias: Float[A
 
 
 def _check(x, weight, bias, idx, top_k: int, func: str) -> None:
-    if func not in SCORE_FUNCS:
-        raise ValueError(f"score function must be one of {SCORE_FUNCS}, got {func!r}")
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be a bf16 / fp32 [n, D] matrix, got {x.dtype} {x.shape}")
     if weight.ndim != 2 or weight.shape[1] != x.shape[1] or weight.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"the router weight must be bf16 / fp32 [E, {x.shape[1]}], got {weight.dtype} {weight.shape}")
-    e = weight.shape[0]
+    _check_selection(x.shape[0], weight.shape[0], bias, idx, top_k, func)
+
+
+def _check_selection(n: int, e: int, bias, idx, top_k: int, func: str) -> None:
+    """The selection's arguments for n tokens over e experts."""
+    if func not in SCORE_FUNCS:
+        raise ValueError(f"score function must be one of {SCORE_FUNCS}, got {func!r}")
     if (bias is None) == (idx is None):
         raise ValueError("give either the selection bias (learned routing) or the expert indices (hash routing)")
     if bias is not None and bias.shape != (e,):
         raise ValueError(f"the selection bias must be [{e}], got {bias.shape}")
-    if idx is not None and (idx.shape != (x.shape[0], top_k) or not jnp.issubdtype(idx.dtype, jnp.integer)):
-        raise ValueError(f"expert indices must be integer [{x.shape[0]}, {top_k}], got {idx.dtype} {idx.shape}")
+    if idx is not None and (idx.shape != (n, top_k) or not jnp.issubdtype(idx.dtype, jnp.integer)):
+        raise ValueError(f"expert indices must be integer [{n}, {top_k}], got {idx.dtype} {idx.shape}")
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must lie in [1, {e}] experts, got {top_k}")
 
@@ -134,22 +144,26 @@ def _logits_kernel(x_ref, w_ref, o_ref, *, n: int, e: int, d: int, be: int, bk: 
     pltriton.store(o_ref.at[rows, experts.T], y, mask=row_ok & expert_ok.T)
 
 
-def _select_kernel(*refs, n: int, e: int, k: int, func: str, norm: bool, scale: float, learned: bool):
+def _select_kernel(*refs, n: int, e: int, k: int, func: str, norm: bool, scale: float, learned: bool, parts: int,
+                   bt: int):
     l_ref, sel_ref, w_ref, idx_ref = refs
     ep, kp = backend.next_power_of_2(e), backend.next_power_of_2(k)
-    rows = _iota(BLOCK_T, pl.program_id(0) * BLOCK_T)[:, None]
+    rows = _iota(bt, pl.program_id(0) * bt)[:, None]
     cols, slots = _iota(ep)[None, :], _iota(kp)[None, :]
     row_ok, col_ok = rows < n, cols < e
+    # the logits, or (parts > 1) their K split's partial sums [parts n, e] added in order
     logits = pltriton.load(l_ref.at[rows, cols], mask=row_ok & col_ok, other=0.0)
+    for s in range(1, parts):
+        logits = logits + pltriton.load(l_ref.at[s * n + rows, cols], mask=row_ok & col_ok, other=0.0)
     scores = route_scores(jnp.where(col_ok, logits, -jnp.inf), func)  # padded experts score 0
     if learned:
         biased = scores + pltriton.load(sel_ref.at[cols], mask=col_ok, other=0.0)
         taken = ~col_ok
     else:
         given = pltriton.load(sel_ref.at[rows, slots], mask=row_ok & (slots < k), other=0)
-    idx = jnp.zeros((BLOCK_T, kp), jnp.int32)
-    w = jnp.zeros((BLOCK_T, kp), jnp.float32)
-    total = jnp.zeros((BLOCK_T, 1), jnp.float32)
+    idx = jnp.zeros((bt, kp), jnp.int32)
+    w = jnp.zeros((bt, kp), jnp.float32)
+    total = jnp.zeros((bt, 1), jnp.float32)
     for j in range(k):
         if learned:  # the largest remaining biased score, the lowest index among equals (lax.top_k)
             best = jnp.max(jnp.where(taken, -jnp.inf, biased), axis=1, keepdims=True)
@@ -185,18 +199,39 @@ def _logits_pallas(x, weight, *, cfg: RouterConfig, interpret: bool):
 
 @functools.partial(jax.jit, static_argnames=("k", "func", "norm", "scale", "interpret"))
 def _select_pallas(logits, sel, *, k: int, func: str, norm: bool, scale: float, interpret: bool):
-    n, e = logits.shape
+    parts, n, e = logits.shape if logits.ndim == 3 else (1, *logits.shape)
+    logits = logits.reshape(parts * n, e)
+    # the tokens' rows in tiles of up to 16 (a decode step's one token: one row, one warp, so that the
+    # top-k's reductions run on one row's lanes)
+    bt = min(BLOCK_T, backend.next_power_of_2(max(n, 1)))
     kernel = functools.partial(_select_kernel, n=n, e=e, k=k, func=func, norm=norm, scale=scale,
-                               learned=sel.ndim == 1)
+                               learned=sel.ndim == 1, parts=parts, bt=bt)
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(
             kernel,
-            grid=(pl.cdiv(n, BLOCK_T),),
+            grid=(pl.cdiv(n, bt),),
             out_shape=(jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)),
-            compiler_params=backend.compiler_params(4, 1),
+            compiler_params=backend.compiler_params(max(1, bt // 4), 1),
             interpret=interpret,
             name="router_select",
         )(logits, sel)
+
+
+def select(logits: Float[Array, "n e"] | Partials, bias: Float[Array, " e"] | None, idx: Int[Array, "n k"] | None, *,
+           top_k: int, func: str, norm: bool, scale: float, interpret: bool | None = None
+           ) -> tuple[Float[Array, "n k"], Int[Array, "n k"]]:
+    """Everything after the logits in one launch (``select_kernel``): the logits as an array, or as
+    the float32 partial sums of their K split (``gemv.Partials`` [S, n, e], e.g. ``gemv_many``'s
+    with ``partials``), added in order in the kernel. Same contract as ``reference`` from the
+    logits on."""
+    parts = logits.parts if isinstance(logits, Partials) else logits
+    if parts.dtype != jnp.float32 or parts.ndim != (3 if isinstance(logits, Partials) else 2):
+        raise ValueError(f"router logits must be float32 [n, e] (or partial sums [S, n, e]), got {parts.dtype} "
+                         f"{parts.shape}")
+    _check_selection(*parts.shape[-2:], bias, idx, top_k, func)
+    sel = bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
+    return _select_pallas(parts, sel, k=top_k, func=func, norm=bool(norm), scale=float(scale),
+                          interpret=backend.interpret_mode(interpret))
 
 
 def kernel(x: Float[Array, "n d"], weight: Float[Array, "e d"], bias: Float[Array, " e"] | None,
@@ -215,6 +250,5 @@ def kernel(x: Float[Array, "n d"], weight: Float[Array, "e d"], bias: Float[Arra
                          f"(got {cfg.block_e})")
     interpret = backend.interpret_mode(interpret)
     logits = _logits_pallas(x, weight, cfg=dataclasses.replace(cfg, block_k=bk), interpret=interpret)
-    sel = bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
-    return _select_pallas(logits, sel, k=top_k, func=func, norm=bool(norm), scale=float(scale), interpret=interpret)
+    return select(logits, bias, idx, top_k=top_k, func=func, norm=norm, scale=scale, interpret=interpret)
 

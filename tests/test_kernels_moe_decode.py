@@ -20,9 +20,11 @@ from flax import nnx
 
 from dspark_jax import config
 from dspark_jax.model.common import Numerics
-from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, SharedExpert, grouped_experts
+from dspark_jax.model.moe import PAIR_TILES_MAX, Gate, MoE, SharedExpert, grouped_experts
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering, pair_experts, routing
+from pallas_kernels.gemv import ONE_GROUP, GemvConfig, Partials, gemv_many
+from tests.helpers import pallas_calls
 from tests.test_kernels_grouped_matmul import _random_weights
 
 SD = jax.ShapeDtypeStruct
@@ -64,6 +66,55 @@ def test_router_kernel_matches_reference(n, e, xdt, wdt, func, learned):
     assert np.isfinite(np.asarray(got_w)).all() and np.abs(np.asarray(got_w)).min() > 0
     if learned and e >= 256:
         np.testing.assert_array_equal(np.asarray(got_i)[:, :6], [[3, 10, 77, 200, 50, 120]] * n)
+
+
+@pytest.mark.parametrize("xdt,func,learned", [
+    (jnp.bfloat16, "sqrtsoftplus", True),  # Flash's router at a batch-1 step, with ties
+    (jnp.float32, "softmax", False),  # fp32 activations (three bf16 parts), hash routing
+])
+def test_select_on_gemv_partials_matches_reference(xdt, func, learned):
+    """A batch-1 step's router: ``gemv``'s one-row product with its K split's partial sums kept, then
+    ``routing.select`` adding them in the kernel: the reference's experts and weights."""
+    rng = np.random.default_rng(7)
+    e, k = (256, 6) if learned else (48, 3)
+    x, w, bias = _router_case(rng, 1, e, 512, xdt, jnp.bfloat16, learned)
+    idx = None if learned else jnp.asarray(rng.integers(0, e, (1, k)), jnp.int32)
+    opts = dict(top_k=k, func=func, norm=True, scale=1.5)
+    parts = gemv_many(x, (gm.Weights(w[None], None, "dense"),), ONE_GROUP, out_dtype=jnp.float32,
+                      partials=(True,), config=GemvConfig(split_k=4, block_n=32))[0]
+    assert parts.parts.shape[1:] == (1, e) and parts.parts.shape[0] > 1  # a K split: the kernel adds parts
+    got_w, got_i = routing.select(parts, bias if learned else None, idx, **opts, interpret=True)
+    want_w, want_i = routing.reference(x, w, bias if learned else None, idx, **opts)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    assert np.isfinite(np.asarray(got_w)).all() and np.abs(np.asarray(got_w)).min() > 0
+    if learned:
+        np.testing.assert_array_equal(np.asarray(got_i)[0], [3, 10, 77, 200, 50, 120])
+    with pytest.raises(ValueError, match="partial sums"):
+        routing.select(Partials(parts.parts.astype(jnp.bfloat16)), bias, None, **opts)
+    with pytest.raises(ValueError, match="selection bias"):
+        routing.select(parts, bias[:3] if learned else jnp.zeros(3), None, **opts)
+
+
+@pytest.mark.parametrize("hash_routing", [False, True])
+def test_gate_at_one_row_is_gemv_then_select(hash_routing):
+    """The model's gate at one token on the Pallas path with ``one_row_select``: two launches (the
+    product's partial sums, the selection), the XLA path's experts and weights."""
+    cfg = dataclasses.replace(config.tiny(), hidden_size=256, n_routed_experts=64, num_experts_per_tok=6)
+    gate = Gate(cfg, hash_routing, Numerics(kernels="pallas"), rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 256)), jnp.bfloat16)
+    ids = jnp.asarray([7], jnp.int32)
+    names = lambda: [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: gate(x, ids))(x).jaxpr)]  # noqa: E731
+    assert names() == ["gemv_bf16"]  # opt-in: by default the product alone, the rest in XLA
+    gate.one_row_select = True
+    if not hash_routing:
+        gate.bias[...] = jnp.asarray(np.random.default_rng(4).standard_normal(64) * 0.1, jnp.float32)
+    assert len(names()) == 2 and names()[0].startswith("gemv_bf16") and names()[1] == "router_select", names()
+    got_w, got_i = gate(x, ids)
+    gate.num = Numerics(kernels="xla")
+    want_w, want_i = gate(x, ids)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
 
 
 def _weights(rng, fmt, e, d, i):
@@ -238,6 +289,20 @@ def test_flash_decode_step_lowers(arch, platform, fmt, shared_fmt, tokens):
     text = lowering.lower(step, SD((n, FLASH["d"]), jnp.bfloat16), SD((FLASH["e"], FLASH["d"]), jnp.bfloat16),
                           SD((FLASH["e"],), jnp.float32), *ws, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 4
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_flash_one_row_router_lowers(arch, platform):
+    """The batch-1 step's router at Flash shapes: gemv's partial sums, then the selection."""
+    def router(x, gate, bias):
+        parts = gemv_many(x, (gm.Weights(gate[None], None, "dense"),), ONE_GROUP, out_dtype=jnp.float32,
+                          partials=(True,), interpret=False)[0]
+        return routing.select(parts, bias, None, top_k=FLASH["k"], func="sqrtsoftplus", norm=True, scale=1.5,
+                              interpret=False)
+
+    text = lowering.lower(router, SD((1, FLASH["d"]), jnp.bfloat16), SD((FLASH["e"], FLASH["d"]), jnp.bfloat16),
+                          SD((FLASH["e"],), jnp.float32), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 2 and "router_select" in text
 
 
 def test_fp32_router_and_experts_lower():

@@ -12,11 +12,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from dspark_jax.config import ModelConfig
-from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal_init, random_fp4
+from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal_init, one_row_dense, random_fp4
 from dspark_jax.model.quant import fp8_sim
 from dspark_jax.sharding import batch_axes, mesh_axes, per_request
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import pair_experts, routing
+from pallas_kernels import gemv, pair_experts, routing
 from pallas_kernels.grouped_matmul import swiglu
 from pallas_kernels.group_metadata import group_tiles, pair_tiles
 from pallas_kernels.routing import gate_weights, route_scores
@@ -36,6 +36,10 @@ class Gate(nnx.Module):
             self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
         self.hash_routing, self.cfg, self.num = hash_routing, cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
+        # One token on the Pallas path (no mesh): the product's partial sums (``gemv``), then the
+        # selection kernel (``routing.select``), two launches where XLA takes the product and two
+        # fusions. Opt-in (True to use it) until timed on a GPU.
+        self.one_row_select = False
 
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"], *, kernel: bool = False
                  ) -> tuple[Array, Int[Array, "n k"]]:
@@ -48,6 +52,11 @@ class Gate(nnx.Module):
             bias = None if self.hash_routing else self.bias[...]
             return routing.kernel(x, self.weight[...], bias, idx, top_k=cfg.num_experts_per_tok, **opts)
         impl = self.num.kernel_impl() if self.mesh is None else "xla"  # (one row on the Pallas path: gemv)
+        if self.one_row_select and one_row_dense(x, self.weight[...], impl):
+            parts = gemv.gemv_many(x, (gm.Weights(self.weight[...][None], None, "dense"),), gemv.ONE_GROUP,
+                                   out_dtype=jnp.float32, partials=(True,))[0]
+            bias = None if self.hash_routing else self.bias[...]
+            return routing.select(parts, bias, idx, top_k=cfg.num_experts_per_tok, **opts)
         scores = route_scores(matmul_f32(x, self.weight[...], impl), cfg.scoring_func)
         if idx is None:
             idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh,
