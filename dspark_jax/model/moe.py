@@ -44,23 +44,22 @@ class Gate(nnx.Module):
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"], *, kernel: bool = False
                  ) -> tuple[Array, Int[Array, "n k"]]:
         """Routing weights [n, k] (fp32) and expert indices [n, k]. ``kernel``: through the Pallas
-        router kernels (``pallas_kernels.routing``; no mesh), else XLA."""
+        router kernels (``pallas_kernels.routing``; no mesh); else XLA after the product (one row
+        on the Pallas path: ``gemv``, with ``one_row_select`` followed by ``routing.select``)."""
         cfg = self.cfg
         opts = dict(func=cfg.scoring_func, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
         idx = self.tid2eid[...][ids] if self.hash_routing else None
+        bias = None if self.hash_routing else self.bias[...]
         if kernel:
-            bias = None if self.hash_routing else self.bias[...]
             return routing.kernel(x, self.weight[...], bias, idx, top_k=cfg.num_experts_per_tok, **opts)
-        impl = self.num.kernel_impl() if self.mesh is None else "xla"  # (one row on the Pallas path: gemv)
+        impl = self.num.kernel_impl() if self.mesh is None else "xla"
         if self.one_row_select and one_row_dense(x, self.weight[...], impl):
             parts = gemv.gemv_many(x, (gm.Weights(self.weight[...][None], None, "dense"),), gemv.ONE_GROUP,
                                    out_dtype=jnp.float32, partials=(True,))[0]
-            bias = None if self.hash_routing else self.bias[...]
             return routing.select(parts, bias, idx, top_k=cfg.num_experts_per_tok, **opts)
         scores = route_scores(matmul_f32(x, self.weight[...], impl), cfg.scoring_func)
         if idx is None:
-            idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh,
-                              scores + self.bias[...])
+            idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh, scores + bias)
         return gate_weights(scores, idx, **opts), idx.astype(jnp.int32)
 
 
