@@ -30,6 +30,6 @@ cmd=${1:-demo}
 shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/python" examples/quickstart.py "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile --max-worker-restart=0 "$@" ;;
   *) echo "usage: ./run.sh demo | test [pytest args]" >&2; exit 2 ;;
 esac

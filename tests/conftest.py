@@ -1,3 +1,4 @@
+import gc
 import os
 
 # LLVM's optimisation level 0 for the CPU backend: the suite is compile-bound and spends about a third
@@ -14,6 +15,17 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.helpers import perturbed_tiny  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program when a test file ends. XLA's CPU backend maps each compiled
+    kernel's code and data as three memory regions that live as long as the program; one worker
+    running a few hundred tests reached Linux's limit of 65,530 maps per process (vm.max_map_count)
+    and crashed inside the compiler."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
