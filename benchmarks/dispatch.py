@@ -21,6 +21,12 @@ Measured per round, for each program (model x mode):
 - ``args_ms``: a jitted call taking the same arguments that does almost nothing (the argument
   handling alone, no donation).
 
+``--rounds-per-call 1,4,8`` times each program also as k rounds per call (``Engine.rounds``: one
+program looping over the round on the device): call, pipelined and sync times are then per round
+(a call's time / k), so the host's share of a round falls as k grows where the host bounds it.
+``--mesh-model N`` spreads the models over a (1, N) mesh first (``sharding.shard_model``; on a
+CPU over N virtual devices): every parameter array is then N device buffers per call.
+
 Each XLA setting (``--variants``) runs in its own process (XLA reads its flags once):
 ``default`` (the installed jax's defaults and the engine's compiler options,
 ``compile_cache.COMPILER_OPTIONS``: kernels that share no buffer run concurrently),
@@ -41,6 +47,7 @@ cProfile records where that host time goes (``host_profile``: the top functions,
 
     python benchmarks/dispatch.py --budget-s 280
     python benchmarks/dispatch.py --smoke        # CPU: checks the script runs
+    python -m benchmarks.dispatch --variants default --models shipped --rounds-per-call 1,4 --mesh-model 8
 
 Writes dispatch.json (after every program) and dispatch.md under $OUT.
 """
@@ -66,6 +73,9 @@ VARIANTS = {
 def child(args) -> None:
     """Measure every program under the XLA flags this process was started with; one JSON line each."""
     import jax
+
+    if args.mesh_model:
+        jax.config.update("jax_num_cpu_devices", args.mesh_model)  # (CPU only; before the first computation)
     import jax.numpy as jnp
     import numpy as np
 
@@ -75,14 +85,16 @@ def child(args) -> None:
     from dspark_jax.config import MAX_VERIFY_TOKENS
     from dspark_jax.decoding.engine import Engine
     from dspark_jax.decoding.generate import default_model
+    from dspark_jax.sharding import make_mesh, shard_model
 
     def models():
+        placed = (lambda m: shard_model(m, make_mesh(model=args.mesh_model))) if args.mesh_model else (lambda m: m)
         if "shipped" in args.models:
-            yield "shipped", default_model()
+            yield "shipped", placed(default_model())
         if "flash2" in args.models:
             full = config.tiny() if args.smoke else config.flash()
-            yield "flash2", dspark_jax.init(sliced(full, 2), 0, dtype=jnp.bfloat16, weight_format="fp8",
-                                            quant_sim=True)
+            yield "flash2", placed(dspark_jax.init(sliced(full, 2), 0, dtype=jnp.bfloat16, weight_format="fp8",
+                                                   quant_sim=True))
 
     n = args.rounds
     for name, model in models():
@@ -98,51 +110,58 @@ def child(args) -> None:
                 raise ValueError(f"{name}: 2 x {n} rounds do not fit its {limit} positions")
             start = at_context(random_state(eng, 1, context + growth, seed=0), context)
             fresh = lambda: jax.tree.map(jnp.copy, start)  # noqa: E731
-            t0 = time.perf_counter()
-            fn = eng._round.lower(eng.params, start, sampled=False, top_k=False, top_p=False).compile()
-            compile_s = time.perf_counter() - t0
-            params = eng.params
-            calls, pipelined, sync = [], [], []
-            for _ in range(args.repeats):
-                bs = fresh()
-                for _ in range(3):
-                    bs, res = fn(params, bs)
-                jax.block_until_ready(res.n_new)
+            for k in (int(v) for v in args.rounds_per_call.split(",")):  # rounds per call: ms below are per round
+                flags = dict(sampled=False, top_k=False, top_p=False)
                 t0 = time.perf_counter()
-                for _ in range(n):
-                    c0 = time.perf_counter()
-                    bs, res = fn(params, bs)
-                    calls.append(time.perf_counter() - c0)
-                jax.block_until_ready(res.n_new)
-                pipelined.append((time.perf_counter() - t0) / n)
-                for _ in range(n):
-                    c0 = time.perf_counter()
-                    bs, res = fn(params, bs)
+                fn = (eng._round.lower(eng.params, start, **flags) if k == 1
+                      else eng._rounds.lower(eng.params, start, count=k, **flags)).compile()
+                compile_s = time.perf_counter() - t0
+                params, m = eng.params, max(1, n // k)  # m calls of k rounds each
+                calls, pipelined, sync = [], [], []
+                for _ in range(args.repeats):
+                    bs = fresh()
+                    for _ in range(max(1, 3 // k)):
+                        bs, res = fn(params, bs)
                     jax.block_until_ready(res.n_new)
-                    sync.append(time.perf_counter() - c0)
-            touch = jax.jit(lambda p, s: s.anchor + 1)
-            jax.block_until_ready(touch(params, bs))
-            args_t = []
-            for _ in range(n):
-                c0 = time.perf_counter()
-                out = touch(params, bs)
-                args_t.append(time.perf_counter() - c0)
-            jax.block_until_ready(out)
-            leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(bs))
-            row = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": name,
-                   "mode": mode, "gamma": gamma, "context": context, "compile_s": compile_s, "param_leaves": leaves[0],
-                   "state_leaves": leaves[1], "call_ms": 1e3 * float(np.median(calls)),
-                   "pipelined_ms": 1e3 * float(np.median(pipelined)), "sync_ms": 1e3 * float(np.median(sync)),
-                   "args_ms": 1e3 * float(np.median(args_t)),
-                   "tokens_per_round": float(np.mean(np.asarray(res.n_new)))}
-            print("ROW " + json.dumps(row), flush=True)
+                    t0 = time.perf_counter()
+                    for _ in range(m):
+                        c0 = time.perf_counter()
+                        bs, res = fn(params, bs)
+                        calls.append(time.perf_counter() - c0)
+                    jax.block_until_ready(res.n_new)
+                    pipelined.append((time.perf_counter() - t0) / (m * k))
+                    for _ in range(m):
+                        c0 = time.perf_counter()
+                        bs, res = fn(params, bs)
+                        jax.block_until_ready(res.n_new)
+                        sync.append((time.perf_counter() - c0) / k)
+                touch = jax.jit(lambda p, s: s.anchor + 1)
+                jax.block_until_ready(touch(params, bs))
+                args_t = []
+                for _ in range(n):
+                    c0 = time.perf_counter()
+                    out = touch(params, bs)
+                    args_t.append(time.perf_counter() - c0)
+                jax.block_until_ready(out)
+                leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(bs))
+                row = {"variant": args.variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": name,
+                       "mode": mode, "gamma": gamma, "context": context, "devices": len(jax.devices()),
+                       "mesh_model": args.mesh_model, "rounds_per_call": k, "compile_s": compile_s,
+                       "param_leaves": leaves[0], "state_leaves": leaves[1],
+                       "call_ms": 1e3 * float(np.median(calls)) / k,
+                       "pipelined_ms": 1e3 * float(np.median(pipelined)), "sync_ms": 1e3 * float(np.median(sync)),
+                       "args_ms": 1e3 * float(np.median(args_t)),
+                       "tokens_per_round": float(np.mean(np.asarray(res.n_new)))}
+                print("ROW " + json.dumps(row), flush=True)
         if name == "shipped" and args.variant == "default":  # generate's serving loop (its host work included)
-            for speculative in (False, True):
+            for speculative, k in ((s, k) for s in (False, True) for k in args.rounds_per_call.split(",")):
                 kw = dict(model=model, sampling=SamplingParams(max_new_tokens=args.new_tokens),
-                          speculative=speculative)
+                          speculative=speculative, rounds_per_call=int(k))
                 dspark_jax.generate(["def main():"], **kw)  # compiles
                 st = dspark_jax.generate(["def main():"], **kw)[0].stats
-                row = {"variant": args.variant, "model": name, "mode": "generate " + ("DSpark" if speculative else "target-only"),
+                row = {"variant": args.variant, "model": name, "rounds_per_call": int(k),
+                       "devices": len(jax.devices()), "mesh_model": args.mesh_model,
+                       "mode": "generate " + ("DSpark" if speculative else "target-only"),
                        "round_ms": 1e3 * st["decode_s"] / max(1, st["rounds"] - 1), "rounds": st["rounds"],
                        "tokens_per_s": st["tokens_per_s"], "compile_s_after_warmup": st["compile_s"],
                        "host_profile": host_profile(kw, st["rounds"])}
@@ -170,18 +189,20 @@ def host_profile(kw: dict, rounds: int, top: int = 15) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| variant | program | call ms | pipelined ms | sync ms | args ms | compile s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| variant | program | rounds per call | call ms | pipelined ms | sync ms | args ms | compile s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | |")
             continue
         if "round_ms" in r:
-            lines.append(f"| {r['variant']} | {r['model']} {r['mode']} | | {r['round_ms']:.3f} (per round, "
+            lines.append(f"| {r['variant']} | {r['model']} {r['mode']} | {r.get('rounds_per_call', 1)} | | "
+                         f"{r['round_ms']:.3f} (per round, "
                          f"{r['rounds']} rounds) | | | {r.get('compile_s_after_warmup', float('nan')):.1f} "
                          "(second call) |")
             continue
-        lines.append(f"| {r['variant']} | {r['model']} {r['mode']} | {r['call_ms']:.3f} | {r['pipelined_ms']:.3f} | "
+        lines.append(f"| {r['variant']} | {r['model']} {r['mode']} | {r.get('rounds_per_call', 1)} | "
+                     f"{r['call_ms']:.3f} | {r['pipelined_ms']:.3f} | "
                      f"{r['sync_ms']:.3f} | {r['args_ms']:.3f} | {r['compile_s']:.1f} |")
     return "\n".join(lines)
 
@@ -196,6 +217,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per generate call (shipped model)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0 = none)")
+    ap.add_argument("--rounds-per-call", default="1",
+                    help="rounds per call to time, e.g. 1,4,8 (Engine.rounds: k rounds in one program)")
+    ap.add_argument("--mesh-model", type=int, default=0,
+                    help="spread the models over a (1, N) mesh (on a CPU: N virtual devices); 0: one device")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script runs")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="default", help=argparse.SUPPRESS)
@@ -217,7 +242,9 @@ def main(argv=None):
         env = dict(os.environ, XLA_FLAGS=f"{base} {VARIANTS[variant]}".strip())
         cmd = [sys.executable, "-m", "benchmarks.dispatch", "--child", "--variant", variant, "--models", args.models,
                "--modes", args.modes, "--context", str(args.context), "--rounds", str(args.rounds),
-               "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke else [])
+               "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens),
+               "--rounds-per-call", args.rounds_per_call, "--mesh-model", str(args.mesh_model)
+               ] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail = []

@@ -263,3 +263,43 @@ def test_schedulers_fall_back_to_the_static_round_when_ragged_rounds_run_slower_
             disp.dispatch("state", running, flags)
             now[0] += 1 / 200.0 if eng.calls[-1] == "static" else 3.0 / 240.0
     assert eng.calls == ["static"] * 10
+
+
+def test_several_rounds_per_call_give_the_same_tokens():
+    """``rounds_per_call=3``: the host hands the device three static rounds per call. Three
+    requests through two slots (greedy with a stop token id, sampled with top-p, greedy with 150
+    new tokens: its window ring wraps) give the tokens and finish reasons of one round per call;
+    requests that finish inside a call keep nothing of its later rounds; the engine compiled the
+    three-round program and no one-round program."""
+    shipped = gen.default_model()
+    model = dspark_jax.Model(shipped.module, tokenizer=shipped.tokenizer, sts_temperatures=shipped.sts_temperatures)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 2000, n).tolist() for n in (11, 20, 6)]
+    params = [SamplingParams(max_new_tokens=17, ignore_eos=True),
+              SamplingParams(max_new_tokens=150, ignore_eos=True),
+              SamplingParams(max_new_tokens=13, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)]
+
+    def run(params, k):
+        return dspark_jax.generate(prompts, model=model, sampling=params, slots=2, context=CONTEXT, rounds_per_call=k)
+
+    one = run(params, 1)
+    stop_tok = one[0].tokens[9]
+    params[0] = dataclasses.replace(params[0], stop=(stop_tok,))
+    one, three = run(params, 1), run(params, 3)
+    assert one[0].finish_reason == "stop" and len(one[0].tokens) <= 9
+    assert len(prompts[1]) + len(one[1].tokens) > model.config.sliding_window  # the window ring wrapped
+    for a, b in zip(one, three):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
+        assert b.stats["rounds"] == a.stats["rounds"]
+        assert b.stats["accept_length_histogram"] == a.stats["accept_length_histogram"]
+    assert sum(one[1].stats["accept_length_histogram"][2:]) > 0  # rounds that accepted two drafts or more
+    eng = gen._engine(model, model.config.dspark.block_size, None, "bf16", 3)
+    kinds = {k[0] for k in eng.compiled_shapes()}
+    assert "rounds" in kinds and "round" not in kinds
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "rounds"} == {3}
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "3"])
+def test_rounds_per_call_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="rounds_per_call"):
+        dspark_jax.generate(["x"], sampling=SamplingParams(max_new_tokens=2), rounds_per_call=bad)

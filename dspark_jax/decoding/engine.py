@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from dspark_jax.api import check_int
 from dspark_jax.cache import TargetCache, commit, init_cache
 from dspark_jax.compile_cache import COMPILER_OPTIONS
 from dspark_jax.decoding.sampling import (STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT, SamplingArrays, SamplingParams,
@@ -215,14 +216,22 @@ class Engine:
     compiler_options: XLA options of the engine's programs (default
     ``compile_cache.COMPILER_OPTIONS``: on GPUs, kernels that share no buffer run concurrently;
     ``{}``: XLA's defaults and the ``XLA_FLAGS`` environment).
+    rounds_per_call: static rounds (every slot verifies γ + 1 tokens) handed to the device per
+    call of the serving loop (``rounds``: one program looping over the round on the device,
+    outputs stacked). The host's cost of a call (every parameter array, per device) is paid once
+    per ``rounds_per_call`` rounds; a request that finishes inside a call leaves its slot idle for
+    the call's remaining rounds (the loop stops once no slot is active; a slot freed inside a call
+    takes its next request at the next call). 1 (the default): one round per call. Ragged rounds
+    (the "confidence" and "lagged" schedulers) stay one per call.
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefill_tokens: int = PREFILL_TOKENS, kv_layout: str = "bf16",
                  accept_profile: tuple[float, ...] | None = None, scheduler: str = "static",
                  sps_table: SPSTable | None = None, profile_confidence: float | None = None, adapt_sps: bool = True,
-                 fine_buckets: int = 0, compiler_options: dict | None = None):
+                 fine_buckets: int = 0, compiler_options: dict | None = None, rounds_per_call: int = 1):
         cfg = model.config
+        self.rounds_per_call = check_int("rounds_per_call", rounds_per_call, lo=1)
         check_scheduler(scheduler, gamma)
         if profile_confidence is not None and (accept_profile is None or not np.isfinite(profile_confidence)
                                                or profile_confidence < 0):
@@ -267,6 +276,8 @@ class Engine:
         self._shapes: set[tuple] = set()  # (program, slots, width or flags) of every call made
         self._empty: dict[tuple, Callable] = {}  # (rows, max_len, active, stop width) -> program building a state
         self._round = jit(scoped(self._round_impl), donate_argnums=(1,), static_argnames=("sampled", "top_k", "top_p"))
+        self._rounds = jit(scoped(self._rounds_impl), donate_argnums=(1,),
+                           static_argnames=("count", "sampled", "top_k", "top_p"))
         self._draft_step = jit(scoped(self._draft_impl), static_argnames=("top_k", "top_p", "schedule"))
         self._verify_step = jit(scoped(self._verify_impl), donate_argnums=(1,),
                                 static_argnames=("sampled", "top_k", "top_p", "tokens"))
@@ -340,6 +351,33 @@ class Engine:
             logits, hid, cache, _ = self._verify(model, bs, drafts, None, None)
         with jax.named_scope("accept_commit"):
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
+
+    def _rounds_impl(self, params, bs: BatchState, *, count: int, sampled: bool, top_k: bool, top_p: bool):
+        """Up to ``count`` rounds of ``_round_impl`` in one program: a loop on the device (the round
+        compiled once), each round starting from the state the one before committed, that stops
+        early once no slot is active. Outputs stacked [count, ...]; a round not run emits nothing
+        (n_new 0, tokens -1)."""
+        one = functools.partial(self._round_impl, params, sampled=sampled, top_k=top_k, top_p=top_p)
+        shapes = jax.eval_shape(one, bs)[1]
+        stacked = lambda a, fill: jnp.full((count,) + a.shape, fill, a.dtype)  # noqa: E731
+        tokens, n_new, accepted, confidence, verified = (stacked(shapes.tokens, -1), stacked(shapes.n_new, 0),
+                                                         stacked(shapes.accepted, 0), stacked(shapes.confidence, 0),
+                                                         stacked(shapes.verify_lens, 0))
+        empty = RoundOutput(tokens=tokens, n_new=n_new, accepted=accepted, confidence=confidence,
+                            verify_lens=verified, host=jax.vmap(pack_round)(tokens, n_new, accepted, confidence,
+                                                                            verified))
+
+        def more(carry):
+            i, state, _ = carry
+            return (i < count) & jnp.any(state.active)
+
+        def step(carry):
+            i, state, outs = carry
+            state, out = one(state)
+            return i + 1, state, jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
+
+        _, bs, outs = jax.lax.while_loop(more, step, (jnp.int32(0), bs, empty))
+        return bs, outs
 
     def _draft_impl(self, params, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
                     schedule: bool):
@@ -627,6 +665,16 @@ class Engine:
         return self._ragged_round(bs, drafted, np.asarray(lens, np.int32), -1, int(lens.sum()), buckets=buckets,
                                   **flags)
 
+    def rounds(self, bs: BatchState, count: int, *, sampled: bool, top_k: bool, top_p: bool
+               ) -> tuple[BatchState, RoundOutput]:
+        """Up to ``count`` static rounds in one call (one program per count: ``_rounds_impl``; fewer
+        once no slot is active): the same tokens as ``count`` calls of ``round``, each output
+        stacked on a leading axis [count, ...] (rounds not run emit nothing)."""
+        count = check_int("count", count, lo=1)
+        b, max_len = bs.anchor.shape[0], bs.cache.max_len
+        self._shapes.add(("rounds", b, max_len, sampled, top_k, top_p, count))
+        return self._rounds(self.params, bs, count=count, sampled=sampled, top_k=top_k, top_p=top_p)
+
     def round_lagged(self, bs: BatchState, capacity: int, busy: int, *, sampled: bool, top_k: bool,
                      top_p: bool, buckets: Sequence[int] | None = None) -> tuple[BatchState, RoundOutput]:
         """A ragged round of the lagged scheduler: ``capacity`` drafts in total (decided on the
@@ -684,7 +732,7 @@ class Engine:
         tokens: greedy rows ignore the sampled path, top-k 0 and top-p 1 filter nothing), the
         narrowest such; else exactly the flags needed (compiled on first use)."""
         need = (sampled, top_k, top_p)
-        have = [k[3:6] for k in self._shapes if k[0] in ("round", "verify") and k[1:3] == (slots, max_len)
+        have = [k[3:6] for k in self._shapes if k[0] in ("round", "rounds", "verify") and k[1:3] == (slots, max_len)
                 and all(h >= n for h, n in zip(k[3:6], need))]
         pick = min(have, key=sum) if have else need
         return dict(zip(("sampled", "top_k", "top_p"), pick))
@@ -692,7 +740,7 @@ class Engine:
     def compilations(self) -> int:
         """Number of distinct compiled round functions so far, ragged rounds' draft and verify
         programs included (for recompilation checks)."""
-        return sum(f._cache_size() for f in (self._round, self._draft_step, self._verify_step))
+        return sum(f._cache_size() for f in (self._round, self._rounds, self._draft_step, self._verify_step))
 
     def compiled_programs(self) -> int:
         """Number of distinct compiled programs of every kind (prefill steps, admit, round, the
@@ -700,17 +748,18 @@ class Engine:
         return sum(self.compiled_by_program().values())
 
     def compiled_by_program(self) -> dict[str, int]:
-        """Compiled programs per kind of ``compiled_shapes`` ("prefill", "admit", "round", "draft",
-        "verify", "static_prefill", "static_first"): one per shape called when nothing compiles
-        twice (``place``)."""
-        fns = dict(prefill=self._prefill_rows, admit=self._admit, round=self._round, draft=self._draft_step,
-                   verify=self._verify_step, static_prefill=self._prefill, static_first=self._first)
+        """Compiled programs per kind of ``compiled_shapes`` ("prefill", "admit", "round", "rounds",
+        "draft", "verify", "static_prefill", "static_first"): one per shape called when nothing
+        compiles twice (``place``)."""
+        fns = dict(prefill=self._prefill_rows, admit=self._admit, round=self._round, rounds=self._rounds,
+                   draft=self._draft_step, verify=self._verify_step, static_prefill=self._prefill,
+                   static_first=self._first)
         return {k: f._cache_size() for k, f in fns.items()}
 
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
         rows, chunk) (``prefill_step``), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
-        the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
+        ("rounds", S, L, sampled, top_k, top_p, count) (``rounds``), the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
         schedule) and ("verify", S, L, sampled, top_k, top_p, token bucket), and a static batch's
         ("static_prefill", b, L, chunk) and ("static_first", b, L) (``prefill``)."""
         return frozenset(self._shapes)

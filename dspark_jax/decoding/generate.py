@@ -101,11 +101,11 @@ def _sharded(model: Model, mesh) -> Model:
     return cache[id(mesh)][1]
 
 
-def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16") -> Engine:
+def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16", rounds_per_call: int = 1) -> Engine:
     cache = model.__dict__.setdefault("_engines", {})
-    key = (gamma, drafter, kv_cache)
+    key = (gamma, drafter, kv_cache, rounds_per_call)
     if key not in cache:
-        cache[key] = Engine(model, gamma=gamma, drafter=drafter, kv_layout=kv_cache)
+        cache[key] = Engine(model, gamma=gamma, drafter=drafter, kv_layout=kv_cache, rounds_per_call=rounds_per_call)
     return cache[key]
 
 
@@ -247,7 +247,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
              speculative: bool = True, mesh=None, seed: int = 0, progress: bool = False, kv_cache: str = "bf16",
              drafter=None, slots: int | None = None, context: int | None = None,
              memory_budget: int | None = None, scheduler: str = "static",
-             sps_table: SPSTable | None = None) -> list[Result]:
+             sps_table: SPSTable | None = None, rounds_per_call: int = 1) -> list[Result]:
     """Generate continuations for any number of prompts.
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
@@ -280,6 +280,8 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     (``dspark_jax.decoding.scheduler.SPSTable``, e.g. from ``sps_table``; without one they
     verify everything, with a warning); their ragged rounds run in the table's token buckets
     (``sps_table(..., fine_buckets=k)`` times finer ones). Every scheduler is lossless.
+    rounds_per_call: static rounds handed to the device per call (``Engine``): the host's cost of
+    a call is paid once per that many rounds; the same tokens.
 
     Lossless: sampled output follows the target distribution exactly, and greedy output is the
     argmax of the target's logits at every step. Whether those logits, hence the greedy tokens,
@@ -337,7 +339,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
         slots = slot_count(model, len(ids), context, gamma, kv_cache, memory_budget)
     slots = check_int("slots", slots, lo=1)
     seeds = [sp.seed if sp.seed is not None else (seed * 1_000_003 + i) % (2**31) for i, sp in enumerate(params)]
-    engine = _engine(model, gamma, drafter, kv_cache)
+    engine = _engine(model, gamma, drafter, kv_cache, check_int("rounds_per_call", rounds_per_call, lo=1))
     with CompileWatch() as watch:
         bar = TokenBar([sp.max_new_tokens for sp in params], watch, progress)
         watch.on_start = bar.compiling

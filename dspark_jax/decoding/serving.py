@@ -125,8 +125,9 @@ class RoundDispatcher:
         the state, the round's (device) outputs and the round's index. ``clean``: no prefill since
         the previous round (the time between the two is a round's)."""
         eng = self.engine
-        if self.always_static:
-            bs, res = eng.round(bs, **flags)
+        if self.always_static:  # (rounds_per_call > 1: several rounds in one call, outputs stacked)
+            bs, res = (eng.round(bs, **flags) if eng.rounds_per_call == 1
+                       else eng.rounds(bs, eng.rounds_per_call, **flags))
             program = ("static", None)
         else:  # the lagged capacity from survivals of round t - 2, the newest the host has read
             table, now = self.table, None
@@ -257,16 +258,18 @@ def serve(engine: Engine, ids: list[np.ndarray], params: list[SamplingParams], s
                     out.first[i] = time.perf_counter()
                     take(i, [int(first[j])])
                 continue
-            toks, n_new, acc, conf, verified = unpack_round(arrays, engine.gamma)  # one copy from the device
-            rounds.read(rest[0], rest[1], n_new, conf)
-            for s, i in enumerate(owners):
-                if i < 0 or done[i] or n_new[s] == 0:
-                    continue
-                out.accepts[i].append(int(acc[s]))
-                out.verified[i].append(int(verified[s]))
-                if engine.gamma and track_confidence:
-                    out.confidences[i].append(conf[s])
-                take(i, [int(t) for t in toks[s, :n_new[s]]])
+            host = np.asarray(arrays)  # one copy from the device: a round [slots, w] or a call's rounds [k, slots, w]
+            for packed in (host if host.ndim == 3 else host[None]):
+                toks, n_new, acc, conf, verified = unpack_round(packed, engine.gamma)
+                rounds.read(rest[0], rest[1], n_new, conf)
+                for s, i in enumerate(owners):
+                    if i < 0 or done[i] or n_new[s] == 0:
+                        continue
+                    out.accepts[i].append(int(acc[s]))
+                    out.verified[i].append(int(verified[s]))
+                    if engine.gamma and track_confidence:
+                        out.confidences[i].append(conf[s])
+                    take(i, [int(t) for t in toks[s, :n_new[s]]])
         pending = step
         if on_progress is not None:
             phase = "decode" if any(out.first) else "prefill"
