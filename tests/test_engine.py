@@ -174,7 +174,8 @@ def test_bad_inputs(tiny_f32):
 
 
 def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
-    """Parameters and per-request state spread over 8 devices: the same tokens."""
+    """Parameters and per-request state spread over 8 devices: the same tokens, with one round per
+    call and with four."""
     from dspark_jax.sharding import make_mesh
 
     prompts, truth = greedy_truth
@@ -184,6 +185,9 @@ def test_sharded_generation_equals_unsharded(tiny_f32, greedy_truth):
                               mesh=mesh)
     for r, t in zip(res, truth):
         assert r.tokens == t[:12]
+    several = dspark_jax.generate(prompts, model=tiny_f32, sampling=SamplingParams(max_new_tokens=12, ignore_eos=True),
+                                  mesh=mesh, rounds_per_call=4)  # four rounds per call on the mesh
+    assert [r.tokens for r in several] == [r.tokens for r in res]
     # a pool's state is built by one program straight into its layout on the mesh
     from dspark_jax.decoding.generate import _sharded
     from dspark_jax.sharding import state_shardings

@@ -188,7 +188,7 @@ def test_prefill_chunks_keep_within_the_token_budget():
 class _RecordingEngine:
     """The parts of an Engine a RoundDispatcher calls; records which round program ran."""
 
-    gamma, temperatures = 5, None
+    gamma, temperatures, rounds_per_call = 5, None, 1
 
     def __init__(self):
         self.calls, self.round_times = [], {}
