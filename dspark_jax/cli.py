@@ -61,7 +61,7 @@ def cmd_generate(args) -> int:
     prompts = args.prompt or [_read_prompt()]
     model = _load(args)
     res = dspark_jax.generate(prompts, model=model, sampling=sampling, speculative=not args.no_speculative,
-                              progress=True)
+                              progress=True, rounds_per_call=args.rounds_per_call)
     for r in res:
         print(r.text if r.text is not None else r.tokens)
         s = r.stats
@@ -70,9 +70,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def speed_comparison(model, prompts, sampling, repeats: int = 1, progress: bool = False) -> dict:
+def speed_comparison(model, prompts, sampling, repeats: int = 1, progress: bool = False,
+                     rounds_per_call: int = 1) -> dict:
     """Speculative vs target-only decoding of the same prompts, measured in the same run (the first
-    call of each mode compiles and is not timed). progress: phases and progress bars on stderr."""
+    call of each mode compiles and is not timed). progress: phases and progress bars on stderr.
+    rounds_per_call: ``generate``'s, for both modes."""
     from tqdm.auto import tqdm
 
     import dspark_jax
@@ -82,11 +84,12 @@ def speed_comparison(model, prompts, sampling, repeats: int = 1, progress: bool 
     for name, spec in (("target_only", False), ("dspark", True)):
         if progress:
             print(f"{name}: first call (compiles unless cached)", file=sys.stderr)
-        dspark_jax.generate(prompts, model=model, sampling=sampling, speculative=spec, progress=progress)
+        kw = dict(model=model, sampling=sampling, speculative=spec, rounds_per_call=rounds_per_call)
+        dspark_jax.generate(prompts, progress=progress, **kw)
         times, res = [], None
         for _ in tqdm(range(repeats), desc=f"{name}: timed runs", disable=not progress, unit="run"):
             t0 = time.perf_counter()
-            res = dspark_jax.generate(prompts, model=model, sampling=sampling, speculative=spec)
+            res = dspark_jax.generate(prompts, **kw)
             times.append(time.perf_counter() - t0)
         t = sorted(times)[len(times) // 2]
         n = sum(len(r.tokens) for r in res)
@@ -105,7 +108,8 @@ def cmd_bench(args) -> int:
     print("loading the model", file=sys.stderr)
     model = _load(args)
     prompts = args.prompt or ["def fibonacci(n):", "import os\n\n\ndef main():"]
-    r = speed_comparison(model, prompts, sampling, repeats=args.repeats, progress=True)
+    r = speed_comparison(model, prompts, sampling, repeats=args.repeats, progress=True,
+                         rounds_per_call=args.rounds_per_call)
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict) else v
                for k, v in r.items()}
     print(json.dumps(summary, indent=2))
@@ -165,6 +169,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--dense-copies", action="store_true",
                        help="also hold the checkpoint's FP8 linears dequantised (twice their bytes more memory): "
                             "verify rounds of many requests and prefills multiply by the copies, faster on GPUs")
+        p.add_argument("--rounds-per-call", type=int, default=1, metavar="K",
+                       help="decoding rounds handed to the device per call, up to K (default: %(default)s); "
+                            "the host's cost of a call is paid once per K rounds, the tokens are the same")
         if name == "generate":
             p.add_argument("--no-speculative", action="store_true", help="decode with the target model alone")
         else:

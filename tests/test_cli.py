@@ -48,6 +48,7 @@ def test_help_describes_every_command_and_option():
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "--top-p", "0"], r"top_p must lie in (0, 1], got 0.0"),
+    (["generate", "--prompt", "x", "--rounds-per-call", "0"], "rounds_per_call must be >= 1, got 0"),
     (["generate", "--prompt", "x", "--model", "/nonexistent"], "checkpoint directory '/nonexistent' does not exist"),
     (["convert", "/nonexistent", "/tmp/never-written"], "checkpoint directory '/nonexistent' does not exist"),
 ])
