@@ -759,9 +759,10 @@ class Engine:
     def compiled_shapes(self) -> frozenset[tuple]:
         """The shapes called so far, each (program, slots, cache length, ...): ("prefill", S, L,
         rows, chunk) (``prefill_step``), ("admit", S, L), ("round", S, L, sampled, top_k, top_p),
-        ("rounds", S, L, sampled, top_k, top_p, count) (``rounds``), the two programs of ragged rounds: ("draft", S, L, top_k, top_p, with the confidence
-        schedule) and ("verify", S, L, sampled, top_k, top_p, token bucket), and a static batch's
-        ("static_prefill", b, L, chunk) and ("static_first", b, L) (``prefill``)."""
+        ("rounds", S, L, sampled, top_k, top_p, count) (``rounds``), the two programs of ragged
+        rounds: ("draft", S, L, top_k, top_p, with the confidence schedule) and ("verify", S, L,
+        sampled, top_k, top_p, token bucket), and a static batch's ("static_prefill", b, L, chunk)
+        and ("static_first", b, L) (``prefill``)."""
         return frozenset(self._shapes)
 
 
