@@ -220,9 +220,9 @@ class Engine:
     call of the serving loop (``rounds``: one program looping over the round on the device,
     outputs stacked). The host's cost of a call (every parameter array, per device) is paid once
     per ``rounds_per_call`` rounds; a request that finishes inside a call leaves its slot idle for
-    the call's remaining rounds (the loop stops once no slot is active; a slot freed inside a call
-    takes its next request at the next call). 1 (the default): one round per call. Ragged rounds
-    (the "confidence" and "lagged" schedulers) stay one per call.
+    the call's remaining rounds (they run and emit nothing for it; a slot freed inside a call takes
+    its next request at the next call). 1 (the default): one round per call. Ragged rounds (the
+    "confidence" and "lagged" schedulers) stay one per call.
     """
 
     def __init__(self, model, *, gamma: int, drafter: Drafter | None = None, prefill_chunk: int = PREFILL_CHUNK,
@@ -353,31 +353,16 @@ class Engine:
             return self._accept_commit(model, bs, drafts, q_logits, conf, logits, hid, cache, proc, sampled)
 
     def _rounds_impl(self, params, bs: BatchState, *, count: int, sampled: bool, top_k: bool, top_p: bool):
-        """Up to ``count`` rounds of ``_round_impl`` in one program: a loop on the device (the round
-        compiled once), each round starting from the state the one before committed, that stops
-        early once no slot is active. Outputs stacked [count, ...]; a round not run emits nothing
-        (n_new 0, tokens -1)."""
-        one = functools.partial(self._round_impl, params, sampled=sampled, top_k=top_k, top_p=top_p)
-        shapes = jax.eval_shape(one, bs)[1]
-        stacked = lambda a, fill: jnp.full((count,) + a.shape, fill, a.dtype)  # noqa: E731
-        tokens, n_new, accepted, confidence, verified = (stacked(shapes.tokens, -1), stacked(shapes.n_new, 0),
-                                                         stacked(shapes.accepted, 0), stacked(shapes.confidence, 0),
-                                                         stacked(shapes.verify_lens, 0))
-        empty = RoundOutput(tokens=tokens, n_new=n_new, accepted=accepted, confidence=confidence,
-                            verify_lens=verified, host=jax.vmap(pack_round)(tokens, n_new, accepted, confidence,
-                                                                            verified))
+        """``count`` rounds of ``_round_impl`` in one program: a loop of a known trip count on the
+        device (``lax.scan``: the round compiled once), each round starting from the state the one
+        before committed; outputs stacked [count, ...]. The loop never stops early: a stopping test
+        would be a device value the host reads at every round (XLA's GPU runtime copies a while
+        loop's predicate to the host each iteration unless its trip count is known), which would
+        make the call wait for the device. Rounds after every slot has finished emit nothing."""
+        def one(state, _):
+            return self._round_impl(params, state, sampled=sampled, top_k=top_k, top_p=top_p)
 
-        def more(carry):
-            i, state, _ = carry
-            return (i < count) & jnp.any(state.active)
-
-        def step(carry):
-            i, state, outs = carry
-            state, out = one(state)
-            return i + 1, state, jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
-
-        _, bs, outs = jax.lax.while_loop(more, step, (jnp.int32(0), bs, empty))
-        return bs, outs
+        return jax.lax.scan(one, bs, None, length=count)
 
     def _draft_impl(self, params, bs: BatchState, sps_tokens, sps_steps, *, top_k: bool, top_p: bool,
                     schedule: bool):
@@ -667,9 +652,8 @@ class Engine:
 
     def rounds(self, bs: BatchState, count: int, *, sampled: bool, top_k: bool, top_p: bool
                ) -> tuple[BatchState, RoundOutput]:
-        """Up to ``count`` static rounds in one call (one program per count: ``_rounds_impl``; fewer
-        once no slot is active): the same tokens as ``count`` calls of ``round``, each output
-        stacked on a leading axis [count, ...] (rounds not run emit nothing)."""
+        """``count`` static rounds in one call (one program per count: ``_rounds_impl``): the same
+        tokens as ``count`` calls of ``round``, each output stacked on a leading axis [count, ...]."""
         count = check_int("count", count, lo=1)
         b, max_len = bs.anchor.shape[0], bs.cache.max_len
         self._shapes.add(("rounds", b, max_len, sampled, top_k, top_p, count))
