@@ -416,3 +416,22 @@ def test_compiler_options_reach_the_programs(tiny_f32):
         bad.round(bad.init_slots(2, 64), sampled=False, top_k=False, top_p=False)
     with pytest.raises(ValueError, match="compiler_options must be a dict"):
         Engine(tiny_f32, gamma=GAMMA, compiler_options="CONCURRENT")
+
+
+def test_several_rounds_per_call_carry_the_state_in_place_at_flash_dims():
+    """A 4-layer DeepSeek-V4-Flash slice (window, C4 and C128 layers; FP8 weights, fp8 KV pools),
+    8 slots of 8,192 tokens, compiled from abstract arrays (XLA's CPU reference path): the program
+    looping over 3 rounds returns the whole donated state in its input buffers like the one-round
+    program, copies no large array the one-round program does not (no cache or weight copied per
+    round), and its temporaries stay within 2 % of the one-round program's."""
+    from benchmarks.rounds_memory import measure
+
+    rows = measure(4, 8, 8192, (1, 3))
+    for mode in ("target", "dspark"):
+        one, three = (next(r for r in rows if r["mode"] == mode and r["rounds_per_call"] == k) for k in (1, 3))
+        assert one["state_mb"] > 20  # the caches are in the state
+        assert three["alias_mb"] == one["alias_mb"] == one["state_mb"]
+        assert one["large_copies"]  # (the listing finds copies: activations of the reference path)
+        assert all(n <= one["large_copies"].get(shape, 0) for shape, n in three["large_copies"].items()), (
+            three["large_copies"], one["large_copies"])
+        assert abs(three["temp_mb"] - one["temp_mb"]) <= 0.02 * one["temp_mb"]
