@@ -103,14 +103,16 @@ def child(args) -> None:
             profile = DEFAULT_PROFILE if (mode == "dspark" and name != "shipped") else None
             eng = Engine(model, gamma=gamma, accept_profile=profile,
                          compiler_options={} if args.variant == "xla_order" else None)
-            growth = (gamma + 1) * (2 * n + 3) + 128  # the tokens of one repeat's rounds (each starts afresh)
+            ks = [int(v) for v in args.rounds_per_call.split(",")]
+            rounds = max((2 * max(1, n // k) + max(1, 3 // k)) * k for k in ks)  # of one repeat (each starts afresh)
+            growth = (gamma + 1) * rounds + 128  # their tokens
             limit = model.config.max_position_embeddings + MAX_VERIFY_TOKENS
             context = min(args.context, limit - growth)  # the shipped model stops at 1024 positions
             if context < 1:
                 raise ValueError(f"{name}: 2 x {n} rounds do not fit its {limit} positions")
             start = at_context(random_state(eng, 1, context + growth, seed=0), context)
             fresh = lambda: jax.tree.map(jnp.copy, start)  # noqa: E731
-            for k in (int(v) for v in args.rounds_per_call.split(",")):  # rounds per call: ms below are per round
+            for k in ks:  # rounds per call: the ms below are per round
                 flags = dict(sampled=False, top_k=False, top_p=False)
                 t0 = time.perf_counter()
                 fn = (eng._round.lower(eng.params, start, **flags) if k == 1
