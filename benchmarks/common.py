@@ -112,3 +112,21 @@ def apply_split_option(args) -> int:
         gm.SPLIT_TARGET_PROGRAMS = args.split_programs
     return gm.SPLIT_TARGET_PROGRAMS
 
+
+def with_moe_one_row(model, value: str):
+    """The same model (the same arrays) with ``MoE.one_row = value`` in every MoE layer (how a
+    one-token step starts its router and shared expert; ``dspark_jax.model.moe.ONE_ROW``): a new
+    ``dspark_jax.Model``."""
+    from flax import nnx
+
+    import dspark_jax
+    from dspark_jax.model.moe import ONE_ROW, MoE
+
+    if value not in ONE_ROW:
+        raise ValueError(f"MoE.one_row must be one of {ONE_ROW}, got {value!r}")
+    module = nnx.merge(*nnx.split(model.module))
+    for _, mod in nnx.iter_graph(module):
+        if isinstance(mod, MoE):
+            mod.one_row = value
+    return dspark_jax.Model(module, tokenizer=model.tokenizer, sts_temperatures=model.sts_temperatures,
+                            path=model.path)

@@ -90,7 +90,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax
-from benchmarks.common import add_split_option, apply_split_option, ceilings, environment, out_dir, write_json
+from benchmarks.common import (add_split_option, apply_split_option, ceilings, environment, out_dir, with_moe_one_row,
+                               write_json)
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from pallas_kernels import grouped_matmul as gm, kv_fp8
@@ -555,6 +556,7 @@ def main(argv=None):
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn): fused = hc_pre + norm and hc_post + hc_pre + "
                          "norm as two Pallas launches each")
+    ap.add_argument("--moe-one-row", default="", help="MoE.one_row (xla, select, shared; default: the model's)")
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "
                          "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
@@ -631,6 +633,8 @@ def main(argv=None):
                     models[depth] = dspark_jax.with_dense_copies(models[depth])
                 if args.sinkhorn != "auto":
                     models[depth] = dspark_jax.with_numerics(models[depth], sinkhorn=args.sinkhorn)
+                if args.moe_one_row:
+                    models[depth] = with_moe_one_row(models[depth], args.moe_one_row)
                 print(f"{w}: {depth}-layer slice initialised in {time.perf_counter() - t0:.1f} s "
                       f"({models[depth].weight_bytes / 2**30:.1f} GiB)", flush=True)
             for b, alloc_ctx, ctxs in groups:

@@ -494,14 +494,6 @@ def build(args):
     model = dspark_jax.init(cfg, 0, dtype=jnp.bfloat16, weight_format=args.weights, quant_sim=True)
     if args.sinkhorn != "auto":
         model = dspark_jax.with_numerics(model, sinkhorn=args.sinkhorn)
-    if args.one_row_select:
-        from flax import nnx
-
-        from dspark_jax.model.moe import Gate
-
-        for _, mod in nnx.iter_modules(model):
-            if isinstance(mod, Gate):
-                mod.one_row_select = True
     return dspark_jax.with_dense_copies(model) if args.dense_copies else model
 
 
@@ -573,7 +565,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     with profiler_trace(trace_dir):
         bs, traced = timed_rounds(bs)
     out["traced_wall_ms"] = 1e3 * float(np.mean(traced))
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    files = sorted(glob.glob(os.path.join(glob.escape(trace_dir), "**", "*.xplane.pb"), recursive=True))
     if not files:
         out["error"] = f"no .xplane.pb written under {trace_dir}"
         return out
@@ -658,7 +650,8 @@ def plot(results: list[dict], path: str, title: str):
 
 
 def main():
-    from benchmarks.common import add_split_option, apply_split_option, ceilings, environment, out_dir, write_json
+    from benchmarks.common import (add_split_option, apply_split_option, ceilings, environment, out_dir,
+                                   with_moe_one_row, write_json)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -679,8 +672,9 @@ def main():
                     help="hold the FP8 linears also dequantised (dspark_jax.with_dense_copies)")
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn; fused: the hc_fused kernels)")
-    ap.add_argument("--one-row-select", action="store_true",
-                    help="the routers of one-token steps as gemv's partial sums + routing.select (Gate.one_row_select)")
+    ap.add_argument("--moe-one-row", default="",
+                    help="comma list of MoE.one_row values (xla, select, shared) to profile one after the other in "
+                         "this process (default: the model's); results named mode[value]")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
@@ -704,7 +698,7 @@ def main():
             "experts": cfg.n_routed_experts,
             "batch": args.batch, "context": args.context, "rounds": args.rounds, "weights": args.weights,
             "kv_layout": args.kv_layout, "prefill": args.prefill, "smoke": args.smoke,
-            "one_row_select": args.one_row_select,
+            "moe_one_row": args.moe_one_row,
             "weight_bytes": model.weight_bytes, "init_s": time.time() - t0}
     print(info, flush=True)
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="dspark_profile_")
@@ -714,13 +708,21 @@ def main():
         done = results + ([partial] if partial is not None else [])
         write_json(f"{args.name}.json", {"env": env, "ceilings": ceil, "config": info, "results": done})
 
-    for name in args.modes.split(","):
-        gamma = 0 if name == "target" else cfg.dspark.block_size
-        results.append(profile_mode(model, name, gamma, args, ceil, trace_root, save))
-        save()
-    if len(results) == 2 and "wall_ms" in results[0] and "wall_ms" in results[1]:
-        print("dspark round / target step (untraced):", round(results[1]["wall_ms"] / results[0]["wall_ms"], 3),
-              flush=True)
+    variants = args.moe_one_row.split(",") if args.moe_one_row else [None]
+    base = model
+    for variant in variants:
+        model = base if variant is None else with_moe_one_row(base, variant)
+        for mode in args.modes.split(","):
+            gamma = 0 if mode == "target" else cfg.dspark.block_size
+            name = mode if variant is None else f"{mode}[{variant}]"
+            results.append(profile_mode(model, name, gamma, args, ceil, trace_root, save))
+            save()
+    for variant in variants:
+        tag = "" if variant is None else f"[{variant}]"
+        wall = {r["mode"]: r.get("wall_ms") for r in results}
+        if wall.get("target" + tag) and wall.get("dspark" + tag):
+            print(f"dspark round / target step (untraced){tag}:", round(wall["dspark" + tag] / wall["target" + tag], 3),
+                  flush=True)
     profiled = [r for r in results if "components" in r]
     if profiled:
         plot(profiled, os.path.join(out_dir(), f"{args.name}.png"),

@@ -192,7 +192,10 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     assert SMALL.compress_ratios == (0, 4, 128)
     q = "_q" if quant_sim else ""
     assert (count(f"gemv_fp8{q}_x2"), count(f"gemv_fp8_bf16{q}_x7"), count(f"gemv_fp8_bf16{q}_x4")) == (1, 1, 1), names
-    assert count("gemv_bf16") == len(SMALL.compress_ratios), names  # the routers'
+    # the routers' products with the shared experts' w1 / w3 (``MoE.one_row`` "shared"), the selection after them
+    routers = (count(f"gemv_bf16_fp8{q}_x3"), count("gemv_bf16"), count("router_select"))
+    assert routers == (len(SMALL.compress_ratios),) * 3, names
+    assert count("gemv_fp8_q_swiglu") == 0, names
     layers = len(SMALL.compress_ratios)
     assert count("rms_norms_x1") == layers, names  # q_norm of the partial sums
     # the queries' head norm + RoPE inside the attention kernel (``q_rope``): no launch of their own

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dspark_jax import config
 from dspark_jax.model.common import Numerics
-from dspark_jax.model.moe import PAIR_TILES_MAX, Gate, MoE, SharedExpert, grouped_experts
+from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, SharedExpert, grouped_experts
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering, pair_experts, routing
 from pallas_kernels.gemv import ONE_GROUP, GemvConfig, Partials, gemv_many
@@ -97,24 +97,48 @@ def test_select_on_gemv_partials_matches_reference(xdt, func, learned):
 
 
 @pytest.mark.parametrize("hash_routing", [False, True])
-def test_gate_at_one_row_is_gemv_then_select(hash_routing):
-    """The model's gate at one token on the Pallas path with ``one_row_select``: two launches (the
-    product's partial sums, the selection), the XLA path's experts and weights."""
-    cfg = dataclasses.replace(config.tiny(), hidden_size=256, n_routed_experts=64, num_experts_per_tok=6)
-    gate = Gate(cfg, hash_routing, Numerics(kernels="pallas"), rngs=nnx.Rngs(3))
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 256)), jnp.bfloat16)
-    ids = jnp.asarray([7], jnp.int32)
-    names = lambda: [n for n, _ in pallas_calls(jax.make_jaxpr(lambda x: gate(x, ids))(x).jaxpr)]  # noqa: E731
-    assert names() == ["gemv_bf16"]  # opt-in: by default the product alone, the rest in XLA
-    gate.one_row_select = True
+def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
+    """A one-token MoE step on the Pallas path under each ``MoE.one_row``: "xla" (the router's
+    ``gemv``, the selection in XLA, the shared expert's ``gemv_swiglu``), "select" (the selection
+    from ``gemv``'s partial sums in one launch) and "shared" (the router and the shared expert's
+    w1 / w3 in one ``gemv_many`` launch): their launches, the same experts, and outputs within the
+    bf16 tolerance of the "xla" path (only the float32 sums' order differs)."""
+    cfg = dataclasses.replace(config.tiny(), hidden_size=256, n_routed_experts=64, num_experts_per_tok=6,
+                              moe_intermediate_size=128)
+    num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
+    moe = MoE(cfg, hash_routing, num, rngs=nnx.Rngs(3))
     if not hash_routing:
-        gate.bias[...] = jnp.asarray(np.random.default_rng(4).standard_normal(64) * 0.1, jnp.float32)
-    assert len(names()) == 2 and names()[0].startswith("gemv_bf16") and names()[1] == "router_select", names()
-    got_w, got_i = gate(x, ids)
-    gate.num = Numerics(kernels="xla")
-    want_w, want_i = gate(x, ids)
-    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-    np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+        moe.gate.bias[...] = jnp.asarray(np.random.default_rng(4).standard_normal(64) * 0.1, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 1, 256)), jnp.bfloat16)
+    ids = jnp.asarray([[7]], jnp.int32)
+    assert moe.one_row == "shared"  # the default
+    got = {}
+    for path in ("xla", "select", "shared"):
+        moe.one_row = path
+        graphdef, state = nnx.split(moe)
+        jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, ids))(state, x)
+        kernels = [o[len("pallas:"):] for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
+        routing_w, experts, _ = moe._route(x.reshape(1, -1), ids.reshape(-1))
+        got[path] = (kernels, np.asarray(routing_w), np.asarray(experts), np.asarray(moe(x, ids), np.float32))
+    kernels = {path: got[path][0] for path in got}
+    assert kernels["xla"][0].startswith("gemv_bf16") and "router_select" not in kernels["xla"], kernels
+    assert kernels["select"][:2] == [kernels["xla"][0], "router_select"], kernels
+    assert kernels["select"][2:] == kernels["xla"][1:], kernels  # the rest as before
+    swiglu = [k for k in kernels["xla"] if k.startswith("gemv_fp8_q_swiglu")]
+    assert len(swiglu) == 1, kernels
+    assert kernels["shared"][0].startswith("gemv_bf16_fp8_q_x3") and kernels["shared"][1] == "router_select", kernels
+    assert swiglu[0] not in kernels["shared"] and len(kernels["shared"]) == len(kernels["xla"]), kernels
+    want_w, want_i, want_y = got["xla"][1:]
+    scale = np.abs(want_y).max()
+    assert scale > 0 and np.isfinite(want_y).all()
+    for path in ("select", "shared"):
+        _, w, i, y = got[path]
+        np.testing.assert_array_equal(i, want_i)
+        np.testing.assert_allclose(w, want_w, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(y, want_y, rtol=1e-2, atol=1e-3 * scale)
+    moe.one_row = "fused"
+    with pytest.raises(ValueError, match="MoE.one_row must be one of"):
+        moe(x, ids)
 
 
 def _weights(rng, fmt, e, d, i):

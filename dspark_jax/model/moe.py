@@ -24,6 +24,7 @@ from pallas_kernels.routing import gate_weights, route_scores
 # (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6); on the
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
+ONE_ROW = ("xla", "select", "shared")  # MoE.one_row
 
 
 class Gate(nnx.Module):
@@ -36,27 +37,42 @@ class Gate(nnx.Module):
             self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
         self.hash_routing, self.cfg, self.num = hash_routing, cfg, num
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: the top-k then runs per device
-        # One token on the Pallas path (no mesh): the product's partial sums (``gemv``), then the
-        # selection kernel (``routing.select``), two launches where XLA takes the product and two
-        # fusions. Opt-in (True to use it) until timed on a GPU.
-        self.one_row_select = False
+
+    def _opts(self) -> dict:
+        cfg = self.cfg
+        return dict(func=cfg.scoring_func, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+
+    def _selection(self, ids: Int[Array, " n"]) -> tuple[Array | None, Array | None]:
+        """(selection bias, hashed expert indices): one of them is None."""
+        if self.hash_routing:
+            return None, self.tid2eid[...][ids]
+        return self.bias[...], None
+
+    def weights(self) -> gm.Weights:
+        """The router's weight [E, D] as one group of the kernels' dense weights."""
+        return gm.Weights(self.weight[...][None], None, "dense")
+
+    def one_row(self, x: Float[Array, "n d"]) -> bool:
+        """Whether the product at x runs as ``gemv`` (one row, a bf16 weight, the Pallas path, no
+        mesh): its partial sums can then go to ``select``."""
+        return self.mesh is None and one_row_dense(x, self.weight[...], self.num.kernel_impl())
+
+    def select(self, logits: gemv.Partials, ids: Int[Array, " n"]) -> tuple[Array, Int[Array, "n k"]]:
+        """Routing weights and experts from the product's float32 partial sums (``gemv`` with
+        ``partials``) in one launch (``routing.select``), where XLA takes two fusions."""
+        bias, idx = self._selection(ids)
+        return routing.select(logits, bias, idx, top_k=self.cfg.num_experts_per_tok, **self._opts())
 
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"], *, kernel: bool = False
                  ) -> tuple[Array, Int[Array, "n k"]]:
         """Routing weights [n, k] (fp32) and expert indices [n, k]. ``kernel``: through the Pallas
         router kernels (``pallas_kernels.routing``; no mesh); else XLA after the product (one row
-        on the Pallas path: ``gemv``, with ``one_row_select`` followed by ``routing.select``)."""
-        cfg = self.cfg
-        opts = dict(func=cfg.scoring_func, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-        idx = self.tid2eid[...][ids] if self.hash_routing else None
-        bias = None if self.hash_routing else self.bias[...]
+        on the Pallas path: ``gemv``)."""
+        cfg, opts = self.cfg, self._opts()
+        bias, idx = self._selection(ids)
         if kernel:
             return routing.kernel(x, self.weight[...], bias, idx, top_k=cfg.num_experts_per_tok, **opts)
         impl = self.num.kernel_impl() if self.mesh is None else "xla"
-        if self.one_row_select and one_row_dense(x, self.weight[...], impl):
-            parts = gemv.gemv_many(x, (gm.Weights(self.weight[...][None], None, "dense"),), gemv.ONE_GROUP,
-                                   out_dtype=jnp.float32, partials=(True,))[0]
-            return routing.select(parts, bias, idx, top_k=cfg.num_experts_per_tok, **opts)
         scores = route_scores(matmul_f32(x, self.weight[...], impl), cfg.scoring_func)
         if idx is None:
             idx = per_request(lambda sc: jax.lax.top_k(sc, cfg.num_experts_per_tok)[1], self.mesh, scores + bias)
@@ -85,6 +101,12 @@ class SharedExpert(nnx.Module):
         else:
             h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
+
+    def down(self, g: gemv.Partials, u: gemv.Partials, dtype) -> Float[Array, "n d"]:
+        """w2 of the SwiGLU of w1's and w3's float32 partial sums (``gemv`` with ``partials``):
+        the products rounded to ``dtype`` (the activations'), then the SwiGLU as the fused
+        kernel's."""
+        return self.w2(swiglu(g.total(dtype), u.total(dtype), self.limit).astype(dtype))
 
     def weights(self) -> tuple[gm.Weights, gm.Weights, gm.Weights]:
         """w1, w2, w3 as one-group weights of the grouped matmul's formats."""
@@ -248,6 +270,14 @@ class MoE(nnx.Module):
         if impl == "auto":
             impl = "dense" if cfg.n_routed_experts <= 16 else "grouped"
         self.impl = impl
+        # How a one-token step on the Pallas path (no mesh) starts (``ONE_ROW``): "xla" (the router's
+        # product as ``gemv``, the selection in XLA's fusions; the shared expert's w1 / w3 as
+        # ``gemv_swiglu``), "select" (the selection from the product's partial sums in one launch,
+        # ``Gate.select``), "shared" (the router's product and the shared expert's w1 / w3 in one
+        # ``gemv_many`` launch, their partial sums to ``Gate.select`` and ``SharedExpert.down``):
+        # two launches fewer per layer than "xla"; on an H200 the 43-layer batch-1 step estimate
+        # 7.78-7.90 ms against 8.11-8.39 for "xla" (docs/benchmarks.md, 2026-12-05).
+        self.one_row = "shared"
         # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
         # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
         # (one Flash layer at 1 token: 283 us against 189 us, docs/benchmarks.md).
@@ -274,10 +304,28 @@ class MoE(nnx.Module):
             w, idx = self.gate(xf, ids.reshape(-1), kernel=True)
             y = self.experts.pairs(xf, w, idx, shared=self.shared_experts.weights(), out_dtype=x.dtype)
             return y.reshape(shape)
-        w, idx = self.gate(xf, ids.reshape(-1))
+        w, idx, shared = self._route(xf, ids.reshape(-1))
         if self.impl == "grouped":
             routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]))
         else:
             routed = self.experts.dense(xf, w, idx)
-        y = routed + self.shared_experts(xf).astype(jnp.float32)
+        if shared is None:
+            shared = self.shared_experts(xf)
+        y = routed + shared.astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
+
+    def _route(self, xf: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Array, Array | None]:
+        """(routing weights, experts, the shared expert's output or None: not computed yet), as
+        ``one_row`` says at one token."""
+        gate, se = self.gate, self.shared_experts
+        if self.one_row not in ONE_ROW:
+            raise ValueError(f"MoE.one_row must be one of {ONE_ROW}, got {self.one_row!r}")
+        if self.one_row == "xla" or not gate.one_row(xf):
+            return *gate(xf, ids), None
+        if self.one_row == "shared" and se.w1.takes_gemv(xf) and se.w3.takes_gemv(xf):
+            logits, g, u = gemv.gemv_many(xf, (gate.weights(), se.w1.grouped_weights(), se.w3.grouped_weights()),
+                                          gemv.ONE_GROUP, quantise=(False, se.w1.fp8_act, se.w3.fp8_act),
+                                          out_dtype=jnp.float32, partials=(True, True, True))
+            return *gate.select(logits, ids), se.down(g, u, xf.dtype)
+        logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
+        return *gate.select(logits, ids), None
