@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from dspark_jax.decoding.generate import ROUNDS_PER_CALL
+
 DESCRIPTION = """DeepSeek-V4 with DSpark speculative decoding (JAX / Flax NNX / Pallas).
 
 Without --model, generate and bench use the small DeepSeek-V4 + DSpark pair shipped in
@@ -71,7 +73,7 @@ def cmd_generate(args) -> int:
 
 
 def speed_comparison(model, prompts, sampling, repeats: int = 1, progress: bool = False,
-                     rounds_per_call: int = 1) -> dict:
+                     rounds_per_call: int = ROUNDS_PER_CALL) -> dict:
     """Speculative vs target-only decoding of the same prompts, measured in the same run (the first
     call of each mode compiles and is not timed). progress: phases and progress bars on stderr.
     rounds_per_call: ``generate``'s, for both modes."""
@@ -169,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--dense-copies", action="store_true",
                        help="also hold the checkpoint's FP8 linears dequantised (twice their bytes more memory): "
                             "verify rounds of many requests and prefills multiply by the copies, faster on GPUs")
-        p.add_argument("--rounds-per-call", type=int, default=1, metavar="K",
+        p.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL, metavar="K",
                        help="decoding rounds handed to the device per call, up to K (default: %(default)s); "
                             "the host's cost of a call is paid once per K rounds, the tokens are the same")
         if name == "generate":

@@ -27,13 +27,14 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     called, and a second call and the runs alone compile nothing."""
     shipped = gen.default_model()  # a Model of its own: engines of its own, whichever tests ran before
     model = dspark_jax.Model(shipped.module, tokenizer=shipped.tokenizer, sts_temperatures=shipped.sts_temperatures)
-    eng = gen._engine(model, model.config.dspark.block_size, None)
+    eng = gen._engine(model, model.config.dspark.block_size, None, "bf16", 1)  # one round per call: logged below
     monkeypatch.setattr(eng, "prefill_chunk", CHUNK)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 2000, n).tolist() for n in (9, 40, 5, 14, 12, 7)]
 
     def run(prompts, params):
-        return dspark_jax.generate(prompts, model=model, sampling=params, slots=SLOTS, context=CONTEXT)
+        return dspark_jax.generate(prompts, model=model, sampling=params, slots=SLOTS, context=CONTEXT,
+                                   rounds_per_call=1)
 
     # a first call without stops: it compiles the pool's programs and shows what the requests say
     first_params = [SamplingParams(max_new_tokens=24, ignore_eos=True),
@@ -101,7 +102,7 @@ def test_continuous_batching_equals_each_request_alone(monkeypatch):
     gamma = model.config.dspark.block_size
     table = SPSTable(tokens=(8, SLOTS * (gamma + 1)), steps_per_s=(10.0, 6.0), static_steps_per_s=7.0)
     lagged = dspark_jax.generate(prompts, model=model, sampling=params, slots=SLOTS, context=CONTEXT,
-                                 scheduler="lagged", sps_table=table)
+                                 scheduler="lagged", sps_table=table, rounds_per_call=1)
     for sp, r, ref in zip(params, lagged, batch):
         assert r.finish_reason == ref.finish_reason and (r.tokens == ref.tokens if sp.temperature == 0 else
                                                          len(r.tokens) == len(ref.tokens))
@@ -266,11 +267,11 @@ def test_schedulers_fall_back_to_the_static_round_when_ragged_rounds_run_slower_
 
 
 def test_several_rounds_per_call_give_the_same_tokens():
-    """``rounds_per_call=3``: the host hands the device three static rounds per call. Three
-    requests through two slots (greedy with a stop token id, sampled with top-p, greedy with 150
-    new tokens: its window ring wraps) give the tokens and finish reasons of one round per call;
-    requests that finish inside a call keep nothing of its later rounds; the engine compiled the
-    three-round program and no one-round program."""
+    """``generate``'s default ``rounds_per_call`` (4): the host hands the device four static rounds
+    per call. Three requests through two slots (greedy with a stop token id, sampled with top-p,
+    greedy with 150 new tokens: its window ring wraps) give the tokens and finish reasons of one
+    round per call; requests that finish inside a call keep nothing of its later rounds; the
+    engine compiled the four-round program and no one-round program."""
     shipped = gen.default_model()
     model = dspark_jax.Model(shipped.module, tokenizer=shipped.tokenizer, sts_temperatures=shipped.sts_temperatures)
     rng = np.random.default_rng(8)
@@ -279,24 +280,26 @@ def test_several_rounds_per_call_give_the_same_tokens():
               SamplingParams(max_new_tokens=150, ignore_eos=True),
               SamplingParams(max_new_tokens=13, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)]
 
-    def run(params, k):
-        return dspark_jax.generate(prompts, model=model, sampling=params, slots=2, context=CONTEXT, rounds_per_call=k)
+    def run(params, k=None):  # None: generate's default
+        kw = {} if k is None else dict(rounds_per_call=k)
+        return dspark_jax.generate(prompts, model=model, sampling=params, slots=2, context=CONTEXT, **kw)
 
     one = run(params, 1)
     stop_tok = one[0].tokens[9]
     params[0] = dataclasses.replace(params[0], stop=(stop_tok,))
-    one, three = run(params, 1), run(params, 3)
+    one, four = run(params, 1), run(params)
     assert one[0].finish_reason == "stop" and len(one[0].tokens) <= 9
     assert len(prompts[1]) + len(one[1].tokens) > model.config.sliding_window  # the window ring wrapped
-    for a, b in zip(one, three):
+    for a, b in zip(one, four):
         assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
         assert b.stats["rounds"] == a.stats["rounds"]
         assert b.stats["accept_length_histogram"] == a.stats["accept_length_histogram"]
     assert sum(one[1].stats["accept_length_histogram"][2:]) > 0  # rounds that accepted two drafts or more
-    eng = gen._engine(model, model.config.dspark.block_size, None, "bf16", 3)
+    assert gen.ROUNDS_PER_CALL == 4
+    eng = gen._engine(model, model.config.dspark.block_size, None, "bf16", 4)
     kinds = {k[0] for k in eng.compiled_shapes()}
     assert "rounds" in kinds and "round" not in kinds
-    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "rounds"} == {3}
+    assert {k[-1] for k in eng.compiled_shapes() if k[0] == "rounds"} == {4}
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "3"])

@@ -221,7 +221,8 @@ class Engine:
     outputs stacked). The host's cost of a call (every parameter array, per device) is paid once
     per ``rounds_per_call`` rounds; a request that finishes inside a call leaves its slot idle for
     the call's remaining rounds (they run and emit nothing for it; a slot freed inside a call takes
-    its next request at the next call). 1 (the default): one round per call. Ragged rounds (the
+    its next request at the next call). 1 (the default here; ``generate`` takes
+    ``generate.ROUNDS_PER_CALL``): one round per call. Ragged rounds (the
     "confidence" and "lagged" schedulers) stay one per call.
     """
 

@@ -101,7 +101,16 @@ def _sharded(model: Model, mesh) -> Model:
     return cache[id(mesh)][1]
 
 
-def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16", rounds_per_call: int = 1) -> Engine:
+# Static rounds ``generate`` hands the device per call by default. The shipped model through
+# ``generate`` on an H200 (docs/benchmarks.md, 2026-12-05): target-only 1.56 / 0.80 / 0.48 ms
+# per round at 1 / 2 / 4, DSpark 1.54 / 1.05 / 0.92 ms; on this project's 2-core CPU 1.14-1.26x
+# (target-only) and 1.07-1.15x (DSpark) faster per round at 4 than at 1. A request that finishes
+# inside a call leaves its slot idle for the call's remaining rounds (at most 3).
+ROUNDS_PER_CALL = 4
+
+
+def _engine(model: Model, gamma: int, drafter, kv_cache: str = "bf16",
+            rounds_per_call: int = ROUNDS_PER_CALL) -> Engine:
     cache = model.__dict__.setdefault("_engines", {})
     key = (gamma, drafter, kv_cache, rounds_per_call)
     if key not in cache:
@@ -122,7 +131,7 @@ def sps_table(model=None, *, slots: int, context: int, kv_cache: str = "bf16", r
     if model.config.dspark is None:
         raise InputError("this checkpoint has no DSpark drafter (no mtp.* stages): nothing to schedule")
     check_kv_cache(kv_cache)
-    engine = _engine(model, model.config.dspark.block_size, None, kv_cache)
+    engine = _engine(model, model.config.dspark.block_size, None, kv_cache, 1)
     return profile_sps(engine, check_int("slots", slots, lo=1), check_int("context", context, lo=1), repeats=repeats,
                        fine_buckets=check_int("fine_buckets", fine_buckets, lo=0))
 
@@ -247,7 +256,7 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
              speculative: bool = True, mesh=None, seed: int = 0, progress: bool = False, kv_cache: str = "bf16",
              drafter=None, slots: int | None = None, context: int | None = None,
              memory_budget: int | None = None, scheduler: str = "static",
-             sps_table: SPSTable | None = None, rounds_per_call: int = 1) -> list[Result]:
+             sps_table: SPSTable | None = None, rounds_per_call: int = ROUNDS_PER_CALL) -> list[Result]:
     """Generate continuations for any number of prompts.
 
     prompts: a string or token-id list, or a list of them. model: a ``Model``, a checkpoint
@@ -280,8 +289,11 @@ def generate(prompts, *, model=None, sampling: SamplingParams | Sequence[Samplin
     (``dspark_jax.decoding.scheduler.SPSTable``, e.g. from ``sps_table``; without one they
     verify everything, with a warning); their ragged rounds run in the table's token buckets
     (``sps_table(..., fine_buckets=k)`` times finer ones). Every scheduler is lossless.
-    rounds_per_call: static rounds handed to the device per call (``Engine``): the host's cost of
-    a call is paid once per that many rounds; the same tokens.
+    rounds_per_call: static rounds handed to the device per call (``Engine``; default
+    ``ROUNDS_PER_CALL`` = 4): the host's cost of a call is paid once per that many rounds; the
+    same tokens. A request that finishes inside a call leaves its slot idle for the call's
+    remaining rounds (1: one round per call). Ragged rounds (the "confidence" and "lagged"
+    schedulers) run one per call.
 
     Lossless: sampled output follows the target distribution exactly, and greedy output is the
     argmax of the target's logits at every step. Whether those logits, hence the greedy tokens,
