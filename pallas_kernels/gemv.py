@@ -73,11 +73,51 @@ class Partials:
         return Partials(self.parts.reshape(self.parts.shape[0], *shape))
 
 
-def total(y: Array | Partials, dtype=None) -> Array:
-    """``y`` as one array (the sum of a ``Partials``' parts), in ``dtype`` (default: float32 for
-    partials, y's own for an array)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ExpertRows:
+    """A MoE layer's output left as its terms, for a consumer kernel that adds them as it loads them
+    (mHC's expansion, ``pallas_kernels.hc_fused``) instead of an XLA launch adding them first.
+    Token t's output is ``sum_j rows[(t k + j) stride]`` over its k routed experts (the w2 kernel's
+    rows in the activations' ``dtype``, one pair per tile of ``stride`` rows:
+    ``group_metadata.pair_tiles``), added in order in float32, plus ``extra`` (the shared expert's
+    w2 as its ``Partials``, their sum rounded to ``dtype``, or an array), the whole rounded to
+    ``dtype``: the roundings of ``model.moe.MoE``'s sum. ``shape``: the output's [..., d]."""
+
+    rows: Array
+    extra: Partials | Array
+    k: int = dataclasses.field(metadata=dict(static=True), default=1)
+    stride: int = dataclasses.field(metadata=dict(static=True), default=1)
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    def routed(self) -> Float[Array, "t k d"]:
+        """Each token's k rows as float32 [T, k, d]."""
+        d = self.rows.shape[-1]
+        return self.rows.reshape(-1, self.stride, d)[:, 0].astype(jnp.float32).reshape(-1, self.k, d)
+
+    def total(self, dtype=None) -> Array:
+        rows = self.routed()
+        acc = rows[:, 0]
+        for j in range(1, self.k):  # in order, as the consumer kernels add them
+            acc = acc + rows[:, j]
+        acc = acc + total(self.extra, self.dtype).reshape(acc.shape).astype(jnp.float32)
+        return acc.astype(self.dtype).astype(dtype or self.dtype).reshape(self.shape)
+
+    def reshape(self, *shape: int) -> "ExpertRows":
+        return dataclasses.replace(self, shape=tuple(shape))
+
+
+def total(y: Array | Partials | ExpertRows, dtype=None) -> Array:
+    """``y`` as one array (the sum of a ``Partials``' parts or of ``ExpertRows``' terms), in
+    ``dtype`` (default: float32 for partials, y's own for an array or expert rows)."""
     if isinstance(y, Partials):
         return y.total(dtype or jnp.float32)
+    if isinstance(y, ExpertRows):
+        return y.total(dtype)
     return y if dtype is None else y.astype(dtype)
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import jax
@@ -65,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend
-from pallas_kernels.gemv import Partials
+from pallas_kernels.gemv import ExpertRows, Partials, total
 from pallas_kernels.hc_weights import sinkhorn_lists
 
 if TYPE_CHECKING:
@@ -226,9 +227,19 @@ def _mixes_fma(x: Array, w: Array) -> Array:
 
 
 # ------------------------------------------------------------------------------ kernels
-def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype) -> Array:
+def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype, pairs: tuple[int, int] = (),
+               extra_ref=None) -> Array:
     """The sub-block output f at ``cols`` (float32): as stored, or with ``f_parts`` its linear's
-    float32 partial sums [S T, d] added in order and rounded to ``dtype`` (the linear's output)."""
+    float32 partial sums [S T, d] added in order and rounded to ``dtype`` (the linear's output);
+    with ``pairs`` = (k, stride) a MoE's ``gemv.ExpertRows``: f_ref its routed rows (token t's at
+    rows (t k + j) stride), added in order, plus ``extra_ref`` (the shared expert's output, as
+    stored or as ``f_parts`` partial sums), the sum rounded to ``dtype``."""
+    if pairs:
+        k, stride = pairs
+        f = _load(f_ref, rows * (k * stride), ok, cols)
+        for j in range(1, k):
+            f = f + _load(f_ref, (rows * k + j) * stride, ok, cols)
+        return _rounded(f + _f_columns(extra_ref, rows, ok, cols, f_parts, dtype), dtype)
     if not f_parts:
         return _load(f_ref, rows, ok, cols)
     tokens = f_ref.shape[0] // f_parts
@@ -238,11 +249,16 @@ def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype) 
     return _rounded(f, dtype)
 
 
-def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool, f_parts: int = 0):
+def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool, f_parts: int = 0,
+                  f_pairs: tuple[int, int] = ()):
     """Partial mixes and sum of squares of this program's columns (see the module docstring);
-    with ``expand`` (refs f, post, comb, then outputs partials, X') the columns are first expanded
-    by the previous unit's hc_post (f as stored, or its ``f_parts`` partial sums: ``_f_columns``)."""
-    if expand:
+    with ``expand`` (refs f [, the expert rows' extra], post, comb, then outputs partials, X') the
+    columns are first expanded by the previous unit's hc_post (f as stored, as its ``f_parts``
+    partial sums, or as ``f_pairs`` expert rows: ``_f_columns``)."""
+    extra_ref = None
+    if expand and f_pairs:
+        f_ref, extra_ref, post_ref, comb_ref, part_ref, xo_ref = refs
+    elif expand:
         f_ref, post_ref, comb_ref, part_ref, xo_ref = refs
     else:
         (part_ref,) = refs
@@ -261,7 +277,7 @@ def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool,
         cols = (split * t.steps + i) * t.bk + _iota(t.bk)
         if expand:
             xs = [_load(x_ref, rows, ok, j * d + cols) for j in range(n)]  # [bt, bk] each
-            f = _f_columns(f_ref, rows, ok, cols, f_parts, xo_ref.dtype)
+            f = _f_columns(f_ref, rows, ok, cols, f_parts, xo_ref.dtype, f_pairs, extra_ref)
             xs = [_rounded(v, xo_ref.dtype) for v in _expand(comb, post, f, xs)]
             for j, v in enumerate(xs):
                 _store(xo_ref, rows, ok, j * d + cols, v)
@@ -358,18 +374,20 @@ def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool
 
 
 @functools.partial(jax.jit, static_argnames=("n", "iters", "hc_eps", "norm_eps", "out_eps", "config", "f_parts",
-                                             "interpret"))
+                                             "f_pairs", "interpret"))
 def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: float, norm_eps: float,
-          out_eps: float | None, config: HcConfig, f_parts: int = 0, interpret: bool):
+          out_eps: float | None, config: HcConfig, f_parts: int = 0, f_pairs: tuple[int, int] = (), interpret: bool):
     """Both launches of hc_pre (fn with (2 + n) n rows: returns y, post, comb) or of hc_head (n rows:
     returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
     (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
-    result (``f_parts``: f given as that many partial sums [S T, d], ``_f_columns``)."""
+    result (``f_parts``: f given as that many partial sums [S T, d]; ``f_pairs``: as expert rows,
+    prev = (rows, extra, post, comb): ``_f_columns``)."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
     part_shape = jax.ShapeDtypeStruct((tokens, t.splits * t.mp), jnp.float32)
-    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts)
+    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts,
+                              f_pairs=f_pairs)
     grid = (pl.cdiv(tokens, t.bt), t.splits)
     if prev is None:
         part = _call(mixes, grid, part_shape, config.num_warps, config, interpret, "hc_mixes", x_flat, fn)
@@ -414,16 +432,28 @@ def _check_unit(x, fn, base, scale, rows: int, n_scale: int, norm_weight):
 def _check_prev(f, x, post, comb):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     f_shape = f.parts.shape[1:] if isinstance(f, Partials) else f.shape
+    if isinstance(f, ExpertRows):
+        extra = f.extra.parts.shape[1:] if isinstance(f.extra, Partials) else f.extra.shape
+        tokens = math.prod(lead)
+        if (f.rows.shape != (tokens * f.k * f.stride, d) or math.prod(extra) != tokens * d
+                or f.rows.dtype != x.dtype):
+            raise ValueError(f"for x of shape {x.shape}: expert rows must be {x.dtype} [{tokens * f.k * f.stride}, {d}] "
+                             f"(k = {f.k}, stride = {f.stride}) with an extra of {tokens} x {d} values, got "
+                             f"{f.rows.dtype} {f.rows.shape} and {extra}")
     if f_shape != (*lead, d) or post.shape != (*lead, n) or comb.shape != (*lead, n, n):
         raise ValueError(f"for x of shape {x.shape}: f must be {(*lead, d)} (or partial sums [S, *{(*lead, d)}]), "
                          f"post {(*lead, n)} and comb {(*lead, n, n)}, got {f_shape}, {post.shape} and {comb.shape}")
 
 
 def _flat_prev(f, post, comb, n: int, d: int) -> tuple:
-    """(f [T, d] or its partial sums [S T, d] float32, post [T, n], comb [T, n n]) and S (0: f itself)."""
+    """(f [T, d] or its partial sums [S T, d] float32 (expert rows: their rows and extra), post [T, n],
+    comb [T, n n]), S (0: f itself; expert rows: their extra's) and the expert rows' (k, stride) or ()."""
+    weights = (post.reshape(-1, n).astype(jnp.float32), comb.reshape(-1, n * n).astype(jnp.float32))
+    if isinstance(f, ExpertRows):
+        (extra, *_), parts, _ = _flat_prev(f.extra, post, comb, n, d)
+        return (f.rows, extra, *weights), parts, (f.k, f.stride)
     f_flat = f.parts.astype(jnp.float32).reshape(-1, d) if isinstance(f, Partials) else f.reshape(-1, d)
-    prev = (f_flat, post.reshape(-1, n).astype(jnp.float32), comb.reshape(-1, n * n).astype(jnp.float32))
-    return prev, (f.parts.shape[0] if isinstance(f, Partials) else 0)
+    return (f_flat, *weights), (f.parts.shape[0] if isinstance(f, Partials) else 0), ()
 
 
 def pre_kernel(x: Float[Array, "... n d"], fn: Float[Array, "m k"], base: Float[Array, " m"],
@@ -463,10 +493,10 @@ def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: 
     if x.size == 0:
         return post_pre_reference(f, x, post, comb, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                                   norm_weight=norm_weight, out_eps=out_eps)
-    prev, f_parts = _flat_prev(f, post, comb, n, d)
+    prev, f_parts, f_pairs = _flat_prev(f, post, comb, n, d)
     xo, y, post2, comb2 = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, prev, n=n, iters=iters,
                                 hc_eps=hc_eps, norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
-                                f_parts=f_parts, interpret=backend.interpret_mode(interpret))
+                                f_parts=f_parts, f_pairs=f_pairs, interpret=backend.interpret_mode(interpret))
     return xo.reshape(x.shape), y.reshape(*lead, d), post2.reshape(*lead, n), comb2.reshape(*lead, n, n)
 
 
@@ -490,17 +520,17 @@ def head_kernel(x: Float[Array, "... n d"], fn: Float[Array, "n k"], base: Float
 def post_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: Float[Array, "... n"],
                 comb: Float[Array, "... n n"], *, config: HcConfig = HcConfig(), interpret: bool | None = None
                 ) -> Float[Array, "... n d"]:
-    """hc_post in one launch: X'_j = post_j f + sum_i C[i, j] X_i, in x's dtype (f's partial sums
-    added first, in XLA)."""
-    if isinstance(f, Partials):
-        f = f.total(x.dtype)
+    """hc_post in one launch: X'_j = post_j f + sum_i C[i, j] X_i, in x's dtype (f's partial sums or
+    expert rows added first, in XLA)."""
+    if isinstance(f, (Partials, ExpertRows)):
+        f = total(f, x.dtype)
     if x.ndim < 2:
         raise ValueError(f"x must be [..., n, d] streams, got shape {x.shape}")
     _check_prev(f, x, post, comb)
     if x.size == 0:
         return post_reference(f, x, post, comb)
     n, d = x.shape[-2:]
-    (f_flat, post_flat, comb_flat), _ = _flat_prev(f, post, comb, n, d)
+    (f_flat, post_flat, comb_flat), *_ = _flat_prev(f, post, comb, n, d)
     out = _expand_call(f_flat, x.reshape(-1, n * d), post_flat, comb_flat, config=config,
                        interpret=backend.interpret_mode(interpret))
     return out.reshape(x.shape)
@@ -527,7 +557,7 @@ def pre_reference(x, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: fl
 def post_pre_reference(f, x, post, comb, fn, base, scale, **kw):
     """Pure JAX: ``post_reference`` (f's partial sums added first, rounded to x's dtype) then
     ``pre_reference``."""
-    xo = post_reference(f.total(x.dtype) if isinstance(f, Partials) else f, x, post, comb)
+    xo = post_reference(total(f, x.dtype) if isinstance(f, (Partials, ExpertRows)) else f, x, post, comb)
     return (xo, *pre_reference(xo, fn, base, scale, **kw))
 
 

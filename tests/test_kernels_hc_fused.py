@@ -31,7 +31,7 @@ from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.dspark import draft_block, init_draft_cache
 from dspark_jax.model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm
-from pallas_kernels.gemv import Partials
+from pallas_kernels.gemv import ExpertRows, Partials, total
 from pallas_kernels import hc_fused, lowering
 from tests.helpers import equations, matmul_precisions, pallas_calls
 
@@ -150,6 +150,51 @@ def test_expansion_adds_partial_sums(dtype):
                                  hc_eps=HC_EPS, norm_eps=NORM_EPS)
 
 
+@pytest.mark.parametrize("dtype,tokens,extra_parts", [(jnp.bfloat16, 1, 4), (jnp.float32, 2, 0)])
+def test_expansion_adds_expert_rows(dtype, tokens, extra_parts):
+    """f given as a MoE's terms (``gemv.ExpertRows``, a one-token step: each token's k routed rows
+    in w2's pair tiles of 16 rows, and the shared expert's w2 as partial sums or as an array): the
+    fused step adds the rows in order, then the extra (its parts summed and rounded to the streams'
+    dtype), rounds the sum, and runs as with that f, bit for bit; against the plain-JAX step
+    (``gemv.total``) to summation order."""
+    rng = np.random.default_rng(12)
+    k, stride, d = 6, 16, 256
+    x, _, (fn, base, scale), _ = _unit(rng, (1, tokens), d, dtype)
+    rows = rng.standard_normal((tokens * k * stride, d))
+    rows[np.arange(rows.shape[0]) % stride != 0] = np.nan  # the tiles' padding rows are never read
+    rows = jnp.asarray(rows, dtype)
+    extra = (Partials(jnp.asarray(rng.standard_normal((extra_parts, 1, tokens, d)), jnp.float32)) if extra_parts
+             else jnp.asarray(rng.standard_normal((1, tokens, d)), dtype))
+    f = ExpertRows(rows, extra, k=k, stride=stride, shape=(1, tokens, d))
+    w = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, out_eps=1e-5)
+    _, post, comb = hc_pre_norm(x, fn, base, scale, w, sinkhorn_impl="loop", **kw)
+    got = hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, sinkhorn_impl="fused", **kw)
+    r = np.asarray(rows, np.float32)[::stride].reshape(tokens, k, d)
+    summed = r[:, 0]
+    for j in range(1, k):  # in order, in float32
+        summed = summed + r[:, j]
+    if extra_parts:
+        e = np.asarray(extra.parts[0])
+        for s in range(1, extra_parts):
+            e = e + np.asarray(extra.parts[s])
+        e = np.asarray(jnp.asarray(e).astype(dtype), np.float32)
+    else:
+        e = np.asarray(extra, np.float32)
+    exact_f = jnp.asarray(summed + e.reshape(tokens, d)).astype(dtype).reshape(1, tokens, d)
+    np.testing.assert_array_equal(np.asarray(total(f), np.float32), np.asarray(exact_f, np.float32))
+    exact = hc_post_pre_norm(exact_f, x, post, comb, fn, base, scale, w, sinkhorn_impl="fused", **kw)
+    want = hc_post_pre_norm(f, x, post, comb, fn, base, scale, w, sinkhorn_impl="loop", **kw)
+    for g, ex, v, name in zip(got, exact, want, ("X'", "normed y", "post", "comb")):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(ex, np.float32), err_msg=name)
+        _close(g, v, dtype if name in ("X'", "normed y") else jnp.float32, name)
+    np.testing.assert_array_equal(np.asarray(hc_post(f, x, post, comb, fused=True), np.float32),
+                                  np.asarray(hc_post(exact_f, x, post, comb, fused=True), np.float32))
+    with pytest.raises(ValueError, match="expert rows must be"):
+        hc_fused.post_pre_kernel(ExpertRows(rows[:-stride], extra, k=k, stride=stride, shape=(1, tokens, d)), x, post,
+                                 comb, fn, base, scale, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_mixes_dots_keep_float32_products(dtype):
     """The kernels' only dots (the mixes, one per stream): float32 streams ask for precision
@@ -247,6 +292,23 @@ def test_lowers_for_gpus(arch, platform, tokens, d, dtype):
     (2): nine Triton calls, through JAX's Triton lowering for an abstract gfx950 (ROCm) and H200
     (CUDA) device (no GPU needed)."""
     assert lowering.count_triton_calls(_lower_unit(tokens, d, dtype, arch, platform)) == 9
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_expansion_of_expert_rows_lowers_for_gpus(arch, platform):
+    """hc_post + hc_pre + norm of a Flash decode step's MoE terms (``gemv.ExpertRows``: 6 routed rows
+    in 16-row pair tiles, the shared expert's w2 as 8 partial sums): two Triton calls for an
+    abstract gfx950 (ROCm) and H200 (CUDA) device."""
+    d, m, f32 = 4096, (2 + N) * N, jnp.float32
+
+    def unit(x, rows, parts, post, comb, fn, base, scale, w):
+        f = ExpertRows(rows, Partials(parts), k=6, stride=16, shape=(1, d))
+        return hc_fused.post_pre_kernel(f, x, post, comb, fn, base, scale, iters=ITERS, hc_eps=HC_EPS,
+                                        norm_eps=NORM_EPS, norm_weight=w, out_eps=1e-5, interpret=False)
+
+    args = (SD((1, N, d), jnp.bfloat16), SD((96, d), jnp.bfloat16), SD((8, 1, d), f32), SD((1, N), f32),
+            SD((1, N, N), f32), SD((m, N * d), f32), SD((m,), f32), SD((3,), f32), SD((d,), f32))
+    assert lowering.count_triton_calls(lowering.lower(unit, *args, arch=arch, platform=platform)) == 2
 
 
 def test_bad_input_is_named():

@@ -23,7 +23,7 @@ from dspark_jax.model.common import Numerics
 from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, SharedExpert, grouped_experts
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering, pair_experts, routing
-from pallas_kernels.gemv import ONE_GROUP, GemvConfig, Partials, gemv_many
+from pallas_kernels.gemv import ONE_GROUP, ExpertRows, GemvConfig, Partials, gemv_many, total
 from tests.helpers import pallas_calls
 from tests.test_kernels_grouped_matmul import _random_weights
 
@@ -119,7 +119,9 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
         jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, ids))(state, x)
         kernels = [o[len("pallas:"):] for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
         routing_w, experts, _ = moe._route(x.reshape(1, -1), ids.reshape(-1))
-        got[path] = (kernels, np.asarray(routing_w), np.asarray(experts), np.asarray(moe(x, ids), np.float32))
+        y = moe(x, ids)  # "shared" leaves the sum to mHC's next launch
+        assert isinstance(y, ExpertRows) == (path == "shared") and y.shape == x.shape and y.dtype == x.dtype
+        got[path] = (kernels, np.asarray(routing_w), np.asarray(experts), np.asarray(total(y), np.float32))
     kernels = {path: got[path][0] for path in got}
     assert kernels["xla"][0].startswith("gemv_bf16") and "router_select" not in kernels["xla"], kernels
     assert kernels["select"][:2] == [kernels["xla"][0], "router_select"], kernels

@@ -101,7 +101,8 @@ class Block(nnx.Module):
                   post: Float[Array, "b t n"], comb: Float[Array, "b t n n"]):
         """A sub-block's output f expanded into the streams (hc_post), then the collapsed,
         normalised input of this block's ``unit`` ("attn" or "ffn"): (X', input, post', comb').
-        f may be a linear's partial sums (``gemv.Partials``)."""
+        f may be a linear's partial sums (``gemv.Partials``) or a one-token MoE's terms
+        (``gemv.ExpertRows``)."""
         norm = self.attn_norm if unit == "attn" else self.ffn_norm
         kw = self._unit_kw(norm)
         mesh = mhc_mesh(self)

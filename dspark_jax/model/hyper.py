@@ -13,7 +13,7 @@ from jaxtyping import Array, Float
 
 from dspark_jax.model.common import normal_init
 from dspark_jax.model.norms_rope import rms_norm
-from pallas_kernels.gemv import Partials, total
+from pallas_kernels.gemv import ExpertRows, Partials, total
 
 
 def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float, *, unroll: bool | None = None
@@ -86,12 +86,15 @@ def hc_pre(x: Float[Array, "b t n d"], fn: Array, base: Array, scale: Array, *, 
 
 def hc_post(f: Float[Array, "b t d"], x: Float[Array, "b t n d"], post: Float[Array, "b t n"],
             comb: Float[Array, "b t n n"], *, fused: bool = False) -> Float[Array, "b t n d"]:
-    """X'_j = post_j * f + sum_i C[i, j] X_i (note the sum over the FIRST index of C).
+    """X'_j = post_j * f + sum_i C[i, j] X_i (note the sum over the FIRST index of C). f may come as
+    a linear's partial sums or a MoE's terms (``gemv.Partials`` / ``gemv.ExpertRows``: added first).
     fused: in one Pallas kernel (``pallas_kernels.hc_fused``)."""
     if fused:
         from pallas_kernels.hc_fused import post_kernel
 
         return post_kernel(f, x, post, comb)
+    if isinstance(f, (Partials, ExpertRows)):
+        f = total(f, x.dtype)
     mixed = jnp.einsum("btij,btid->btjd", comb, x.astype(jnp.float32))
     y = post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed
     return y.astype(x.dtype)
@@ -135,7 +138,8 @@ def hc_post_pre_norm(f: Float[Array, "b t d"] | Partials, x: Float[Array, "b t n
     """One sub-block's ``hc_post``, then the next one's ``hc_pre_norm``: (X', normalised input of the
     next sub-block, its post, its comb). "fused": all of it in two launches
     (``pallas_kernels.hc_fused.post_pre_kernel``). f may come as a linear's float32 partial sums
-    (``gemv.Partials``): f is their sum rounded to x's dtype (the linear's output)."""
+    (``gemv.Partials``): f is their sum rounded to x's dtype (the linear's output); or as a MoE's
+    terms (``gemv.ExpertRows``), added as the MoE would."""
     kw = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, out_eps=out_eps)
     if sinkhorn_impl == "fused":
         from pallas_kernels.hc_fused import post_pre_kernel

@@ -102,11 +102,11 @@ class SharedExpert(nnx.Module):
             h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
 
-    def down(self, g: gemv.Partials, u: gemv.Partials, dtype) -> Float[Array, "n d"]:
+    def down(self, g: gemv.Partials, u: gemv.Partials, dtype) -> Float[Array, "n d"] | gemv.Partials:
         """w2 of the SwiGLU of w1's and w3's float32 partial sums (``gemv`` with ``partials``):
         the products rounded to ``dtype`` (the activations'), then the SwiGLU as the fused
-        kernel's."""
-        return self.w2(swiglu(g.total(dtype), u.total(dtype), self.limit).astype(dtype))
+        kernel's; w2's own partial sums where it runs as ``gemv`` (``Linear(partials=True)``)."""
+        return self.w2(swiglu(g.total(dtype), u.total(dtype), self.limit).astype(dtype), partials=True)
 
     def weights(self) -> tuple[gm.Weights, gm.Weights, gm.Weights]:
         """w1, w2, w3 as one-group weights of the grouped matmul's formats."""
@@ -158,7 +158,7 @@ class Experts(nnx.Module):
         return jnp.sum(y.astype(dt).astype(jnp.float32), axis=1)
 
     def grouped(self, x: Float[Array, "n d"], w: Array, idx: Array, *, token_axes: tuple[str, ...] = (),
-                **kernel_options) -> Float[Array, "n d"]:
+                **kernel_options) -> Float[Array, "n d"] | tuple[Array, int]:
         """(token, expert) pairs sorted by expert into row tiles and two grouped matmuls (the Pallas
         kernel on GPUs, its loop-over-tiles reference elsewhere): each chosen expert's weights are
         read once per tile, unchosen experts never; memory grows with tokens x top-k only. With the
@@ -167,6 +167,7 @@ class Experts(nnx.Module):
         options = dict(limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim, impl=self.num.kernel_impl(),
                        **kernel_options)
         if self.mesh is not None:
+            options.pop("as_rows", None)  # (the expert-parallel sum crosses devices)
             return expert_parallel(x, w, idx, *weights, mesh=self.mesh, token_axes=token_axes, **options)
         return grouped_experts(x, w, idx, *weights, **options)
 
@@ -182,15 +183,19 @@ class Experts(nnx.Module):
 
 def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
                     w2: gm.Weights, w3: gm.Weights, *, limit: float, quant_sim: bool, impl: str,
-                    block_m: int | None = None, dropped: bool = False, **kernel_options) -> Float[Array, "n d"]:
+                    block_m: int | None = None, dropped: bool = False, as_rows: bool = False,
+                    **kernel_options) -> Float[Array, "n d"] | tuple[Array, int]:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) in fp32 through the grouped matmul (``kernel_options``,
     e.g. a ``config``, go to both kernels; ``block_m`` overrides the row tile). Up to ``PAIR_TILES_MAX``
     pairs each pair gets its own tile (``pair_tiles``), otherwise pairs are sorted by expert (``group_tiles``).
     ``dropped``: pairs with ``idx`` = the number of experts contribute nothing and are not computed
-    (sorted tiles: ``group_tiles(dropped=True)``)."""
+    (sorted tiles: ``group_tiles(dropped=True)``). ``as_rows``: where the pairs got their own tiles,
+    (w2's output rows [pairs x row tile, d], the row tile) instead of the sum, for a consumer that
+    adds them (``gemv.ExpertRows``)."""
     n, k = idx.shape
     bm = block_m or gm.block_m_for(n * k, w1.shape[0])
-    if n * k <= PAIR_TILES_MAX and not dropped:
+    own_tiles = n * k <= PAIR_TILES_MAX and not dropped
+    if own_tiles:
         tiles = pair_tiles(idx, bm)
     else:
         tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped, impl=impl)
@@ -214,6 +219,8 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
                               **meta)
     else:
         y = gm.grouped_matmul(act_in(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)), w2, **meta)
+    if as_rows and own_tiles:
+        return y, bm
     return jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
@@ -297,7 +304,10 @@ class MoE(nnx.Module):
         mesh = self.experts.mesh
         return () if mesh is None else batch_axes(batch, mesh)
 
-    def __call__(self, x: Float[Array, "b t d"], ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+    def __call__(self, x: Float[Array, "b t d"], ids: Int[Array, "b t"]) -> Float[Array, "b t d"] | gemv.ExpertRows:
+        """The layer's output in x's dtype; a one-token step that took ``one_row``'s kernels with
+        the routed pairs in their own tiles returns it as its terms (``gemv.ExpertRows``: the
+        routed rows and the shared expert's w2 partial sums), for mHC's next launch to add."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         if self.decode_path(xf.shape[0]):
@@ -305,13 +315,16 @@ class MoE(nnx.Module):
             y = self.experts.pairs(xf, w, idx, shared=self.shared_experts.weights(), out_dtype=x.dtype)
             return y.reshape(shape)
         w, idx, shared = self._route(xf, ids.reshape(-1))
-        if self.impl == "grouped":
-            routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]))
+        if self.impl == "grouped":  # (one-row path: the pairs' rows left to the consumer where they can be)
+            routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]), as_rows=shared is not None)
         else:
             routed = self.experts.dense(xf, w, idx)
         if shared is None:
             shared = self.shared_experts(xf)
-        y = routed + shared.astype(jnp.float32)
+        if isinstance(routed, tuple):  # mHC's next launch adds the terms (``gemv.ExpertRows``)
+            rows, stride = routed
+            return gemv.ExpertRows(rows, shared, k=idx.shape[1], stride=stride, shape=shape)
+        y = routed + gemv.total(shared, x.dtype).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
 
     def _route(self, xf: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Array, Array | None]:
