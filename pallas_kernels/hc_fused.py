@@ -437,9 +437,9 @@ def _check_prev(f, x, post, comb):
         tokens = math.prod(lead)
         if (f.rows.shape != (tokens * f.k * f.stride, d) or math.prod(extra) != tokens * d
                 or f.rows.dtype != x.dtype):
-            raise ValueError(f"for x of shape {x.shape}: expert rows must be {x.dtype} [{tokens * f.k * f.stride}, {d}] "
-                             f"(k = {f.k}, stride = {f.stride}) with an extra of {tokens} x {d} values, got "
-                             f"{f.rows.dtype} {f.rows.shape} and {extra}")
+            raise ValueError(f"for x of shape {x.shape}: expert rows must be {x.dtype} "
+                             f"[{tokens * f.k * f.stride}, {d}] (k = {f.k}, stride = {f.stride}) with an extra "
+                             f"of {tokens} x {d} values, got {f.rows.dtype} {f.rows.shape} and {extra}")
     if f_shape != (*lead, d) or post.shape != (*lead, n) or comb.shape != (*lead, n, n):
         raise ValueError(f"for x of shape {x.shape}: f must be {(*lead, d)} (or partial sums [S, *{(*lead, d)}]), "
                          f"post {(*lead, n)} and comb {(*lead, n, n)}, got {f_shape}, {post.shape} and {comb.shape}")
