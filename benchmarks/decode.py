@@ -65,6 +65,13 @@ only when an earlier round is done (on an H200 host whose dispatch took 1.0 ms, 
 longer than ``HOST_SLACK`` times the fastest dispatch of its batch (the smallest ``host_s``): at
 batch 1 the 2-layer slice's step, and on a slower host the 4-layer's.
 
+``--spans`` runs each program's rounds once more under the profiler after the timing and records
+each round's device span (its first kernel's start to its last kernel's end, rounds dispatched
+back to back; ``span_s``) and busy time (``busy_s``); the spans are extrapolated like the wall
+times (``span_step_ms``, ``span_round_ms``, ``span_step_over_byte_roofline``, ``span_speedup``):
+the device's time for a step without the host's calls, which at depths 2 and 6 take most of a
+batch-1 round's wall time and move it between runs.
+
 ``--options engine,xla`` times every round under the engine's compiler options
 (``compile_cache.COMPILER_OPTIONS``) and under XLA's defaults side by side, interleaved as the
 depths and modes are, each with its own extrapolation (and records each program's temporary
@@ -318,6 +325,27 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> d
                 states[k], per_round[k], float(np.median(host[k]))) for k in programs}
 
 
+def trace_spans(programs: dict, rounds: int) -> dict:
+    """key -> (median device span of a round, device busy time per round, state after) for every
+    (compiled round, params, state) of ``programs``: ``rounds`` rounds dispatched back to back under
+    the profiler (``profile_step.traced_rounds``). A round's span runs from its first kernel's start
+    to its last kernel's end: the device's time for it without the host's share around it."""
+    import shutil
+    import tempfile
+
+    from benchmarks.profile_step import busy_ns, round_spans_ns, traced_rounds
+
+    out = {}
+    for key, (compiled, params, bs) in programs.items():
+        root = tempfile.mkdtemp(prefix="dspark_decode_trace_")
+        try:
+            bs, events, _ = traced_rounds(compiled, params, bs, rounds, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        out[key] = (float(np.median(round_spans_ns(events, rounds))) / 1e9, busy_ns(events) / rounds / 1e9, bs)
+    return out
+
+
 def temp_bytes(program) -> int | None:
     """The compiled program's temporary buffers (bytes), where the backend reports them."""
     try:
@@ -397,6 +425,14 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
                 "step_over_read_roofline": step / (roof["step_bytes"] / (ceil.get("read_GBps", math.nan) * 1e9)),
                 "step_over_roofline": step / step_roof, "round_over_roofline": rnd / round_roof,
                 "roofline_round_over_step": roof_ratio, "roofline_speedup": tau_full / roof_ratio}
+            # the same extrapolation of the rounds' device spans (``--spans``), without the host's share
+            spans = [extrapolate({r["depth"]: r["span_s"] for r in sel if r["mode"] == m and "span_s" in r},
+                                 full.num_hidden_layers) for m in ("target", "dspark")]
+            if spans[0] and spans[1]:
+                s_step, s_round = spans[0]["full_s"], spans[1]["full_s"]
+                row["full"].update({"span_step_ms": 1e3 * s_step, "span_round_ms": 1e3 * s_round,
+                                    "span_step_over_byte_roofline": s_step / (roof["step_bytes"] / bw),
+                                    "span_speedup": tau_full * s_step / s_round})
         rows.append(row)
     return rows
 
@@ -425,6 +461,11 @@ def table(rows: list[dict]) -> str:
                          f"**{f['speedup']:.2f}** | {f['target_tok_s_per_user']:.0f} | "
                          f"{f['dspark_tok_s_per_user']:.0f} | {f['step_over_roofline']:.1f} | "
                          f"{f['roofline_speedup']:.2f} |")
+            if "span_step_ms" in f:
+                lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | {f['layers']} (device spans, "
+                             f"extrapolated) | {f['span_step_ms']:.2f} | {f['span_round_ms']:.2f} | "
+                             f"{f['span_round_ms'] / f['span_step_ms']:.2f} | {f['tau']:.2f} | {f['span_speedup']:.2f} "
+                             f"| | | {f['span_step_over_byte_roofline']:.2f} (bytes) | |")
     return "\n".join(lines)
 
 
@@ -442,6 +483,9 @@ def goals(rows: list[dict]) -> dict:
                     "round_over_step": f["round_over_step"], "speedup_with_profile": f["speedup"],
                     "roofline_round_over_step": f["roofline_round_over_step"],
                     "roofline_speedup_with_profile": f["roofline_speedup"]}
+        if "span_step_ms" in f:
+            out[key].update({"span_step_over_byte_roofline": f["span_step_over_byte_roofline"],
+                             "span_speedup_with_profile": f["span_speedup"]})
     return out
 
 
@@ -506,11 +550,15 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
     for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
                             args.rounds, args.repeats)
+        traced = (trace_spans({key: (compiled[key][0], jobs[key][0].params, timed[key][2]) for key in timed},
+                              args.rounds) if args.spans else {})
         for (depth, mode, opt), (sec, tau, bs, each, host) in timed.items():
-            jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)
             r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode, "options": opt,
                  "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each,
                  "host_s": host}
+            if (depth, mode, opt) in traced:
+                r["span_s"], r["busy_s"], bs = traced[(depth, mode, opt)]
+            jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)
             meta["results"].append(r)
             print(r, flush=True)
         save()
@@ -556,6 +604,9 @@ def main(argv=None):
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn): fused = hc_pre + norm and hc_post + hc_pre + "
                          "norm as two Pallas launches each")
+    ap.add_argument("--spans", action="store_true",
+                    help="after the timing, each program's rounds once more under the profiler: each round's device "
+                         "span and busy time, extrapolated like the wall times (span_step_ms, ...)")
     ap.add_argument("--moe-one-row", default="", help="MoE.one_row (xla, select, shared; default: the model's)")
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "

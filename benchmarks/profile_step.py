@@ -516,6 +516,29 @@ def prepare(model, eng, args):
                                n_generated=jnp.ones((args.batch,), jnp.int32))
 
 
+def module_name(hlo_text: str) -> str:
+    """The HLO module name of a compiled round's text (its trace events carry it)."""
+    return hlo_text.split(",")[0].split()[-1] if hlo_text.startswith("HloModule") else "jit__round_impl"
+
+
+def written_events(trace_dir: str, module: str) -> tuple[list[KernelEvent], str]:
+    """``trace_events`` of the last trace file written under ``trace_dir``."""
+    files = sorted(glob.glob(os.path.join(glob.escape(trace_dir), "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        raise RuntimeError(f"no .xplane.pb written under {trace_dir}")
+    return trace_events(files[-1], module)
+
+
+def traced_rounds(compiled, params, bs, rounds: int, trace_dir: str):
+    """``rounds`` rounds of a compiled round dispatched back to back under the profiler; returns
+    (the state after them, the trace's kernel events of the round's module and their source)."""
+    with profiler_trace(trace_dir):
+        for _ in range(rounds):
+            bs, res = compiled(params, bs)
+        jax.block_until_ready(res.tokens)
+    return bs, *written_events(trace_dir, module_name(compiled.as_text()))
+
+
 def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str, save) -> dict:
     """Compile, time and profile one mode; ``save(partial result)`` after each part (a killed run
     keeps what it measured)."""
@@ -527,7 +550,7 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     compiled = eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False).compile()
     out = {"mode": name, "gamma": gamma, "compile_s": time.time() - t0}
     text = compiled.as_text()
-    module = text.split(",")[0].split()[-1] if text.startswith("HloModule") else "jit__round_impl"
+    module = module_name(text)
     attr = Attribution(text)
     static, per_layer = collections.Counter(), collections.Counter()
     for s, n in attr.static_kernels().items():
@@ -565,14 +588,10 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     with profiler_trace(trace_dir):
         bs, traced = timed_rounds(bs)
     out["traced_wall_ms"] = 1e3 * float(np.mean(traced))
-    files = sorted(glob.glob(os.path.join(glob.escape(trace_dir), "**", "*.xplane.pb"), recursive=True))
-    if not files:
-        out["error"] = f"no .xplane.pb written under {trace_dir}"
-        return out
     try:
-        events, source = trace_events(files[-1], module)
-    except AttributeError as err:  # a jax without jax.profiler.ProfileData
-        out["error"] = f"cannot read the trace with this jax: {err}"
+        events, source = written_events(trace_dir, module)
+    except (RuntimeError, AttributeError) as err:  # no trace file; a jax without jax.profiler.ProfileData
+        out["error"] = f"cannot read the trace: {err}"
         print(name, out["error"], flush=True)
         return out
     out["event_source"] = source

@@ -58,6 +58,19 @@ def test_summary_of_synthetic_timings(flash_fp8_parts):
     four = row["measured"]["4"]
     assert four["step_over_byte_roofline"] == pytest.approx(3e-3 / (four["step_bytes"] / 2000e9))
     assert four["step_bytes"] < f["step_bytes"] / 5 and "step_bytes" not in row["measured"]["2"]
+    assert "span_step_ms" not in f and "span_step_over_byte_roofline" not in decode.goals([row])[
+        "fp8 batch 1 context 2048"]
+    # device spans (``--spans``) 0.4 + 0.45 d and 8 + 0.5 d ms: extrapolated alike, beside the wall times
+    for r in results:
+        r["span_s"] = 1e-3 * ((0.4 + 0.45 * r["depth"]) if r["mode"] == "target" else (8 + 0.5 * r["depth"]))
+    (row,) = decode.summarize(results, full, parts, ceil, "bf16")
+    f = row["full"]
+    assert f["step_ms"] == pytest.approx(22.5)  # the wall times' extrapolation unchanged
+    assert f["span_step_ms"] == pytest.approx(19.75) and f["span_round_ms"] == pytest.approx(29.5)
+    assert f["span_speedup"] == pytest.approx(4.33 * 19.75 / 29.5)
+    assert f["span_step_over_byte_roofline"] == pytest.approx(19.75e-3 / (f["step_bytes"] / 2000e9))
+    assert decode.goals([row])["fp8 batch 1 context 2048"]["span_speedup_with_profile"] == f["span_speedup"]
+    assert "device spans" in decode.table([row])
     assert "| **43 (extrapolated)** |" in decode.table([row])
     # one request reads the non-expert weights, 6 experts per layer and its KV: a few GB at most
     assert 5e9 < f["step_bytes"] < 20e9
