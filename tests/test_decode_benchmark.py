@@ -166,3 +166,26 @@ def test_rounds_of_every_program_are_timed_in_turn():
     assert all(sec > 0 and len(each) == 3 and sec == sorted(each)[1] for sec, _, _, each, _ in out.values())
     # the calls themselves (here: the whole round, nothing runs behind them) are within the round's time
     assert all(0 < host <= max(each) for _, _, _, each, host in out.values())
+
+
+def test_spans_of_traced_rounds():
+    """``--spans``: a compiled round-like program (params, state) -> (state, outputs) run under the
+    profiler (on the CPU its host thunks stand for kernels): the state comes back advanced by the
+    traced rounds, with a span and busy time for them."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    Out = collections.namedtuple("Out", "tokens n_new")
+
+    @jax.jit
+    def round_(params, state):
+        y = jnp.tanh(state @ params) @ params
+        return state + 1.0, Out(jnp.argmax(y, axis=-1), jnp.sum(y > 0))
+
+    params, state = jnp.ones((96, 96)) / 96, jnp.zeros((8, 96))
+    compiled = round_.lower(params, state).compile()
+    (span, busy, after), = decode.trace_spans({"k": (compiled, params, state)}, rounds=3).values()
+    assert float(after[0, 0]) == 3.0
+    assert span > 0 and busy > 0
