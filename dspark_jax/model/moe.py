@@ -281,9 +281,10 @@ class MoE(nnx.Module):
         # product as ``gemv``, the selection in XLA's fusions; the shared expert's w1 / w3 as
         # ``gemv_swiglu``), "select" (the selection from the product's partial sums in one launch,
         # ``Gate.select``), "shared" (the router's product and the shared expert's w1 / w3 in one
-        # ``gemv_many`` launch, their partial sums to ``Gate.select`` and ``SharedExpert.down``):
-        # two launches fewer per layer than "xla"; on an H200 the 43-layer batch-1 step estimate
-        # 7.78-7.90 ms against 8.11-8.39 for "xla" (docs/benchmarks.md, 2026-12-05).
+        # ``gemv_many`` launch, their partial sums to ``Gate.select`` and ``SharedExpert.down``, the
+        # layer's sum left to mHC's next launch): three launches fewer per layer than "xla"; on an
+        # H200 a 4-layer batch-1 step ran 125 kernels against 136 and a 0.2-0.3 ms shorter device
+        # span, its 43-layer wall-time estimate within the runs' spread (docs/benchmarks.md, 2026-12-05).
         self.one_row = "shared"
         # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
         # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
@@ -327,9 +328,10 @@ class MoE(nnx.Module):
         y = routed + gemv.total(shared, x.dtype).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
 
-    def _route(self, xf: Float[Array, "n d"], ids: Int[Array, " n"]) -> tuple[Array, Array, Array | None]:
-        """(routing weights, experts, the shared expert's output or None: not computed yet), as
-        ``one_row`` says at one token."""
+    def _route(self, xf: Float[Array, "n d"], ids: Int[Array, " n"]
+               ) -> tuple[Array, Array, Array | gemv.Partials | None]:
+        """(routing weights, experts, the shared expert's output (w2's partial sums where it runs as
+        ``gemv``) or None: not computed yet), as ``one_row`` says at one token."""
         gate, se = self.gate, self.shared_experts
         if self.one_row not in ONE_ROW:
             raise ValueError(f"MoE.one_row must be one of {ONE_ROW}, got {self.one_row!r}")
