@@ -204,6 +204,12 @@ def test_flash_linears_lower_for_gpus(arch, platform):
                                                        quantise=(True, True, False, False), interpret=False),
                           x, wq_a, wkv, cmp, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_bf16_q_x4_split" in text
+    # a batch-1 MoE's router (bf16, 256 experts) with its shared expert's w1 / w3, all as partial sums
+    router = gm.Weights(SD((1, 256, 4096), jnp.bfloat16), None, "dense")
+    text = lowering.lower(lambda x, r, a: [p.parts for p in gemv_many(
+        x, (r, a, a), jnp.zeros((1,), jnp.int32), quantise=(False, True, True), partials=(True,) * 3,
+        out_dtype=jnp.float32, interpret=False)], x, router, w, arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_bf16_fp8_q_x3" in text
     # wo_b on wo_a's 4 partial sums, its own as partial sums
     from pallas_kernels.gemv import Partials
 
