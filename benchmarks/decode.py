@@ -3,11 +3,13 @@
 Measured on slices of the model and extrapolated to the full 43 layers + 3 drafter stages.
 
 What runs. For every weight format, batch and context the script times the jitted round of the
-engine (``Engine._round``, compiled ahead of time) in two modes: ``target`` (γ = 0, one token per
-step) and ``dspark`` (γ = 5: the 3 drafter stages and the Markov loop, the 6-token verify forward,
-acceptance, commit). Rounds are dispatched back to back as the engine's host loop does and timed
-per round (``--rounds`` rounds per repeat, median of ``--repeats``; the repeats pass over every
-depth and mode of a context in turn, ``time_rounds``).
+engine, compiled ahead of time, in two modes: ``target`` (γ = 0, one token per step) and ``dspark``
+(γ = 5: the 3 drafter stages and the Markov loop, the 6-token verify forward, acceptance, commit).
+Each call runs ``--rounds-per-call`` rounds (``Engine.rounds``; default ``generate``'s
+``ROUNDS_PER_CALL`` = 4, what ``generate`` hands the device per call; 1 times ``Engine.round``, one
+round per call). Calls are dispatched back to back as the engine's host loop does and timed per
+round (``--rounds`` rounds per repeat, median of ``--repeats``; the repeats pass over every depth
+and mode of a context in turn, ``time_rounds``).
 
 Acceptance-profile mode (the default, ``--accept-profile 0.896,0.776,0.656,0.552,0.450``): random
 weights accept almost nothing, so the DSpark engine runs with ``Engine(accept_profile=...)``
@@ -56,7 +58,9 @@ batch's duration would pass it. The 2- and 4-layer FP8 slices hold 34 + 46 GiB o
 ``--slices each`` builds and measures one depth at a time (the deepest slice's memory only), e.g.
 for deeper pairs, whose per-layer difference is less affected by host time at batch 1.
 
-Each measured round also records the time its calls alone took on the host (``host_s``). A
+Each measured round also records the time its calls alone took on the host (``host_s``, per
+round: a call's time / ``--rounds-per-call``; one call of k rounds costs the host about what one
+round's call does, so k rounds per call divide the host's share of a round by k). A
 round no longer than that (``HOST_BOUND``) measured the host's dispatch rather than the device,
 unless the calls were waiting for the device: once the device falls behind, each call returns
 only when an earlier round is done (on an H200 host whose dispatch took 1.0 ms, the calls of the
@@ -65,12 +69,13 @@ only when an earlier round is done (on an H200 host whose dispatch took 1.0 ms, 
 longer than ``HOST_SLACK`` times the fastest dispatch of its batch (the smallest ``host_s``): at
 batch 1 the 2-layer slice's step, and on a slower host the 4-layer's.
 
-``--spans`` runs each program's rounds once more under the profiler after the timing and records
-each round's device span (its first kernel's start to its last kernel's end, rounds dispatched
-back to back; ``span_s``) and busy time (``busy_s``); the spans are extrapolated like the wall
-times (``span_step_ms``, ``span_round_ms``, ``span_step_over_byte_roofline``, ``span_speedup``):
-the device's time for a step without the host's calls, which at depths 2 and 6 take most of a
-batch-1 round's wall time and move it between runs.
+``--spans`` runs each program's calls once more under the profiler after the timing and records
+each round's device span (its call's first kernel's start to its last kernel's end, calls
+dispatched back to back, divided by the rounds per call; ``span_s``) and busy time (``busy_s``);
+the spans are extrapolated like the wall times (``span_step_ms``, ``span_round_ms``,
+``span_step_over_byte_roofline``, ``span_speedup``): the device's time for a step without the
+host's calls, which at one round per call take most of a batch-1 round's wall time at depths 2
+and 6 and move it between runs.
 
 ``--options engine,xla`` times every round under the engine's compiler options
 (``compile_cache.COMPILER_OPTIONS``) and under XLA's defaults side by side, interleaved as the
@@ -101,6 +106,7 @@ from benchmarks.common import (add_split_option, apply_split_option, ceilings, e
                                write_json)
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
+from dspark_jax.decoding.generate import ROUNDS_PER_CALL
 from pallas_kernels import grouped_matmul as gm, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
@@ -116,7 +122,8 @@ METHOD = (
     "at every depth): per_layer = (t(d2) - t(d1)) / (d2 - d1); t(full) = t(d2) + (full - d2) * "
     "per_layer, for the target step and for the DSpark round alike. Drafter stages, embedding, head "
     "and accept / commit are in every measurement and enter t(full) as measured. speed-up = tau * "
-    "t_step / t_round with tau the accept length measured in the same rounds (acceptance profile: "
+    "t_step / t_round with tau the accept length measured in the same rounds (k rounds per call, "
+    "timed per round; acceptance profile: "
     "benchmark only, every computation kept, accepted drafts drawn from the profile). Caches filled "
     "with random rows, committed lengths set to the context (no prefill run).")
 
@@ -291,16 +298,18 @@ def at_context(bs, context: int):
                                n_generated=jnp.zeros_like(bs.n_generated), active=jnp.ones_like(bs.active))
 
 
-def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> dict:
+def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_call: int = 1) -> dict:
     """Seconds per round and tokens per round per request of every program (key -> (compiled,
-    params, state)): after ``warmup`` rounds of each, ``repeats`` passes over all of them in turn,
-    each timing ``rounds`` rounds dispatched back to back; the median per program over the passes.
+    params, state)), whose calls each run ``per_call`` rounds: after ``warmup`` calls of each,
+    ``repeats`` passes over all of them in turn, each timing ``calls_for(rounds, per_call)`` calls
+    dispatched back to back; the median per program over the passes.
     Interleaved, so that a drift of the machine (clocks settling after compilation, another
     process) reaches every program alike: measured one after the other, the first program's time
     moved by up to 25 % between runs, and the 43-layer extrapolation multiplies the depths'
     difference by 19.5. Returns key -> (seconds, tau, final state, seconds of every pass, host
     seconds): host seconds, the median over the passes of the time the calls themselves took per
     round (the host's dispatch; a program whose rounds take no longer than that is host-bound)."""
+    calls_per_pass = calls_for(rounds, per_call)
     states = {k: bs for k, (_, _, bs) in programs.items()}
     for key, (compiled, params, _) in programs.items():
         for _ in range(warmup):
@@ -313,36 +322,43 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2) -> d
         for key, (compiled, params, _) in programs.items():
             calls = 0.0
             t0 = time.perf_counter()
-            for _ in range(rounds):
+            for _ in range(calls_per_pass):
                 c0 = time.perf_counter()
                 states[key], res = compiled(params, states[key])
                 calls += time.perf_counter() - c0
                 new[key].append(res.n_new)
             jax.block_until_ready(res.n_new)
-            per_round[key].append((time.perf_counter() - t0) / rounds)
-            host[key].append(calls / rounds)
+            per_round[key].append((time.perf_counter() - t0) / (calls_per_pass * per_call))
+            host[key].append(calls / (calls_per_pass * per_call))
     return {k: (float(np.median(per_round[k])), float(np.mean(np.stack([np.asarray(x) for x in new[k]]))),
                 states[k], per_round[k], float(np.median(host[k]))) for k in programs}
 
 
-def trace_spans(programs: dict, rounds: int) -> dict:
+def calls_for(rounds: int, per_call: int) -> int:
+    """Calls of ``per_call`` rounds each that run at least ``rounds`` rounds."""
+    return -(-rounds // per_call)
+
+
+def trace_spans(programs: dict, rounds: int, per_call: int = 1) -> dict:
     """key -> (median device span of a round, device busy time per round, state after) for every
-    (compiled round, params, state) of ``programs``: ``rounds`` rounds dispatched back to back under
-    the profiler (``profile_step.traced_rounds``). A round's span runs from its first kernel's start
-    to its last kernel's end: the device's time for it without the host's share around it."""
+    (compiled program of ``per_call`` rounds, params, state) of ``programs``: ``calls_for(rounds,
+    per_call)`` calls dispatched back to back under the profiler (``profile_step.traced_rounds``).
+    A call's span runs from its first kernel's start to its last kernel's end: the device's time
+    for its rounds without the host's share around it; a round's span is the call's / per_call."""
     import shutil
     import tempfile
 
     from benchmarks.profile_step import busy_ns, round_spans_ns, traced_rounds
 
-    out = {}
+    calls, out = calls_for(rounds, per_call), {}
     for key, (compiled, params, bs) in programs.items():
         root = tempfile.mkdtemp(prefix="dspark_decode_trace_")
         try:
-            bs, events, _ = traced_rounds(compiled, params, bs, rounds, root)
+            bs, events, _ = traced_rounds(compiled, params, bs, calls, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        out[key] = (float(np.median(round_spans_ns(events, rounds))) / 1e9, busy_ns(events) / rounds / 1e9, bs)
+        out[key] = (float(np.median(round_spans_ns(events, calls))) / per_call / 1e9,
+                    busy_ns(events) / (calls * per_call) / 1e9, bs)
     return out
 
 
@@ -354,14 +370,17 @@ def temp_bytes(program) -> int | None:
         return None
 
 
-def compile_group(jobs: dict, threads: int) -> dict:
-    """Lower every (key -> (engine, state)) round in this thread, compile them in ``threads``
-    threads (XLA compiles without the interpreter lock); returns key -> (compiled, seconds)."""
+def compile_group(jobs: dict, threads: int, per_call: int = 1) -> dict:
+    """Lower every (key -> (engine, state)) program of ``per_call`` greedy rounds (``Engine.round``
+    or ``Engine.rounds``) in this thread, compile them in ``threads`` threads (XLA compiles without
+    the interpreter lock); returns key -> (compiled, seconds)."""
     lowered = {}
+    flags = dict(sampled=False, top_k=False, top_p=False)
     for key, (eng, bs) in jobs.items():
         t0 = time.perf_counter()
-        lowered[key] = (eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False),
-                        time.perf_counter() - t0)
+        program = (eng._round.lower(eng.params, bs, **flags) if per_call == 1
+                   else eng._rounds.lower(eng.params, bs, count=per_call, **flags))
+        lowered[key] = (program, time.perf_counter() - t0)
 
     def one(key):
         t0 = time.perf_counter()
@@ -539,7 +558,7 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
                              accept_profile=profile if mode == "dspark" else None,
                              compiler_options=OPTION_SETS[opt])
                 jobs[(depth, mode, opt)] = (eng, random_state(eng, b, alloc, seed=depth))
-    compiled = compile_group(jobs, args.compile_threads)
+    compiled = compile_group(jobs, args.compile_threads, args.rounds_per_call)
     group_compile_s = time.perf_counter() - g0
     for (depth, mode, opt), (program, secs) in compiled.items():
         meta["compiles"].append({"weights": w, "batch": b, "alloc": alloc, "depth": depth, "mode": mode,
@@ -549,13 +568,13 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
           f"({', '.join(f'{k[0]}L {k[1]} {k[2]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
     for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
-                            args.rounds, args.repeats)
+                            args.rounds, args.repeats, per_call=args.rounds_per_call)
         traced = (trace_spans({key: (compiled[key][0], jobs[key][0].params, timed[key][2]) for key in timed},
-                              args.rounds) if args.spans else {})
+                              args.rounds, args.rounds_per_call) if args.spans else {})
         for (depth, mode, opt), (sec, tau, bs, each, host) in timed.items():
             r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode, "options": opt,
                  "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each,
-                 "host_s": host}
+                 "host_s": host, "rounds_per_call": args.rounds_per_call}
             if (depth, mode, opt) in traced:
                 r["span_s"], r["busy_s"], bs = traced[(depth, mode, opt)]
             jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)
@@ -587,6 +606,8 @@ def main(argv=None):
                          "each: one per context (the indexer then scores only that context's entries)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds per timed repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
+                    help="rounds each call runs (Engine.rounds; 1: Engine.round; default generate's)")
     ap.add_argument("--compile-threads", type=int, default=4, help="programs compiled at the same time")
     ap.add_argument("--slices", default="together", choices=("together", "each"),
                     help="together: every depth's slice in memory, each batch's programs compiled at once; each: "
@@ -633,7 +654,11 @@ def main(argv=None):
     formats = args.weights.split(",")
     profile = None if args.accept_profile == "real" else tuple(float(x) for x in args.accept_profile.split(","))
     gamma = full.dspark.block_size
-    slack = -(-(gamma + 1) * (args.rounds * args.repeats + 2) // 128) * 128 + 128
+    if args.rounds_per_call < 1:
+        raise SystemExit(f"--rounds-per-call must be >= 1, got {args.rounds_per_call}")
+    # rounds a state runs at its context: the timed passes, the warm-up calls and the traced calls
+    run = args.rounds_per_call * (calls_for(args.rounds, args.rounds_per_call) * (args.repeats + 1) + 2)
+    slack = -(-(gamma + 1) * run // 128) * 128 + 128
 
     env = environment()
     print(env, flush=True)

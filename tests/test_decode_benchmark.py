@@ -3,6 +3,7 @@ arithmetic on synthetic timings."""
 
 import math
 
+import numpy as np
 import pytest
 
 from benchmarks import decode
@@ -168,6 +169,29 @@ def test_rounds_of_every_program_are_timed_in_turn():
     assert all(0 < host <= max(each) for _, _, _, each, host in out.values())
 
 
+def test_calls_of_several_rounds_are_timed_per_round():
+    """``--rounds-per-call k``: a pass makes ceil(rounds / k) calls, and a round's time and host
+    time are a pass's / (calls x k): a host that sleeps 10 ms per call gives ~10 / k ms per round."""
+    import time
+
+    calls = []
+
+    class Result:
+        n_new = np.asarray([[2], [4]])  # [k, batch]: a call's rounds, stacked
+
+    def run(params, state):
+        calls.append(state)
+        time.sleep(0.01)
+        return state + 1, Result()
+
+    (sec, tau, after, each, host), = decode.time_rounds({"a": (run, None, 0)}, rounds=3, repeats=2, warmup=1,
+                                                        per_call=2).values()
+    assert decode.calls_for(3, 2) == 2 and decode.calls_for(4, 2) == 2 and decode.calls_for(1, 4) == 1
+    assert calls == [0, 1, 2, 3, 4] and after == 5
+    assert tau == 3.0
+    assert 0.005 <= host <= sec < 0.0075 and all(sec <= x for x in sorted(each)[1:])
+
+
 def test_spans_of_traced_rounds():
     """``--spans``: a compiled round-like program (params, state) -> (state, outputs) run under the
     profiler (on the CPU its host thunks stand for kernels): the state comes back advanced by the
@@ -189,3 +213,13 @@ def test_spans_of_traced_rounds():
     (span, busy, after), = decode.trace_spans({"k": (compiled, params, state)}, rounds=3).values()
     assert float(after[0, 0]) == 3.0
     assert span > 0 and busy > 0
+
+    # two rounds per call (a scan, as ``Engine.rounds``): 3 rounds take 2 calls, 4 rounds on
+    @jax.jit
+    def rounds_(params, state):
+        return jax.lax.scan(lambda s, _: round_(params, s), state, None, length=2)
+
+    compiled = rounds_.lower(params, state).compile()
+    (span2, busy2, after), = decode.trace_spans({"k": (compiled, params, state)}, rounds=3, per_call=2).values()
+    assert float(after[0, 0]) == 4.0
+    assert span2 > 0 and busy2 > 0
