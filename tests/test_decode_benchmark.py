@@ -223,3 +223,24 @@ def test_spans_of_traced_rounds():
     (span2, busy2, after), = decode.trace_spans({"k": (compiled, params, state)}, rounds=3, per_call=2).values()
     assert float(after[0, 0]) == 4.0
     assert span2 > 0 and busy2 > 0
+
+
+def test_ceilings_take_the_fastest_call_after_warming_up():
+    """``common.best_time``: calls for at least ``warm_s`` first (untimed), then the fastest and the
+    median of ``repeat`` timed calls: a slow start (clocks rising) is left out of both."""
+    import time
+
+    from benchmarks import common
+
+    calls = []
+
+    def fn():
+        calls.append(time.perf_counter())
+        time.sleep(0.03 if len(calls) <= 2 else 0.002 * (1 + len(calls) % 3))
+        return np.zeros(1)
+
+    fastest, median = common.best_time(fn, repeat=6, warm_s=0.05)
+    assert len(calls) >= 2 + 6 and calls[len(calls) - 6] - calls[0] >= 0.05
+    assert 0.002 <= fastest <= median < 0.0075
+    ceil = common.ceilings(copy_gib=1 / 4096, matmul_n=64)
+    assert all(ceil[k] > 0 and ceil[k] >= ceil[f"{k}_median"] for k in ("copy_GBps", "read_GBps", "bf16_matmul_TFLOPs"))
