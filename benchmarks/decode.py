@@ -70,8 +70,8 @@ longer than ``HOST_SLACK`` times the fastest dispatch of its batch (the smallest
 batch 1 the 2-layer slice's step, and on a slower host the 4-layer's.
 
 ``--spans`` runs each program's calls once more under the profiler after the timing and records
-each round's device span (its call's first kernel's start to its last kernel's end, each call
-waited for before the next, divided by the rounds per call; ``span_s``) and busy time (``busy_s``);
+each round's device span (its call's first kernel's start to its last kernel's end, calls
+dispatched back to back, divided by the rounds per call; ``span_s``) and busy time (``busy_s``);
 the spans are extrapolated like the wall times (``span_step_ms``, ``span_round_ms``,
 ``span_step_over_byte_roofline``, ``span_speedup``): the device's time for a step without the
 host's calls, which at one round per call take most of a batch-1 round's wall time at depths 2
@@ -342,12 +342,9 @@ def calls_for(rounds: int, per_call: int) -> int:
 def trace_spans(programs: dict, rounds: int, per_call: int = 1) -> dict:
     """key -> (median device span of a round, device busy time per round, state after) for every
     (compiled program of ``per_call`` rounds, params, state) of ``programs``: ``calls_for(rounds,
-    per_call)`` calls under the profiler (``profile_step.traced_rounds``), each waited for before
-    the next. A call's span runs from its first kernel's start to its last kernel's end: the
-    device's time for its rounds without the host's share around it; a round's span is the call's
-    / per_call. (The waits put the widest gaps between the calls, where the trace gives no run
-    ids to tell them apart: calls dispatched back to back left a DSpark round's own gaps wider
-    than those between its calls, and spans split there, on an H200.)"""
+    per_call)`` calls dispatched back to back under the profiler (``profile_step.traced_rounds``).
+    A call's span runs from its first kernel's start to its last kernel's end: the device's time
+    for its rounds without the host's share around it; a round's span is the call's / per_call."""
     import shutil
     import tempfile
 
@@ -357,7 +354,7 @@ def trace_spans(programs: dict, rounds: int, per_call: int = 1) -> dict:
     for key, (compiled, params, bs) in programs.items():
         root = tempfile.mkdtemp(prefix="dspark_decode_trace_")
         try:
-            bs, events, _ = traced_rounds(compiled, params, bs, calls, root, sync=True)
+            bs, events, _ = traced_rounds(compiled, params, bs, calls, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         out[key] = (float(np.median(round_spans_ns(events, calls))) / per_call / 1e9,

@@ -529,15 +529,12 @@ def written_events(trace_dir: str, module: str) -> tuple[list[KernelEvent], str]
     return trace_events(files[-1], module)
 
 
-def traced_rounds(compiled, params, bs, rounds: int, trace_dir: str, sync: bool = False):
-    """``rounds`` rounds of a compiled round dispatched back to back under the profiler (with
-    ``sync``, each waited for before the next is dispatched); returns (the state after them, the
-    trace's kernel events of the round's module and their source)."""
+def traced_rounds(compiled, params, bs, rounds: int, trace_dir: str):
+    """``rounds`` rounds of a compiled round dispatched back to back under the profiler; returns
+    (the state after them, the trace's kernel events of the round's module and their source)."""
     with profiler_trace(trace_dir):
         for _ in range(rounds):
             bs, res = compiled(params, bs)
-            if sync:
-                jax.block_until_ready(res.tokens)
         jax.block_until_ready(res.tokens)
     return bs, *written_events(trace_dir, module_name(compiled.as_text()))
 
