@@ -303,9 +303,23 @@ def busy_ns(events: list[KernelEvent]) -> float:
     return total
 
 
+def equal_runs(events: list[KernelEvent], rounds: int) -> list[list[KernelEvent]]:
+    """The events in start order, cut into ``rounds`` runs of equal length."""
+    evs, n = sorted(events, key=lambda e: e.start_ns), len(events) // rounds
+    return [evs[i * n:(i + 1) * n] for i in range(rounds)]
+
+
+def same_kernels(runs: list[list[KernelEvent]]) -> bool:
+    """Whether every run launched the same kernels."""
+    return len({tuple(sorted(e.hlo_op for e in run)) for run in runs}) == 1
+
+
 def round_spans_ns(events: list[KernelEvent], rounds: int) -> list[float]:
     """First kernel start to last kernel end of each execution: events grouped by run id where every
-    event has one, else split at the ``rounds - 1`` widest gaps between kernels."""
+    event has one; else the start-ordered events in ``rounds`` runs of equal length where those
+    launch the same kernels (an execution starts only after the one before it has ended); else
+    split at the ``rounds - 1`` widest gaps between kernels (which a DSpark round's own gaps can
+    outdo where rounds run back to back)."""
     if not events:
         return []
     if all(e.run is not None for e in events) and len({e.run for e in events}) == rounds:
@@ -313,6 +327,8 @@ def round_spans_ns(events: list[KernelEvent], rounds: int) -> list[float]:
         for e in events:
             groups[e.run].append(e)
         parts = list(groups.values())
+    elif len(events) % rounds == 0 and same_kernels(runs := equal_runs(events, rounds)):
+        parts = runs
     else:
         evs = sorted(events, key=lambda e: e.start_ns)
         ends = np.maximum.accumulate([e.start_ns + e.dur_ns for e in evs])

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.profile_step import Attribution, KernelEvent, Scope, attribute, busy_ns, leaf_events, scope_of, \
-    trace_events
+from benchmarks.profile_step import Attribution, KernelEvent, Scope, attribute, busy_ns, leaf_events, \
+    round_spans_ns, scope_of, trace_events
 from dspark_jax import SamplingParams
 from dspark_jax.decoding.engine import Engine
 
@@ -87,6 +87,12 @@ def test_synthetic_events_are_attributed():
     assert out["phases"]["draft"] == {"ms": 5500 / 1e6, "launches": 2.0}
     assert out["layer_components"]["S1"] == {"attention": {"ms": 5500 / 1e6, "launches": 2.0}}
     assert out["launches_scope_inferred"] == 1.0
+    # spans without run ids: equal runs of the same kernels, even where a round's own gap is the widest
+    gap = [KernelEvent("a", 0, 10), KernelEvent("b", 500, 10), KernelEvent("a", 520, 10), KernelEvent("b", 1020, 10)]
+    assert round_spans_ns(gap, 2) == [510, 510]
+    # runs of different kernels (a program with a branch): split at the widest gaps
+    branch = [KernelEvent("a", 0, 10), KernelEvent("b", 500, 10), KernelEvent("a", 520, 10), KernelEvent("c", 530, 10)]
+    assert round_spans_ns(branch, 2) == [10, 40]
     # device busy time is the union of intervals (overlaps counted once)
     assert busy_ns([KernelEvent("a", 0, 10), KernelEvent("b", 5, 10), KernelEvent("c", 30, 5)]) == 20
 
