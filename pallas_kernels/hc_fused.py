@@ -34,7 +34,9 @@ expansion, the sub-block's norm): about 10 launches per unit on a GPU for almost
 Why the mixes take a launch of their own: at decode (T = 1 to a few hundred tokens) the bytes of
 hc_pre are fn [M, K] float32 (1.5 MiB per unit at Flash dims); one program per token tile would
 stream all of it through one SM. Split over d it streams through S SMs at once, and adding the S
-partial sums up needs a second launch (float atomics would make the result depend on timing). S
+partial sums up needs a second launch (float atomics would make the result depend on timing), or,
+with ``HcConfig.one_launch``, an integer count of the finished programs: the last to finish adds
+the partials in the same order and collapses (``_unit_kernel``; not yet timed on a GPU). S
 depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse
 holds a token's n whole streams in registers (one token per program: 16 Ki values at Flash dims),
 so the norm's statistic and its output take one pass.
@@ -85,7 +87,9 @@ class HcConfig:
 
     Calls of at most ``fma_tokens`` tokens (0: none) take the mixes as float32 multiply-adds
     instead of dots (``_mixes_fma``): all T tokens in one tile, each program over at most
-    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns)."""
+    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns).
+    ``one_launch`` (those calls only; not yet timed on a GPU, so off): a unit in one launch, the
+    collapse run by the mixes program that finishes last (``_unit_kernel``)."""
 
     # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens;
     # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192
@@ -99,6 +103,7 @@ class HcConfig:
     fma_tokens: int = 8
     fma_split_k: int = 128
     fma_block: int = 4096
+    one_launch: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_k", "block_d", "fma_split_k", "fma_block"):
@@ -108,6 +113,10 @@ class HcConfig:
             raise ValueError(f"HcConfig needs block_t >= 16 and block_k >= 16 (dot tiles), got {self}")
         if not 0 <= self.fma_tokens <= 64:
             raise ValueError(f"HcConfig.fma_tokens must be in [0, 64], got {self.fma_tokens}")
+
+
+# The tiles of calls given no ``config`` (the model's): a benchmark may set another before tracing
+CONFIG = HcConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,13 +314,30 @@ def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, *refs, n: int, m: int
                      hc_eps: float, norm_eps: float, out_eps: float | None):
     """hc_pre (outputs y, post, comb) or hc_head (output y), one token per program, y followed by
     the RMSNorm when ``out_eps`` is set (then the first ref is its weight): see the module
-    docstring."""
-    if out_eps is not None:
-        w_ref, *refs = refs
-    y_ref, *weight_refs = refs
+    docstring. The token's first program runs the collapse, the second post and the Sinkhorn."""
+    w_ref, (y_ref, *weight_refs) = (refs[0], refs[1:]) if out_eps is not None else (None, refs)
+    _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_refs, pl.program_id(0),
+                    pl.program_id(1) == 0, pl.program_id(1) == 1, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps,
+                    norm_eps=norm_eps, out_eps=out_eps)
+
+
+def _when(cond, body) -> None:
+    """``body()`` where ``cond`` holds (a traced predicate, or True: always)."""
+    if cond is True:
+        body()
+    else:
+        pl.when(cond)(body)
+
+
+def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_refs, token, collapse, weights, *,
+                    n: int, m: int, t: _Tiles, iters: int, hc_eps: float, norm_eps: float, out_eps: float | None):
+    """Token ``token``'s gates from the S partials, then where ``collapse`` holds y (through the
+    RMSNorm of weight ``w_ref`` when ``out_eps`` is set) and where ``weights`` holds post and the
+    Sinkhorn iterations -> comb (``weight_refs``; none for hc_head)."""
     tokens, k = x_ref.shape
     d = k // n
-    rows, ok = _rows(1, tokens)
+    rows = token + _iota(1)
+    ok = rows < tokens
     cols = _iota(t.mp)
     splits = _iota(backend.next_power_of_2(t.splits))
     # the S splits' partials in one load [1, S, MP] (all in flight at once), then added up
@@ -326,7 +352,6 @@ def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, *refs, n: int, m: int
     z = [(column(c) * r) * scale_ref[0 if c < n else 1 if c < 2 * n else 2] + base_ref[c] for c in range(m)]
     pre = [jax.nn.sigmoid(v) + hc_eps for v in z[:n]]
 
-    @pl.when(pl.program_id(1) == 0)
     def _collapse():
         dcols = _iota(t.dp)
         dok = dcols < d
@@ -342,16 +367,47 @@ def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, *refs, n: int, m: int
             w = pltriton.load(w_ref.at[dcols], mask=dok, other=0).astype(jnp.float32)
             _store(y_ref, rows, ok, dcols, w[None, :] * (yr * inv[:, None]), dok)
 
-    if weight_refs:  # a second program per token, beside the collapse: post and the Sinkhorn iterations
+    _when(collapse, _collapse)
+    if weight_refs:  # post and the Sinkhorn iterations (hc_pre)
         post_ref, comb_ref = weight_refs
 
-        @pl.when(pl.program_id(1) == 1)
         def _weights():
             for j, v in enumerate(z[n:2 * n]):
                 _store(post_ref, rows, ok, jnp.full((1,), j, jnp.int32), (2.0 * jax.nn.sigmoid(v))[:, None])
             comb = sinkhorn_lists([z[2 * n + i * n:2 * n + (i + 1) * n] for i in range(n)], iters, hc_eps)
             for c, v in enumerate(x for row in comb for x in row):
                 _store(comb_ref, rows, ok, jnp.full((1,), c, jnp.int32), v[:, None])
+
+        _when(weights, _weights)
+
+
+def _unit_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, iters: int, hc_eps: float, norm_eps: float,
+                 out_eps: float | None, n_prev: int, f_parts: int, f_pairs: tuple[int, int], interpret: bool):
+    """A whole unit in one launch (``HcConfig.one_launch``; calls taking the multiply-adds: one
+    token tile, grid (1, S)). Refs: x_flat, fn, the previous unit's ``n_prev`` refs, scale, base,
+    [norm weight], the zeroed count (aliased to the last output); outputs partials, [X'], y,
+    [post, comb], the count. Each program runs ``_mixes_kernel``, then counts itself done: a
+    barrier (every warp's stores before it), then an atomic add (acquire-release at device
+    scope). The program that counts S - 1 has every program's partials and X' columns in memory
+    and runs each token's collapse and Sinkhorn, as ``_collapse_kernel``'s two programs would."""
+    prev, (scale_ref, base_ref), rest = refs[:n_prev], refs[n_prev:n_prev + 2], refs[n_prev + 2:]
+    w_ref, rest = (rest[0], rest[1:]) if out_eps is not None else (None, rest)
+    _, part_ref, *outs, count_ref = rest  # (the count's input: the same buffer as count_ref)
+    xo = outs[:1] if n_prev else []
+    y_ref, *weight_refs = outs[len(xo):]
+    _mixes_kernel(x_ref, fn_ref, *prev, part_ref, *xo, n=n, m=m, t=t, expand=bool(n_prev), f_parts=f_parts,
+                  f_pairs=f_pairs)
+    if not interpret:  # (interpret mode runs the programs one after the other)
+        pltriton.debug_barrier()
+    done = pltriton.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
+
+    @pl.when(done == t.splits - 1)
+    def _last():
+        if not interpret:
+            pltriton.debug_barrier()
+        for token in range(x_ref.shape[0]):
+            _collapse_token(part_ref, scale_ref, base_ref, xo[0] if xo else x_ref, w_ref, y_ref, weight_refs, token,
+                            True, True, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, out_eps=out_eps)
 
 
 def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
@@ -367,9 +423,10 @@ def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
 
 
 # ------------------------------------------------------------------------------ pallas calls
-def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool, name: str, *args):
+def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool, name: str, *args, aliases=None):
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+                              input_output_aliases=aliases or {},
                               compiler_params=backend.compiler_params(warps, config.num_stages))(*args)
 
 
@@ -381,7 +438,8 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
     (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
     result (``f_parts``: f given as that many partial sums [S T, d]; ``f_pairs``: as expert rows,
-    prev = (rows, extra, post, comb): ``_f_columns``)."""
+    prev = (rows, extra, post, comb): ``_f_columns``). With ``config.one_launch`` a call taking the
+    multiply-adds runs as one launch (``_unit_kernel``) with the same results."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
@@ -389,6 +447,22 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts,
                               f_pairs=f_pairs)
     grid = (pl.cdiv(tokens, t.bt), t.splits)
+    outs = [jax.ShapeDtypeStruct((tokens, k // n), x_flat.dtype)]
+    if m != n:
+        outs += [jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n * n), jnp.float32)]
+    name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
+    if config.one_launch and t.fma:
+        kernel = functools.partial(_unit_kernel, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                                   out_eps=out_eps, n_prev=len(prev or ()), f_parts=f_parts, f_pairs=f_pairs,
+                                   interpret=interpret)
+        xo = [] if prev is None else [jax.ShapeDtypeStruct(x_flat.shape, x_flat.dtype)]
+        args = (x_flat, fn, *(prev or ()), scale, base) + (() if out_eps is None else (norm_w,))
+        args += (jnp.zeros((1,), jnp.int32),)
+        out_shape = (part_shape, *xo, *outs, jax.ShapeDtypeStruct((1,), jnp.int32))
+        _, *result, _ = _call(kernel, grid, out_shape, config.num_warps, config, interpret,
+                              ("hc_post_" if prev is not None else "") + name + "_one_launch", *args,
+                              aliases={len(args) - 1: len(out_shape) - 1})
+        return tuple(result)
     if prev is None:
         part = _call(mixes, grid, part_shape, config.num_warps, config, interpret, "hc_mixes", x_flat, fn)
         expanded = ()
@@ -396,13 +470,9 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
         part, x_flat = _call(mixes, grid, (part_shape, jax.ShapeDtypeStruct(x_flat.shape, x_flat.dtype)),
                              config.num_warps, config, interpret, "hc_post_mixes", x_flat, fn, *prev)
         expanded = (x_flat,)
-    outs = [jax.ShapeDtypeStruct((tokens, k // n), x_flat.dtype)]
-    if m != n:
-        outs += [jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n * n), jnp.float32)]
     kernel = functools.partial(_collapse_kernel, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                                out_eps=out_eps)
     args = (part, scale, base, x_flat) + (() if out_eps is None else (norm_w,))
-    name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
     grid = (tokens, 2 if m != n else 1)  # a token's collapse, and its Sinkhorn program beside it (hc_pre)
     return expanded + tuple(_call(kernel, grid, tuple(outs), config.collapse_warps, config, interpret, name, *args))
 
@@ -459,7 +529,7 @@ def _flat_prev(f, post, comb, n: int, d: int) -> tuple:
 def pre_kernel(x: Float[Array, "... n d"], fn: Float[Array, "m k"], base: Float[Array, " m"],
                scale: Float[Array, " 3"], *, iters: int, hc_eps: float, norm_eps: float,
                norm_weight: Float[Array, " d"] | None = None, out_eps: float | None = None,
-               config: HcConfig = HcConfig(), interpret: bool | None = None
+               config: HcConfig | None = None, interpret: bool | None = None
                ) -> tuple[Float[Array, "... d"], Float[Array, "... n"], Float[Array, "... n n"]]:
     """hc_pre in two launches: (block input y [..., d] in x's dtype, post [..., n], comb [..., n, n]);
     with ``norm_weight`` (and its ``out_eps``) y comes out through that RMSNorm."""
@@ -472,7 +542,7 @@ def pre_kernel(x: Float[Array, "... n d"], fn: Float[Array, "m k"], base: Float[
         return pre_reference(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                              norm_weight=norm_weight, out_eps=out_eps)
     y, post, comb = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, None, n=n, iters=iters, hc_eps=hc_eps,
-                          norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
+                          norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config or CONFIG,
                           interpret=backend.interpret_mode(interpret))
     return y.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
 
@@ -481,7 +551,7 @@ def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: 
                     comb: Float[Array, "... n n"], fn: Float[Array, "m k"], base: Float[Array, " m"],
                     scale: Float[Array, " 3"], *, iters: int, hc_eps: float, norm_eps: float,
                     norm_weight: Float[Array, " d"] | None = None, out_eps: float | None = None,
-                    config: HcConfig = HcConfig(), interpret: bool | None = None):
+                    config: HcConfig | None = None, interpret: bool | None = None):
     """hc_post(f, x, post, comb) -> X', then hc_pre of X' (with the RMSNorm as in ``pre_kernel``), in
     two launches: (X' [..., n, d] in x's dtype, y [..., d], post' [..., n], comb' [..., n, n])."""
     n, d = x.shape[-2:] if x.ndim >= 2 else (0, 0)
@@ -495,7 +565,7 @@ def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: 
                                   norm_weight=norm_weight, out_eps=out_eps)
     prev, f_parts, f_pairs = _flat_prev(f, post, comb, n, d)
     xo, y, post2, comb2 = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, prev, n=n, iters=iters,
-                                hc_eps=hc_eps, norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
+                                hc_eps=hc_eps, norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config or CONFIG,
                                 f_parts=f_parts, f_pairs=f_pairs, interpret=backend.interpret_mode(interpret))
     return xo.reshape(x.shape), y.reshape(*lead, d), post2.reshape(*lead, n), comb2.reshape(*lead, n, n)
 
@@ -503,7 +573,7 @@ def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: 
 def head_kernel(x: Float[Array, "... n d"], fn: Float[Array, "n k"], base: Float[Array, " n"],
                 scale: Float[Array, " 1"], *, hc_eps: float, norm_eps: float,
                 norm_weight: Float[Array, " d"] | None = None, out_eps: float | None = None,
-                config: HcConfig = HcConfig(), interpret: bool | None = None) -> Float[Array, "... d"]:
+                config: HcConfig | None = None, interpret: bool | None = None) -> Float[Array, "... d"]:
     """hc_head in two launches: the sigmoid-gated collapse [..., d] in x's dtype (through the RMSNorm
     as in ``pre_kernel``)."""
     n, d = x.shape[-2:] if x.ndim >= 2 else (0, 0)
@@ -512,13 +582,13 @@ def head_kernel(x: Float[Array, "... n d"], fn: Float[Array, "n k"], base: Float
         return head_reference(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps, norm_weight=norm_weight,
                               out_eps=out_eps)
     (y,) = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, None, n=n, iters=1, hc_eps=hc_eps,
-                 norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config,
+                 norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config or CONFIG,
                  interpret=backend.interpret_mode(interpret))
     return y.reshape(*x.shape[:-2], d)
 
 
 def post_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: Float[Array, "... n"],
-                comb: Float[Array, "... n n"], *, config: HcConfig = HcConfig(), interpret: bool | None = None
+                comb: Float[Array, "... n n"], *, config: HcConfig | None = None, interpret: bool | None = None
                 ) -> Float[Array, "... n d"]:
     """hc_post in one launch: X'_j = post_j f + sum_i C[i, j] X_i, in x's dtype (f's partial sums or
     expert rows added first, in XLA)."""
@@ -531,7 +601,7 @@ def post_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: Floa
         return post_reference(f, x, post, comb)
     n, d = x.shape[-2:]
     (f_flat, post_flat, comb_flat), *_ = _flat_prev(f, post, comb, n, d)
-    out = _expand_call(f_flat, x.reshape(-1, n * d), post_flat, comb_flat, config=config,
+    out = _expand_call(f_flat, x.reshape(-1, n * d), post_flat, comb_flat, config=config or CONFIG,
                        interpret=backend.interpret_mode(interpret))
     return out.reshape(x.shape)
 
