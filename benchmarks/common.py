@@ -56,7 +56,7 @@ def ceilings(copy_gib: float = 2.0, matmul_n: int = 8192) -> dict:
     docs/benchmarks.md.) Each is the fastest of 20 calls after half a second of warm-up
     (``best_time``; the ``*_median`` keys: the median): a ceiling is the best the device did, and
     the median of 10 calls straight after the weights were built moved the copy's rate by 15 %
-    between runs on one H200 (2.35-2.77 TB/s), and every roofline ratio with it."""
+    between runs on one H200 (2.1-2.8 TB/s), and every roofline ratio with it."""
     n = int(copy_gib * 2**30 // 2)
     x = jnp.ones((n,), jnp.bfloat16)
     t, t_med = best_time(jax.jit(lambda a: a + jnp.bfloat16(1)), x)

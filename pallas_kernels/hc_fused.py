@@ -565,8 +565,9 @@ def post_pre_kernel(f: Float[Array, "... d"], x: Float[Array, "... n d"], post: 
                                   norm_weight=norm_weight, out_eps=out_eps)
     prev, f_parts, f_pairs = _flat_prev(f, post, comb, n, d)
     xo, y, post2, comb2 = _unit(x.reshape(-1, n * d), fn, base, scale, norm_weight, prev, n=n, iters=iters,
-                                hc_eps=hc_eps, norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps), config=config or CONFIG,
-                                f_parts=f_parts, f_pairs=f_pairs, interpret=backend.interpret_mode(interpret))
+                                hc_eps=hc_eps, norm_eps=norm_eps, out_eps=_out_eps(norm_weight, out_eps),
+                                config=config or CONFIG, f_parts=f_parts, f_pairs=f_pairs,
+                                interpret=backend.interpret_mode(interpret))
     return xo.reshape(x.shape), y.reshape(*lead, d), post2.reshape(*lead, n), comb2.reshape(*lead, n, n)
 
 

@@ -309,7 +309,8 @@ def test_one_launch_units_equal_two_launches(tokens, d, dtype):
     kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     normed = dict(norm_weight=w, out_eps=1e-5)
     parts = Partials(jnp.asarray(rng.standard_normal((4, tokens, d)), jnp.float32))
-    rows = ExpertRows(jnp.asarray(rng.standard_normal((tokens * 2 * 16, d)), dtype), parts, k=2, stride=16, shape=(tokens, d))
+    rows = ExpertRows(jnp.asarray(rng.standard_normal((tokens * 2 * 16, d)), dtype), parts, k=2, stride=16,
+                      shape=(tokens, d))
     _, post, comb = hc_fused.pre_kernel(x, fn, base, scale, **kw)
     calls = {
         "hc_pre": lambda cfg: hc_fused.pre_kernel(x, fn, base, scale, config=cfg, **kw),
