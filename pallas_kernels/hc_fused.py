@@ -444,8 +444,6 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
     part_shape = jax.ShapeDtypeStruct((tokens, t.splits * t.mp), jnp.float32)
-    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts,
-                              f_pairs=f_pairs)
     grid = (pl.cdiv(tokens, t.bt), t.splits)
     outs = [jax.ShapeDtypeStruct((tokens, k // n), x_flat.dtype)]
     if m != n:
@@ -463,6 +461,8 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
                               ("hc_post_" if prev is not None else "") + name + "_one_launch", *args,
                               aliases={len(args) - 1: len(out_shape) - 1})
         return tuple(result)
+    mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts,
+                              f_pairs=f_pairs)
     if prev is None:
         part = _call(mixes, grid, part_shape, config.num_warps, config, interpret, "hc_mixes", x_flat, fn)
         expanded = ()
