@@ -109,7 +109,7 @@ from benchmarks.common import (add_split_option, apply_split_option, ceilings, e
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import ROUNDS_PER_CALL
-from pallas_kernels import grouped_matmul as gm, hc_fused, kv_fp8
+from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
 # A measured round whose calls alone took this share of its time or more is marked host-bound
@@ -633,6 +633,9 @@ def main(argv=None):
     ap.add_argument("--moe-one-row", default="", help="MoE.one_row (xla, select, shared; default: the model's)")
     ap.add_argument("--hc-one-launch", action="store_true",
                     help="mHC units of few tokens in one launch each (hc_fused.HcConfig.one_launch)")
+    ap.add_argument("--compressor-two-launches", action="store_true",
+                    help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
+                         "one (compressor_pool.WRITE_IN_POOL off)")
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "
                          "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
@@ -645,6 +648,8 @@ def main(argv=None):
         gm.LINEAR_CODES_MAX_BLOCK_M = args.codes_max_block_m
     if args.hc_one_launch:
         hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
+    if args.compressor_two_launches:
+        compressor_pool.WRITE_IN_POOL = False
     args.split_programs = apply_split_option(args)
     args.options = args.options.split(",")
     if not args.options or set(args.options) - set(OPTION_SETS):

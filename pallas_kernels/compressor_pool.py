@@ -21,6 +21,13 @@ the softmax and the sum, and per ring array a scatter with the copies XLA adds a
 blocks); each program pools its channels for every candidate window, then writes the chunk's real
 rows into its channels of the ring in place (``input_output_aliases``).
 
+``pool_write(...)`` goes one step further: the closed windows' pooled rows are also finished and
+written into the compressor's entries (norm, RoPE, the reference's rounding: ``kv_rows``), so a
+compressor's step is one launch instead of two. ``pool_write_kernel`` runs one program per
+request over whole rows (the norm takes all w channels; a long span, C128's 128 slots, in blocks
+of slots: the max, the sum of exponentials, then the weighted sum); a window the chunk did not
+close costs nothing (a decode step closes one in m), so most steps only write the ring.
+
 Race-free in place: the windows read ring rows of positions start - span + 1 .. start - 1 and the
 chunk writes rows of positions start .. start + t - 1; with t <= R - span no position written
 shares a row (position % R) with one read, so the order of reads and writes across programs does
@@ -38,10 +45,11 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import backend
+from pallas_kernels import backend, kv_rows
 from pallas_kernels.gemv import Partials, total
 
 if TYPE_CHECKING:  # shape annotations only
@@ -54,6 +62,7 @@ class PoolConfig:
     window, block_c the largest power of two dividing w with span * block_c <= tile."""
 
     tile: int = 2048
+    row_tile: int = 4096  # ``pool_write_kernel``'s blocks: slots x all w channels
     num_warps: int = 4
     num_stages: int = 1
 
@@ -257,6 +266,189 @@ def pool(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"], kv_n
     if backend.resolve(impl) == "pallas" and fits:
         return pool_kernel(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap)
     return pool_reference(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio, overlap=overlap)
+
+
+# ------------------------------------------------------------------------------ pooling and the entries' write
+# Whether ``pool_write`` takes ``pool_write_kernel`` (one launch) where it can, or the two launches
+# (``pool_kernel``, then ``kv_rows.write_window_rows``): a switch for benchmarks, as
+# ``hc_fused.CONFIG``.
+WRITE_IN_POOL = True
+
+
+def pool_write_reference(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"],
+                         kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], ape: Float[Array, "m c"],
+                         start: Int[Array, " b"], n_valid: Int[Array, " b"], entries: Array,
+                         weight: Float[Array, " w"], inv_freq, *, ratio: int, overlap: bool, eps: float,
+                         quant: str | None, dtype) -> tuple[Array, Float[Array, "b r c"], Float[Array, "b r c"]]:
+    """(entries, new ring kv, new ring score): ``pool_reference``'s pooled rows of the windows the
+    chunk's real rows closed, finished (norm, RoPE, ``quant``) and written into ``entries`` at
+    their window's row as ``kv_rows.write_window_rows`` (its reference)."""
+    c, ring_kv, ring_score = pool_reference(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio,
+                                            overlap=overlap)
+    entries = kv_rows.write_window_rows(entries, start, n_valid, ratio, c, weight, inv_freq, eps=eps, quant=quant,
+                                        dtype=dtype, impl="xla")
+    return entries, ring_kv, ring_score
+
+
+def _pool_write_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, weight_ref, freq_ref, *refs,
+                       m: int, span: int, overlap: bool, w: int, sb: int, parts: int, eps: float, rope_dim: int,
+                       quant: str | None, dt):
+    """One request per program: every candidate window its real rows closed pooled over blocks
+    of ``sb`` slots x all w channels (whole rows: the norm takes the row), finished by
+    ``kv_rows.finished_row`` and written into its entry; then the chunk's real rows into the ring.
+    A window not closed costs nothing (a decode step closes one in m)."""
+    *h_ref, _, _, _, ring_kv_ref, ring_score_ref, entries_ref = refs  # (inputs aliased to the outputs)
+    t, ring, n = kv_new_ref.shape[1], ring_kv_ref.shape[1], entries_ref.shape[1]
+    b = kv_new_ref.shape[0] // parts
+    req = pl.program_id(0)
+    start, n_valid = start_ref[req], n_valid_ref[req]
+
+    def chunk_rows(ref, rows, cols, mask):  # the chunk's rows at cols, their parts added in order
+        v = pltriton.load(ref.at[req, rows, cols], mask=mask, other=0.0)
+        for s in range(1, parts):
+            v = v + pltriton.load(ref.at[s * b + req, rows, cols], mask=mask, other=0.0)
+        return v
+
+    def block(win, at, j):  # slots j * sb ..: kv and scores + ape (-inf: no slot) [sb, w] at channels ``at``
+        slot = j * sb + _iota(sb)[:, None]
+        pos = (win - 1) * m + slot if overlap else win * m + slot  # [sb, 1]
+        real = (slot < span) & (pos >= 0)
+        new, old = real & (pos >= start), real & (pos < start)
+        col = at + (jnp.where(slot >= m, w, 0) if overlap else 0 * slot)  # C4's slots m..: the second half
+        new_m, old_m = jnp.broadcast_to(new, col.shape), jnp.broadcast_to(old, col.shape)
+        row_new, row_old = jnp.where(new, pos - start, 0), jnp.where(old, pos, 0) % ring
+        kv = jnp.where(new, chunk_rows(kv_new_ref, row_new, col, new_m),
+                       pltriton.load(ring_kv_ref.at[req, row_old, col], mask=old_m, other=0.0))
+        sc = jnp.where(new, chunk_rows(score_new_ref, row_new, col, new_m),
+                       pltriton.load(ring_score_ref.at[req, row_old, col], mask=old_m, other=0.0))
+        sc = sc + pltriton.load(ape_ref.at[jnp.where(real, pos, 0) % m, col])
+        return kv, jnp.where(real, sc, -jnp.inf)
+
+    def pooled(win, at):  # [1, w]: the window's softmax pool at channels ``at`` [1, w], as ``_pool_kernel``
+        blocks = -(-span // sb)
+        if blocks == 1:
+            kv, sc = block(win, at, 0)
+            e = jnp.exp(sc - jnp.max(sc, axis=0, keepdims=True))
+            return jnp.sum(kv * (e / jnp.sum(e, axis=0, keepdims=True)), axis=0, keepdims=True)
+        # longer spans (C128): the max, the sum of exponentials, then the weighted sum, block by block
+        first = jnp.full((1, w), -jnp.inf, jnp.float32)
+        mx = jax.lax.fori_loop(0, blocks, lambda j, a: jnp.maximum(
+            a, jnp.max(block(win, at, j)[1], axis=0, keepdims=True)), first)
+        total_e = jax.lax.fori_loop(0, blocks, lambda j, a: a + jnp.sum(
+            jnp.exp(block(win, at, j)[1] - mx), axis=0, keepdims=True), jnp.zeros((1, w), jnp.float32))
+
+        def weighted(j, a):
+            kv, sc = block(win, at, j)
+            return a + jnp.sum(kv * (jnp.exp(sc - mx) / total_e), axis=0, keepdims=True)
+
+        return jax.lax.fori_loop(0, blocks, weighted, jnp.zeros((1, w), jnp.float32))
+
+    cols = _iota(w)[None, :]
+    for k in range(-(-t // m)):  # candidate windows: written iff the chunk's real rows closed them
+        win = start // m + k
+
+        @pl.when((win < (start + n_valid) // m) & (win < n))
+        def _(win=win):
+            e = kv_rows.finished_row(functools.partial(pooled, win), weight_ref, freq_ref,
+                                     h_ref[0] if h_ref else None, win * m, w=w, eps=eps, rope_dim=rope_dim,
+                                     quant=quant, dt=dt)
+            pltriton.store(entries_ref.at[req, win, cols], e.astype(entries_ref.dtype))
+
+    # The chunk's real rows into the ring (t <= R - span: no row read above); masked rows point one
+    # past the ring (never accessed), as in ``_pool_kernel``.
+    i = _iota(backend.next_power_of_2(t))[:, None]
+    real = (i < n_valid) & (i < t)
+    ok = jnp.broadcast_to(real, (i.shape[0], w))
+    dest = jnp.where(real, (start + i) % ring, ring)
+    src = jnp.where(i < t, i, 0)
+    for half in ((cols, cols + w) if overlap else (cols,)):
+        for new_ref, ring_ref in ((kv_new_ref, ring_kv_ref), (score_new_ref, ring_score_ref)):
+            pltriton.store(ring_ref.at[req, dest, half], chunk_rows(new_ref, src, half, ok), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "overlap", "eps", "quant", "dtype", "config", "interpret"))
+def _pool_write_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq, *,
+                       ratio: int, overlap: bool, eps: float, quant: str | None, dtype, config: PoolConfig,
+                       interpret: bool):
+    (kv_new, parts), (score_new, score_parts) = _flat_parts(kv_new), _flat_parts(score_new)
+    if parts != score_parts:
+        kv_new, score_new = _flat_parts(total(kv_new))[0], _flat_parts(total(score_new))[0]
+        parts = 1
+    b = ring_kv.shape[0]
+    span, w = geometry(ratio, overlap, ring_kv.shape[2])
+    fit = max(1, config.row_tile // w)
+    sb = min(backend.next_power_of_2(span), 1 << (fit.bit_length() - 1))  # (powers of two)
+    hadamard = kv_rows.hadamard_operands(quant, w)
+    kernel = functools.partial(_pool_write_kernel, m=ratio, span=span, overlap=overlap, w=w, sb=sb, parts=parts,
+                               eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, dt=dtype)
+    n_in = 7 + len(hadamard)
+    with backend.quiet_triton_deprecation():
+        ring_kv, ring_score, entries = pl.pallas_call(
+            kernel,
+            grid=(b,),
+            out_shape=(jax.ShapeDtypeStruct(ring_kv.shape, jnp.float32),
+                       jax.ShapeDtypeStruct(ring_score.shape, jnp.float32),
+                       jax.ShapeDtypeStruct(entries.shape, entries.dtype)),
+            input_output_aliases={n_in: 0, n_in + 1: 1, n_in + 2: 2},
+            compiler_params=backend.compiler_params(config.num_warps, config.num_stages),
+            interpret=interpret,
+            name="compressor_pool_write" if quant != "keys" else "compressor_pool_keys",
+        )(start.astype(jnp.int32), n_valid.astype(jnp.int32), ape.astype(jnp.float32), kv_new, score_new,
+          weight.astype(jnp.float32), inv_freq, *hadamard, ring_kv, ring_score, entries)
+    return entries, ring_kv, ring_score
+
+
+def _write_takes(ring_kv, kv_new, entries, ratio: int, overlap: bool, inv_freq, quant: str | None) -> bool:
+    """Whether ``pool_write_kernel`` takes these: chunks of up to R - span rows, float32 rings and
+    entries that ``kv_rows``' kernel writes (a plain float pool, w a power of two, ...)."""
+    span, w = geometry(ratio, overlap, ring_kv.shape[-1])
+    rows = _rows_shape(kv_new)
+    windows = jax.ShapeDtypeStruct((rows[0], -(-rows[1] // ratio), w), jnp.float32)
+    return (rows[1] <= ring_kv.shape[1] - span and ring_kv.dtype == jnp.float32
+            and kv_rows.kernel_takes(entries, windows, 2 * np.asarray(inv_freq).shape[0], quant))
+
+
+def pool_write_kernel(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"],
+                      kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], ape: Float[Array, "m c"],
+                      start: Int[Array, " b"], n_valid: Int[Array, " b"], entries: Array, weight: Float[Array, " w"],
+                      inv_freq, *, ratio: int, overlap: bool, eps: float, quant: str | None, dtype,
+                      config: PoolConfig = PoolConfig(), interpret: bool | None = None
+                      ) -> tuple[Array, Float[Array, "b r c"], Float[Array, "b r c"]]:
+    """The Pallas kernel (``pool_write_reference``'s contract): the pooling, the closed windows'
+    entries and the ring update in one launch, grid (requests,); rings and entries updated in
+    place (jit the caller with them donated to avoid a copy)."""
+    _check(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio, overlap)
+    if not _write_takes(ring_kv, kv_new, entries, ratio, overlap, inv_freq, quant):
+        raise ValueError(f"the pooling-and-write kernel takes chunks of at most R - span rows, float32 rings and "
+                         f"entries kv_rows' kernel writes; got rows {_rows_shape(kv_new)}, rings {ring_kv.dtype} "
+                         f"{ring_kv.shape}, entries {getattr(entries, 'dtype', type(entries).__name__)} "
+                         f"{getattr(entries, 'shape', None)}, quant {quant!r}")
+    _, w = geometry(ratio, overlap, ring_kv.shape[2])
+    if weight.shape != (w,):
+        raise ValueError(f"the norm weight must be [{w}], got {weight.shape}")
+    return _pool_write_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight,
+                              jnp.asarray(inv_freq, jnp.float32), ratio=ratio, overlap=overlap, eps=float(eps),
+                              quant=quant, dtype=jnp.dtype(dtype), config=config,
+                              interpret=backend.interpret_mode(interpret))
+
+
+def pool_write(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"], kv_new: Float[Array, "b t c"],
+               score_new: Float[Array, "b t c"], ape: Float[Array, "m c"], start: Int[Array, " b"],
+               n_valid: Int[Array, " b"], entries: Array, weight: Float[Array, " w"], inv_freq, *, ratio: int,
+               overlap: bool, eps: float, quant: str | None, dtype, impl: str | None = None
+               ) -> tuple[Array, Float[Array, "b r c"], Float[Array, "b r c"]]:
+    """The backend switch: ``pool_write_kernel`` where ``impl`` resolves to "pallas", it takes the
+    inputs and ``WRITE_IN_POOL`` is on; else ``pool``, then ``kv_rows.write_window_rows`` (each its
+    own kernel or reference)."""
+    if (backend.resolve(impl) == "pallas" and WRITE_IN_POOL
+            and _write_takes(ring_kv, kv_new, entries, ratio, overlap, inv_freq, quant)):
+        return pool_write_kernel(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight,
+                                 inv_freq, ratio=ratio, overlap=overlap, eps=eps, quant=quant, dtype=dtype)
+    c, ring_kv, ring_score = pool(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio,
+                                  overlap=overlap, impl=impl)
+    entries = kv_rows.write_window_rows(entries, start, n_valid, ratio, c, weight, inv_freq, eps=eps, quant=quant,
+                                        dtype=dtype, impl=impl)
+    return entries, ring_kv, ring_score
 
 
 kernel = pool_kernel

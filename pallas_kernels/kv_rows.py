@@ -42,6 +42,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import backend
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.grouped_matmul import ACT_FP8_MAX, act_scale, act_scale_inverse
+from pallas_kernels.rms_norms import normalise_row, rms_norms
 from pallas_kernels.rope import partner_columns, rotate_pairs
 
 QUANTS = (None, "kv", "keys")
@@ -98,18 +99,26 @@ def _fp4_scale(amax: Array) -> Array:
     return jax.lax.bitcast_convert_type(((bits >> 23) - 2 + up) << 23, jnp.float32)
 
 
-def _row(c_ref, w_ref, freq_ref, h_ref, row, position, *, w: int, eps: float, rope_dim: int, quant: str | None,
-         parts: int, dt) -> Array:
-    """Row ``row`` of c [parts * rows, w] (its parts added in order) rounded to ``dt``, normalised
-    (with a weight ref), rotated at ``position`` and rounded by ``quant``: [1, w] in ``dt``."""
+def ref_row(c_ref, row, parts: int):
+    """The loader of ``finished_row`` for row ``row`` of c [parts * rows, w] (its parts added in order)."""
+    def load(at: Array) -> Array:
+        x = pltriton.load(c_ref.at[row, at])
+        for s in range(1, parts):
+            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + row, at])
+        return x
+    return load
+
+
+def finished_row(load, w_ref, freq_ref, h_ref, position, *, w: int, eps: float, rope_dim: int, quant: str | None,
+                 dt) -> Array:
+    """A row c [w] (``load(cols)``: its float32 values at columns cols [1, w]) rounded to ``dt``,
+    normalised (with a weight ref), rotated at ``position`` and rounded by ``quant``: [1, w] in
+    ``dt``. (``compressor_pool.pool_write_kernel`` loads its pooled rows this way.)"""
     cols = jnp.arange(w, dtype=jnp.int32)[None, :]  # [1, w]
     partner = jnp.where(cols >= w - rope_dim, partner_columns(cols), cols)
 
     def rounded(at: Array) -> Array:  # c at columns ``at``, rounded to dtype, float32
-        x = pltriton.load(c_ref.at[row, at])
-        for s in range(1, parts):
-            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + row, at])
-        return x.astype(dt).astype(jnp.float32)
+        return load(at).astype(dt).astype(jnp.float32)
 
     x = rounded(cols)
     if w_ref is None:  # no norm
@@ -138,12 +147,15 @@ def _row(c_ref, w_ref, freq_ref, h_ref, row, position, *, w: int, eps: float, ro
 
 
 def _kernel(a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
-            parts: int, rows_per_request: int, ratio: int, dt):
+            parts: int, rows_per_request: int, ratio: int, dt, norm_eps: float | None = None):
     """Refs a, b: slots and positions [b k]; or with ``ratio`` (a compressor's candidate windows,
-    ``write_window_rows``) the requests' start and n_valid [b]."""
-    *h_ref, pool_in, pool_ref = refs  # (the Hadamard matrix for "keys")
-    del pool_in  # aliased to pool_ref: rows not written keep their bytes
+    ``write_window_rows``) the requests' start and n_valid [b]. With ``norm_eps`` (``write_rows_and_norm``)
+    the programs of grid axis 2 = 1 normalise the row of the same index of another input instead."""
+    h_ref = refs[:1] if quant == "keys" else ()  # the Hadamard matrix
+    refs = refs[len(h_ref):]
+    norm_refs, (_, pool_ref, *norm_out) = (refs[:2], refs[2:]) if norm_eps is not None else ((), refs)
     b, k = pl.program_id(0), pl.program_id(1)
+    task = pl.program_id(2) if norm_eps is not None else 0  # (read here: interpret mode has none in branches)
     n, w = pool_ref.shape[1], pool_ref.shape[2]
     row = b * rows_per_request + k  # of c [parts * rows, w]
     if ratio:  # window start // m + k, written iff the chunk's real rows closed it
@@ -153,12 +165,21 @@ def _kernel(a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: i
         position = win * ratio
     else:
         slot, position = a_ref[row], b_ref[row]
-    e = _row(c_ref, w_ref, freq_ref, h_ref[0] if h_ref else None, row, position, w=w, eps=eps, rope_dim=rope_dim,
-             quant=quant, parts=parts, dt=dt)
-    ok = (slot >= 0) & (slot < n)
-    cols = jnp.arange(w, dtype=jnp.int32)[None, :]
-    dest = jnp.where(ok, slot, n)  # a window not closed: one past the pool, masked (never accessed)
-    pltriton.store(pool_ref.at[b, dest, cols], e.astype(pool_ref.dtype), mask=jnp.broadcast_to(ok, cols.shape))
+
+    def write():
+        e = finished_row(ref_row(c_ref, row, parts), w_ref, freq_ref, h_ref[0] if h_ref else None, position, w=w,
+                         eps=eps, rope_dim=rope_dim, quant=quant, dt=dt)
+        ok = (slot >= 0) & (slot < n)
+        cols = jnp.arange(w, dtype=jnp.int32)[None, :]
+        dest = jnp.where(ok, slot, n)  # a window not closed: one past the pool, masked (never accessed)
+        pltriton.store(pool_ref.at[b, dest, cols], e.astype(pool_ref.dtype), mask=jnp.broadcast_to(ok, cols.shape))
+
+    if norm_eps is None:
+        write()
+    else:
+        pl.when(task == 0)(write)
+        pl.when(task == 1)(lambda: normalise_row(*norm_refs, norm_out[0], norm_out[1] if len(norm_out) > 1 else None,
+                                                 row, norm_eps))
 
 
 def _queries_kernel(pos_ref, c_ref, freq_ref, *refs, rope_dim: int, quant: str | None, parts: int, heads: int, dt):
@@ -167,35 +188,43 @@ def _queries_kernel(pos_ref, c_ref, freq_ref, *refs, rope_dim: int, quant: str |
     t, k = pl.program_id(0), pl.program_id(1)
     w = o_ref.shape[1]
     row = t * heads + k
-    e = _row(c_ref, None, freq_ref, h_ref[0] if h_ref else None, row, pos_ref[t], w=w, eps=0.0, rope_dim=rope_dim,
-             quant=quant, parts=parts, dt=dt)
+    e = finished_row(ref_row(c_ref, row, parts), None, freq_ref, h_ref[0] if h_ref else None, pos_ref[t], w=w,
+                     eps=0.0, rope_dim=rope_dim, quant=quant, dt=dt)
     pltriton.store(o_ref.at[row, jnp.arange(w, dtype=jnp.int32)[None, :]], e)
 
 
-def _hadamard(quant: str | None, w: int) -> tuple:
+def hadamard_operands(quant: str | None, w: int) -> tuple:
     from dspark_jax.model.quant import hadamard_matrix
 
     return (jnp.asarray(hadamard_matrix(w)),) if quant == "keys" else ()
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "quant", "ratio", "dtype", "interpret"))
-def _pallas(pool, a, b_, c, weight, inv_freq, *, eps: float, quant: str | None, ratio: int, dtype, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("eps", "quant", "ratio", "dtype", "norm_eps", "norm_rounded",
+                                             "interpret"))
+def _pallas(pool, a, b_, c, weight, inv_freq, norm_x=None, norm_weight=None, *, eps: float, quant: str | None,
+            ratio: int, dtype, norm_eps: float | None = None, norm_rounded: bool = False, interpret: bool):
     parts = c.parts if isinstance(c, Partials) else c[None]
     s, b, k, w = parts.shape
     kernel = functools.partial(_kernel, eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, parts=s,
-                               rows_per_request=k, ratio=ratio, dt=dtype)
-    hadamard = _hadamard(quant, w)
+                               rows_per_request=k, ratio=ratio, dt=dtype, norm_eps=norm_eps)
+    hadamard = hadamard_operands(quant, w)
+    norm_in, norm_out = (), ()
+    if norm_eps is not None:  # (``write_rows_and_norm``)
+        norm_in = (norm_x.parts.astype(jnp.float32), norm_weight)
+        normed = jax.ShapeDtypeStruct(norm_x.parts.shape[1:], dtype)
+        norm_out = (normed, normed) if norm_rounded else (normed,)
     with backend.quiet_triton_deprecation():
-        return pl.pallas_call(
+        out = pl.pallas_call(
             kernel,
-            grid=(b, k),
-            out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-            input_output_aliases={5 + len(hadamard): 0},
+            grid=(b, k) if norm_eps is None else (b, k, 2),
+            out_shape=(jax.ShapeDtypeStruct(pool.shape, pool.dtype), *norm_out),
+            input_output_aliases={5 + len(hadamard) + len(norm_in): 0},
             compiler_params=backend.compiler_params(4, 1),
             interpret=interpret,
-            name="kv_rows" if quant != "keys" else "key_rows",
+            name=("kv_rows" if quant != "keys" else "key_rows") + ("_norm" if norm_eps is not None else ""),
         )(a.reshape(-1).astype(jnp.int32), b_.reshape(-1).astype(jnp.int32),
-          parts.astype(jnp.float32).reshape(s * b * k, w), weight, inv_freq, *hadamard, pool)
+          parts.astype(jnp.float32).reshape(s * b * k, w), weight, inv_freq, *hadamard, *norm_in, pool)
+    return out if norm_eps is not None else out[0]
 
 
 @functools.partial(jax.jit, static_argnames=("quant", "dtype", "interpret"))
@@ -213,7 +242,7 @@ def _queries_pallas(c, positions, inv_freq, *, quant: str | None, dtype, interpr
             interpret=interpret,
             name="query_rows",
         )(positions.reshape(-1).astype(jnp.int32), parts.astype(jnp.float32).reshape(s * b * t * h, w), inv_freq,
-          *_hadamard(quant, w))
+          *hadamard_operands(quant, w))
     return out.reshape(b, t, h, w)
 
 
@@ -268,6 +297,33 @@ def write_rows(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"], c: 
         return rows_kernel(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype)
     return rows_reference(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype,
                              impl=impl, mesh=mesh)
+
+
+def write_rows_and_norm(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"],
+                        c: Float[Array, "b k w"] | Partials, weight: Float[Array, " w"], inv_freq, *, eps: float,
+                        quant: str | None, dtype, norm_x: Partials, norm_weight: Float[Array, " n"], norm_eps: float,
+                        rounded: bool = False, impl: str | None = None, mesh=None) -> tuple[Array, ...]:
+    """``write_rows`` and ``rms_norms((norm_x,), (norm_weight,), norm_eps, dtype, rounded=(rounded,))``
+    (a one-token step's window row and q_norm, both from the attention's shared launch): (pool,
+    normed rows [R, n][, their quantised values]). In one launch where ``write_rows`` takes the
+    kernel and norm_x's parts [S, R, n] have a row per written row (R = b k; n a power of two, a
+    multiple of 128 when ``rounded``): grid (b, k, 2), the programs of axis 2 = 1 normalising;
+    else each on its own."""
+    rope_dim = 2 * np.asarray(inv_freq).shape[0]
+    n = norm_x.parts.shape[-1]
+    fits = (norm_x.parts.ndim == 3 and norm_x.parts.shape[1] == int(np.prod(_shape(c)[:2]))
+            and norm_weight.shape == (n,) and backend.is_power_of_2(n) and not (rounded and n % 128))
+    if backend.resolve(impl) == "pallas" and mesh is None and kernel_takes(pool, c, rope_dim, quant) and fits:
+        shape = _shape(c)
+        if slots.shape != shape[:2] or positions.shape != shape[:2] or weight.shape != shape[2:]:
+            raise ValueError(f"slots and positions must be {shape[:2]} and the weight [{shape[2]}], got "
+                             f"{slots.shape}, {positions.shape} and {weight.shape}")
+        return _pallas(pool, slots, positions, c, weight.astype(jnp.float32), jnp.asarray(inv_freq, jnp.float32),
+                       norm_x, norm_weight, eps=float(eps), quant=quant, ratio=0, dtype=jnp.dtype(dtype),
+                       norm_eps=float(norm_eps), norm_rounded=bool(rounded), interpret=backend.interpret_mode(None))
+    pool = write_rows(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype, impl=impl,
+                      mesh=mesh)
+    return (pool, *rms_norms((norm_x,), (norm_weight,), norm_eps, dtype, rounded=(rounded,), impl=impl))
 
 
 def window_slots(start: Int[Array, " b"], n_valid: Int[Array, " b"], windows: int, ratio: int, n: int

@@ -53,6 +53,25 @@ def rms_norms_reference(xs: tuple[Partials, ...], weights: tuple[Array, ...], ep
     return ys + tuple(fp8_sim(y, FP8_BLOCK) for y, r in zip(ys, _flags(rounded, len(xs))) if r)
 
 
+def normalise_row(in_ref, w_ref, o_ref, q_ref, r, eps: float) -> None:
+    """Row r of the parts [S, R, N] in ``in_ref`` added in order, rounded to o_ref's dtype and
+    normalised into o_ref [R, N]; with a ``q_ref``, also its quantised values (per 128 columns).
+    (``kv_rows`` runs it beside the window's new KV row: q_norm and the row in one launch.)"""
+    parts, n = in_ref.shape[0], in_ref.shape[2]
+    y = in_ref[0, pl.ds(r, 1), :]
+    for s in range(1, parts):  # the parts added in order
+        y = y + in_ref[s, pl.ds(r, 1), :]
+    y = y.astype(o_ref.dtype).astype(jnp.float32)
+    inv = 1.0 / jnp.sqrt(jnp.sum(y * y, axis=1, keepdims=True) / n + eps)
+    w = w_ref[...].astype(jnp.float32)[None, :]
+    out = (w * (y * inv)).astype(o_ref.dtype)
+    o_ref[pl.ds(r, 1), :] = out
+    if q_ref is not None:  # the quantised values, per 128 columns
+        codes, scale = _quantise_block(out.reshape(n // FP8_BLOCK, FP8_BLOCK))
+        q = (codes.astype(jnp.float32) * scale).reshape(1, n)
+        q_ref[pl.ds(r, 1), :] = q.astype(q_ref.dtype)
+
+
 def _kernel(*refs, count: int, eps: float, rounded: tuple[bool, ...]):
     in_refs, w_refs, o_refs = refs[:count], refs[count:2 * count], refs[2 * count:]
     q_refs = dict(zip([j for j in range(count) if rounded[j]], o_refs[count:]))
@@ -60,19 +79,7 @@ def _kernel(*refs, count: int, eps: float, rounded: tuple[bool, ...]):
     for j in range(count):
         @pl.when(i == j)
         def _norm(j=j):
-            parts, n = in_refs[j].shape[0], in_refs[j].shape[2]
-            y = in_refs[j][0, pl.ds(r, 1), :]
-            for s in range(1, parts):  # the parts added in order
-                y = y + in_refs[j][s, pl.ds(r, 1), :]
-            y = y.astype(o_refs[j].dtype).astype(jnp.float32)
-            inv = 1.0 / jnp.sqrt(jnp.sum(y * y, axis=1, keepdims=True) / n + eps)
-            w = w_refs[j][...].astype(jnp.float32)[None, :]
-            out = (w * (y * inv)).astype(o_refs[j].dtype)
-            o_refs[j][pl.ds(r, 1), :] = out
-            if j in q_refs:  # the quantised values, per 128 columns
-                codes, scale = _quantise_block(out.reshape(n // FP8_BLOCK, FP8_BLOCK))
-                q = (codes.astype(jnp.float32) * scale).reshape(1, n)
-                q_refs[j][pl.ds(r, 1), :] = q.astype(q_refs[j].dtype)
+            normalise_row(in_refs[j], w_refs[j], o_refs[j], q_refs.get(j), r, eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "rounded", "interpret"))

@@ -1,12 +1,16 @@
 """The compressors' pooling kernel (gather, softmax pool and in-place ring update in one launch)
-against its pure-JAX reference, its lowering for gfx950 and NVIDIA, and its bad-input errors."""
+and the pooling-and-write kernel (with the closed windows' entries finished and written too)
+against their pure-JAX references and the two launches, their lowering for gfx950 and NVIDIA, and
+their bad-input errors."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import compressor_pool, lowering
+from dspark_jax.config import tiny
+from dspark_jax.model.norms_rope import layer_inv_freq
+from pallas_kernels import compressor_pool, kv_rows, lowering
 
 SD = jax.ShapeDtypeStruct
 
@@ -143,3 +147,128 @@ def test_bad_input_is_named():
         compressor_pool.geometry(4, True, 31)
     with pytest.raises(ValueError, match="rings must be float32"):
         compressor_pool.pool_kernel(args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), *args[2:], **kw)
+
+
+# ------------------------------------------------------------------------------ pooling and the entries' write
+INV_FREQ = layer_inv_freq(tiny(), 4)  # 32 pairs: 64 rope dims
+
+
+def _write_case(rng, b: int, ratio: int, overlap: bool, w: int, t: int, start, n_valid, dtype):
+    """``_case``'s rings and rows for entries of width w, NaN-poisoned entries (no window's row is
+    NaN) [b, n, w] and a norm weight [w]."""
+    args = _case(rng, b, ratio, overlap, 2 * w if overlap else w, t, start, n_valid)
+    n = 2048 // ratio
+    entries = jnp.full((b, n, w), jnp.nan, dtype)
+    return (*args, entries, jnp.asarray(rng.uniform(0.5, 1.5, w), jnp.float32))
+
+
+@pytest.mark.parametrize("ratio,overlap,w,t,start,n_valid,quant", [
+    (4, True, 128, 1, [3, 7, 0, 101], [1, 0, 1, 1], "kv"),  # C4 decode: window 0 closes; an idle row; no window closes
+    (4, True, 128, 6, [0, 2, 29, 50], [6, 3, 6, 0], "kv"),  # C4 verify: two windows close, a short and an empty request
+    (4, True, 128, 1, [3, 7, 11, 1023], [1, 1, 0, 1], "keys"),  # C4 decode, the indexer's keys (Hadamard + e2m1)
+    (128, False, 128, 6, [0, 125, 250, 1021], [6, 6, 2, 6], "kv"),  # C128: closes at 127, 1023 (4 slot blocks)
+    (128, False, 512, 1, [127, 0, 1023, 255], [1, 1, 1, 0], "kv"),  # C128 decode at Flash's width (16 slot blocks)
+    (4, True, 64, 6, [1, 6, 60, 9], [6, 6, 4, 5], None),  # no rounding (quant None), entries of 64 dims
+])
+@pytest.mark.parametrize("parts", [0, 8])
+def test_pool_write_matches_two_launches_and_reference(ratio, overlap, w, t, start, n_valid, quant, parts):
+    """One launch (``pool_write_kernel``) against the two (``pool_kernel``, then
+    ``kv_rows.write_window_rows``' kernel): the rings and every entry bit for bit; entries of
+    windows not closed stay poisoned, the closed ones finite. Against the reference: the rings bit
+    for bit (rows as partial sums: to float32 rounding), the entries within a rounding step of
+    bf16, or of fp8 / e2m1 where that step crossed a boundary."""
+    from pallas_kernels.gemv import Partials
+
+    rng = np.random.default_rng(ratio + t + w + parts)
+    args = list(_write_case(rng, len(start), ratio, overlap, w, t, start, n_valid, jnp.bfloat16))
+    if parts:  # the chunk's rows as a split projection's partial sums
+        args[2], args[3] = (Partials(jnp.asarray(rng.standard_normal((parts, *a.shape)) * s, jnp.float32))
+                            for a, s in ((args[2], 1), (args[3], 2)))
+    kw = dict(ratio=ratio, overlap=overlap, eps=1e-6, quant=quant, dtype=jnp.bfloat16)
+    got = compressor_pool.pool_write_kernel(*args, INV_FREQ, **kw)
+    c, ring_kv, ring_score = compressor_pool.pool_kernel(*args[:7], ratio=ratio, overlap=overlap)
+    two = (kv_rows.write_window_rows(args[7], args[5], args[6], ratio, c, args[8], INV_FREQ, eps=1e-6, quant=quant,
+                                     dtype=jnp.bfloat16, impl="pallas"), ring_kv, ring_score)
+    want = compressor_pool.pool_write_reference(*args, INV_FREQ, **kw)
+    for g, o in zip(got, two):
+        assert g.dtype == o.dtype and g.shape == o.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(o, np.float32))
+    for g, r in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-5 if parts else 0)
+    written = np.zeros(got[0].shape[:2], bool)
+    k = -(-t // ratio)
+    for b, row in zip(*np.nonzero(_real_windows(start, n_valid, ratio, k))):
+        written[b, start[b] // ratio + row] = True
+    assert written.any() and not written.all(axis=1).any()
+    e, r = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+    assert np.isnan(e[~written]).all() and np.isfinite(e[written]).all()
+    np.testing.assert_allclose(e[written], r[written], rtol={"kv": 2**-3, "keys": 1}.get(quant, 2**-7), atol=1e-6)
+    assert np.mean(e[written] == r[written]) > 0.97
+
+
+def test_pool_write_switch():
+    """``pool_write`` takes the one launch on the Pallas path, the two launches with
+    ``WRITE_IN_POOL`` off (both alike), the references for XLA, and for chunks longer than R - span
+    (prefill) the pooling's reference and the rows' kernel."""
+    from tests.helpers import pallas_calls
+
+    rng = np.random.default_rng(5)
+    args = _write_case(rng, 2, 4, True, 128, 6, [0, 13], [6, 5], jnp.bfloat16)
+    kw = dict(ratio=4, overlap=True, eps=1e-6, quant="kv", dtype=jnp.bfloat16)
+
+    def launches(impl):
+        jaxpr = jax.make_jaxpr(lambda *a: compressor_pool.pool_write(*a, INV_FREQ, impl=impl, **kw))(*args)
+        return [n for n, _ in pallas_calls(jaxpr.jaxpr)]
+
+    assert launches("pallas") == ["compressor_pool_write"] and launches("xla") == []
+    compressor_pool.WRITE_IN_POOL = False
+    try:
+        assert launches("pallas") == ["compressor_pool", "kv_rows"]
+        two = compressor_pool.pool_write(*args, INV_FREQ, impl="pallas", **kw)
+    finally:
+        compressor_pool.WRITE_IN_POOL = True
+    one = compressor_pool.pool_write(*args, INV_FREQ, impl="pallas", **kw)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    long = _write_case(rng, 2, 4, True, 128, 40, [0, 17], [40, 33], jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda *a: compressor_pool.pool_write(*a, INV_FREQ, impl="pallas", **kw))(*long)
+    assert [n for n, _ in pallas_calls(jaxpr.jaxpr)] == ["kv_rows"]  # (the pooling's reference, the rows' kernel)
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+@pytest.mark.parametrize("ratio,overlap,w,quant,b,t,parts", [
+    (4, True, 512, "kv", 1, 1, 8),  # Flash's C4 attention compressor at a decode step (wkv / wgate: 8 partial sums)
+    (4, True, 128, "keys", 8, 6, 0),  # Flash's C4 indexer compressor, a verify chunk
+    (128, False, 512, "kv", 32, 6, 0),  # Flash's C128 compressor, batch 32
+])
+def test_pool_write_lowers_for_gpus(arch, platform, ratio, overlap, w, quant, b, t, parts):
+    """One Triton call through JAX's Triton lowering for an abstract gfx950 (ROCm) and H200 (CUDA)
+    device (no GPU needed), at Flash's widths into a 2k-context pool."""
+    from pallas_kernels.gemv import Partials
+
+    span, c = (2 * ratio, 2 * w) if overlap else (ratio, w)
+    f32, i32 = jnp.float32, jnp.int32
+    freq = layer_inv_freq(tiny(), ratio)
+    rows = SD((parts, b, t, c) if parts else (b, t, c), f32)
+
+    def fn(ring_kv, ring_score, kv, score, *rest):
+        kv, score = (Partials(kv), Partials(score)) if parts else (kv, score)
+        return compressor_pool.pool_write_kernel(ring_kv, ring_score, kv, score, *rest, freq, ratio=ratio,
+                                                 overlap=overlap, eps=1e-6, quant=quant, dtype=jnp.bfloat16,
+                                                 interpret=False)
+
+    text = lowering.lower(fn, SD((b, span + 16, c), f32), SD((b, span + 16, c), f32), rows, rows, SD((ratio, c), f32),
+                          SD((b,), i32), SD((b,), i32), SD((b, 2048 // ratio, w), jnp.bfloat16), SD((w,), f32),
+                          arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1
+
+
+def test_pool_write_bad_input_is_named():
+    args = list(_write_case(np.random.default_rng(2), 2, 4, True, 128, 1, [0, 1], [1, 1], jnp.bfloat16))
+    kw = dict(ratio=4, overlap=True, eps=1e-6, quant="kv", dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"the norm weight must be \[128\], got \(64,\)"):
+        compressor_pool.pool_write_kernel(*args[:8], args[8][:64], INV_FREQ, **kw)
+    with pytest.raises(ValueError, match=r"entries kv_rows' kernel writes; got .* entries float32 \(2, 512, 96\)"):
+        compressor_pool.pool_write_kernel(*args[:7], jnp.zeros((2, 512, 96), jnp.float32), args[8], INV_FREQ, **kw)
+    with pytest.raises(ValueError, match=r"ape must be \[4, 256\]"):
+        compressor_pool.pool_write_kernel(*args[:4], args[4][:3], *args[5:], INV_FREQ, **kw)

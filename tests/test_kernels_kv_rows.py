@@ -219,6 +219,66 @@ def test_flash_rows_lower_for_gpus(arch, platform, quant, w, parts):
         assert lowering.count_triton_calls(text) == 1 and "query_rows" in text
 
 
+@pytest.mark.parametrize("rounded", [False, True])
+def test_rows_and_norm_in_one_launch(rounded):
+    """``write_rows_and_norm`` (a one-token step's window row and q_norm, both from split partial
+    sums): one launch whose pool, normed rows and quantised values equal the two launches'
+    (``rows_kernel``, ``rms_norms_kernel``) bit for bit, outputs poisoned first; rows of other
+    requests kept; in XLA the references."""
+    from pallas_kernels import rms_norms
+    from pallas_kernels.gemv import Partials
+    from tests.helpers import pallas_calls
+
+    rng = np.random.default_rng(11 + rounded)
+    b, n_q = 3, 256
+    c = Partials(jnp.asarray(rng.standard_normal((8, b, 1, 128)), jnp.float32))
+    q_a = Partials(jnp.asarray(rng.standard_normal((4, b, n_q)) * 3, jnp.float32))
+    _, weight, pool, _ = _case(rng, b, 1, 16, 128, jnp.bfloat16)
+    q_weight = jnp.asarray(rng.uniform(0.5, 1.5, n_q), jnp.float32)
+    slots, positions = jnp.asarray([[5], [16], [0]], jnp.int32), jnp.asarray([[1234], [7], [99]], jnp.int32)
+    kw = dict(eps=1e-6, quant="kv", dtype=jnp.bfloat16)
+    norm = dict(norm_x=q_a, norm_weight=q_weight, norm_eps=1e-5, rounded=rounded)
+
+    def one(impl):
+        return kv_rows.write_rows_and_norm(pool, slots, positions, c, weight, INV_FREQ, impl=impl, **kw, **norm)
+
+    jaxpr = jax.make_jaxpr(lambda: one("pallas"))()
+    assert [n for n, _ in pallas_calls(jaxpr.jaxpr)] == ["kv_rows_norm"]
+    got = one("pallas")
+    two = (kv_rows.rows_kernel(pool, slots, positions, c, weight, INV_FREQ, **kw),
+           *rms_norms.rms_norms_kernel((q_a,), (q_weight,), 1e-5, jnp.bfloat16, rounded=(rounded,)))
+    want = one("xla")
+    assert len(got) == len(two) == len(want) == 2 + rounded
+    for g, o in zip(got, two):
+        assert g.shape == o.shape and g.dtype == o.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(o, np.float32))
+    before, g = np.asarray(pool, np.float32), np.asarray(got[0], np.float32)
+    np.testing.assert_array_equal(g[1], before[1])  # slot 16: outside the pool, not written
+    assert not np.isclose(g[0, 5], before[0, 5]).all() and not np.isclose(g[2, 0], before[2, 0]).all()
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2**-3, atol=1e-6)
+    assert np.mean(np.asarray(got[1], np.float32) == np.asarray(want[1], np.float32)) > 0.98
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_flash_rows_and_norm_lower_for_gpus(arch, platform):
+    """Flash's window row (512 dims from wkv's 8 partial sums) with q_norm (1024 dims from wq_a's 8,
+    quantised too): one Triton call."""
+    from pallas_kernels.gemv import Partials
+
+    freq = layer_inv_freq(tiny(), 128)
+
+    def fn(pool, slots, positions, c, weight, q_a, q_weight):
+        return kv_rows._pallas(pool, slots, positions, Partials(c), weight, jnp.asarray(freq), Partials(q_a), q_weight,
+                               eps=1e-6, quant="kv", ratio=0, dtype=jnp.dtype(jnp.bfloat16), norm_eps=1e-6,
+                               norm_rounded=True, interpret=False)
+
+    text = lowering.lower(fn, SD((1, 512, 512), jnp.bfloat16), SD((1, 1), jnp.int32), SD((1, 1), jnp.int32),
+                          SD((8, 1, 1, 512), jnp.float32), SD((512,), jnp.float32), SD((8, 1, 1024), jnp.float32),
+                          SD((1024,), jnp.float32), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "kv_rows_norm" in text
+
+
 def test_bad_input_is_named():
     rng = np.random.default_rng(0)
     c, weight, pool, positions = _case(rng, 1, 1, 4, 128, jnp.bfloat16)

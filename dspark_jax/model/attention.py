@@ -31,7 +31,6 @@ from dspark_jax.sharding import activation_spec, batch_axes
 from pallas_kernels import attention_metadata, kv_rows
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
-from pallas_kernels.rms_norms import rms_norms
 from pallas_kernels.rope import q_norm_rope
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
@@ -127,15 +126,15 @@ class Attention(nnx.Module):
         qr = kv = None
         rounded = False  # qr: the quantised values wq_b (and the indexer's wq_b) take
         if isinstance(a_q, Partials) and isinstance(a_kv, Partials) and decode and chunk.packing is None:
-            # one token, from the split sums: q_norm in one launch (with the values wq_b takes), the
-            # window's new row in another (kv_norm, RoPE, kv_sim and the write: ``kv_rows``)
+            # one token, from the split sums: the window's new row (kv_norm, RoPE, kv_sim and the write)
+            # and q_norm (with the values wq_b takes) in one launch (``kv_rows.write_rows_and_norm``)
             rounded = self.wq_b.fp8_act and (self.ratio != 4 or self.indexer.wq_b.fp8_act)
-            normed = rms_norms((a_q.reshape(-1, a_q.parts.shape[-1]),), (self.q_norm.weight[...],), self.q_norm.eps,
-                               x.dtype, rounded=(rounded,), impl=impl)
+            new["window"], *normed = kv_rows.write_rows_and_norm(
+                cache.window, slots, pos, a_kv, self.kv_norm.weight[...], self.inv_freq, eps=self.kv_norm.eps,
+                quant="kv" if self.num.quant_sim else None, dtype=x.dtype, norm_x=a_q.reshape(-1, a_q.parts.shape[-1]),
+                norm_weight=self.q_norm.weight[...], norm_eps=self.q_norm.eps, rounded=rounded, impl=impl,
+                mesh=self.mesh)
             qr = normed[-1].reshape(*x.shape[:-1], -1)
-            new["window"] = kv_rows.write_rows(cache.window, slots, pos, a_kv, self.kv_norm.weight[...], self.inv_freq,
-                                               eps=self.kv_norm.eps, quant="kv" if self.num.quant_sim else None,
-                                               dtype=x.dtype, impl=impl, mesh=self.mesh)
         else:
             a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
             kv = self.project_kv(x, pos, a_kv)

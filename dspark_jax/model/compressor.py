@@ -22,7 +22,7 @@ from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.norms_rope import RMSNorm, layer_inv_freq
 from dspark_jax.sharding import per_request
-from pallas_kernels import compressor_pool, kv_rows
+from pallas_kernels import compressor_pool
 from pallas_kernels.gemv import total
 
 
@@ -66,15 +66,12 @@ class Compressor(nnx.Module):
     def _pool(self, kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], chunk: Chunk,
               state: CompressorState) -> tuple[KVPool, CompressorState]:
         """Pool the chunk's projected rows (per-request layout) with the ring's into the entries."""
-        m = self.ratio
-        c, ring_kv, ring_score = compressor_pool.pool(
-            state.kv, state.score, kv_new, score_new, self.ape[...], chunk.start, chunk.n_valid, ratio=m,
-            overlap=self.overlap, impl=self.num.kernel_impl())  # [b, k, w] fp32: windows start // m + k
-        # norm, RoPE, the reference's rounding (KV entries: fp8; the indexer's keys: Hadamard + e2m1;
-        # without quantisation the indexer's rotation cancels in q.k) and the write of every window the
-        # chunk closed: one launch on the Pallas path
+        # the softmax pool, then norm, RoPE, the reference's rounding (KV entries: fp8; the indexer's keys:
+        # Hadamard + e2m1; without quantisation the indexer's rotation cancels in q.k) and the write of
+        # every window the chunk closed, with the ring's update: one launch on the Pallas path
         quant = ("keys" if self.rotate else "kv") if self.num.quant_sim else None
-        entries = kv_rows.write_window_rows(state.entries, chunk.start, chunk.n_valid, m, c, self.norm.weight[...],
-                                            layer_inv_freq(self.cfg, m), eps=self.norm.eps, quant=quant,
-                                            dtype=self.num.dtype, impl=self.num.kernel_impl())
+        entries, ring_kv, ring_score = compressor_pool.pool_write(
+            state.kv, state.score, kv_new, score_new, self.ape[...], chunk.start, chunk.n_valid, state.entries,
+            self.norm.weight[...], layer_inv_freq(self.cfg, self.ratio), ratio=self.ratio, overlap=self.overlap,
+            eps=self.norm.eps, quant=quant, dtype=self.num.dtype, impl=self.num.kernel_impl())
         return entries, dataclasses.replace(state, kv=ring_kv, score=ring_score, entries=entries)
