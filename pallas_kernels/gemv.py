@@ -42,7 +42,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import backend
 from pallas_kernels.grouped_matmul import (FP8_BLOCK, QuantRows, Weights, _quantise_block,
-                                           _scale_f32, _swiglu_rows, split_for)
+                                           _scale_f32, _swiglu_rows, split_for, swiglu)
 
 FORMATS = ("fp8", "dense")  # dense: bf16 values, no scales
 
@@ -66,11 +66,40 @@ class Partials:
 
     parts: Array
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The product's shape (the parts' without the split)."""
+        return tuple(self.parts.shape[1:])
+
     def total(self, dtype=jnp.float32) -> Array:
         return jnp.sum(self.parts, axis=0).astype(dtype)
 
     def reshape(self, *shape: int) -> "Partials":
         return Partials(self.parts.reshape(self.parts.shape[0], *shape))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SwiGLUPartials:
+    """Rows given as the SwiGLU of two products' partial sums (a shared expert's w1 and w3 at one
+    row, ``model.moe.SharedExpert.down``): ``swiglu(gate.total(dtype), up.total(dtype), limit)``
+    rounded to dtype (the rows' dtype, their consumer's). For ``gemv``, whose programs add both
+    products' parts in order as they load their inputs and apply the SwiGLU there, instead of an
+    XLA launch making the rows first."""
+
+    gate: Partials
+    up: Partials
+    limit: float = dataclasses.field(metadata=dict(static=True), default=0.0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.gate.shape
+
+    def total(self, dtype) -> Array:
+        return swiglu(self.gate.total(dtype), self.up.total(dtype), self.limit).astype(dtype)
+
+    def reshape(self, *shape: int) -> "SwiGLUPartials":
+        return SwiGLUPartials(self.gate.reshape(*shape), self.up.reshape(*shape), self.limit)
 
 
 @jax.tree_util.register_dataclass
@@ -111,9 +140,14 @@ class ExpertRows:
         return dataclasses.replace(self, shape=tuple(shape))
 
 
-def total(y: Array | Partials | ExpertRows, dtype=None) -> Array:
-    """``y`` as one array (the sum of a ``Partials``' parts or of ``ExpertRows``' terms), in
-    ``dtype`` (default: float32 for partials, y's own for an array or expert rows)."""
+def total(y: Array | Partials | ExpertRows | SwiGLUPartials, dtype=None) -> Array:
+    """``y`` as one array (the sum of a ``Partials``' parts or of ``ExpertRows``' terms, the SwiGLU
+    of ``SwiGLUPartials``), in ``dtype`` (default: float32 for partials, y's own for an array or
+    expert rows; SwiGLU partials need one)."""
+    if isinstance(y, SwiGLUPartials):
+        if dtype is None:
+            raise ValueError("the SwiGLU of partial sums is rounded to a dtype: pass one")
+        return y.total(dtype)
     if isinstance(y, Partials):
         return y.total(dtype or jnp.float32)
     if isinstance(y, ExpertRows):
@@ -222,20 +256,27 @@ def _row_views(xb: Array, quantised: bool, parts: bool) -> dict:
 
 
 def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int,
-              x_parts: int = 0, x_dtype=None) -> list[Array]:
+              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0) -> list[Array]:
     """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
     (format ``fmts[i]``, the row quantised iff ``quantise[i]``, group g, N ``ns[i]``) over inputs
     k_base .. k_base + steps * bk. ``x_parts``: the rows come as that many partial sums [S R, K]
-    (float32), added in order and rounded to ``x_dtype`` (their producer's output)."""
+    (float32), added in order and rounded to ``x_dtype`` (their producer's output); with ``up_ref``
+    (``SwiGLUPartials``) x_ref's are the gate's, up_ref's the up product's, the rows their SwiGLU
+    with ``limit``, rounded to ``x_dtype``."""
     rows = x_ref.shape[0] // max(x_parts, 1)
     dt = x_dtype if x_parts else x_ref.dtype
     parts = dt == jnp.float32 and "dense" in fmts  # bf16 rows times bf16 weights: exact already
 
-    def row_block(kb):
-        xb = x_ref[pl.ds(r, 1), pl.ds(kb, FP8_BLOCK)]
+    def summed(ref, kb):
+        xb = ref[pl.ds(r, 1), pl.ds(kb, FP8_BLOCK)]
         for s in range(1, x_parts):
-            xb = xb + x_ref[pl.ds(s * rows + r, 1), pl.ds(kb, FP8_BLOCK)]
+            xb = xb + ref[pl.ds(s * rows + r, 1), pl.ds(kb, FP8_BLOCK)]
         return xb.astype(dt) if x_parts else xb
+
+    def row_block(kb):
+        if up_ref is None:
+            return summed(x_ref, kb)
+        return _swiglu_rows(summed(x_ref, kb), summed(up_ref, kb), jnp.ones((1,), jnp.float32), limit, dt).astype(dt)
 
     def body(step, accs):
         accs = list(accs)
@@ -261,7 +302,11 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
 
 
 def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple[str, ...],
-            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt, x_parts: int = 0):
+            quantise: tuple[bool, ...], cfg: GemvConfig, limit: float | None, dt, x_parts: int = 0,
+            x_limit: float | None = None):
+    up = {}
+    if x_limit is not None:  # rows as ``SwiGLUPartials``: the up product's parts next
+        up, refs = dict(up_ref=refs[0], limit=x_limit), refs[1:]
     w_sets = []
     for fmt in fmts:  # fp8: values and scales; dense: values
         w_sets.append((refs[0], refs[1]) if fmt == "fp8" else (refs[0], None))
@@ -277,12 +322,13 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
 
     if limit is not None:  # the SwiGLU: both weights' columns n0.. in one program
         n0 = j * bn
-        gate, up = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn, x_parts, dt)
+        gate, up_y = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn, x_parts, dt,
+                               **up)
         if split == 1:
-            y = _swiglu_rows(gate, up, jnp.ones((1,), jnp.float32), limit, dt)
+            y = _swiglu_rows(gate, up_y, jnp.ones((1,), jnp.float32), limit, dt)
             o_refs[0][pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_refs[0].dtype)
         else:  # gate at columns 0.., up at N..
-            for i, part in enumerate((gate, up)):
+            for i, part in enumerate((gate, up_y)):
                 o_refs[0][pl.ds(out_row, 1), pl.ds(i * ns[0] + n0, bn)] = part
         return
 
@@ -292,7 +338,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
         def _one(i=i, n=n, start=start):
             n0 = j * bn - start
             (y,) = _products(x_ref, [w_sets[i]], fmts[i:i + 1], quantise[i:i + 1], (n,), r, g, n0, k_base, steps,
-                             bk, bn, x_parts, dt)
+                             bk, bn, x_parts, dt, **up)
             o_refs[i][pl.ds(out_row, 1), pl.ds(n0, bn)] = y.astype(o_refs[i].dtype)
         start += n
 
@@ -308,19 +354,23 @@ def _name(fmts: tuple[str, ...], quantise: tuple[bool, ...], swiglu: bool, split
 def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, limit, out_dtype,
             partials: tuple[bool, ...] = (), rows_dtype=None, interpret: bool) -> tuple[Array | Partials, ...]:
     """``rows_in``: rows [R, K], or (``Partials``) their producer's partial sums, rounded to
-    ``rows_dtype`` once added (in the kernel)."""
+    ``rows_dtype`` once added (in the kernel), or (``SwiGLUPartials``) the SwiGLU of two such."""
+    swiglu_in = rows_in if isinstance(rows_in, SwiGLUPartials) else None
+    if swiglu_in is not None:
+        rows_in = swiglu_in.gate
+    flat = lambda p: p.parts.reshape(-1, p.parts.shape[-1]).astype(jnp.float32)  # noqa: E731
     x_parts = rows_in.parts.shape[0] if isinstance(rows_in, Partials) else 0
-    x = rows_in.parts.reshape(-1, rows_in.parts.shape[-1]).astype(jnp.float32) if x_parts else rows_in
+    x = flat(rows_in) if x_parts else rows_in
     k, r = ws[0].shape[2], x.shape[0] // max(x_parts, 1)
     ns = (ws[0].shape[1],) if limit is not None else tuple(w.shape[1] for w in ws)
     fmts = tuple(w.fmt for w in ws)
     cfg = cfg.fit(r, ns, k)
     split, dt = cfg.split_k, jnp.dtype(rows_dtype if x_parts else x.dtype)
-    args = [group.astype(jnp.int32), x]
+    args = [group.astype(jnp.int32), x] + ([flat(swiglu_in.up)] if swiglu_in is not None else [])
     for w in ws:
         args += [w.values.reshape(-1, k)] + ([w.scales.reshape(-1, w.scales.shape[-1])] if w.fmt == "fp8" else [])
     kernel = functools.partial(_kernel, rows=r, ns=ns, fmts=fmts, quantise=quantise, cfg=cfg, limit=limit, dt=dt,
-                               x_parts=x_parts)
+                               x_parts=x_parts, x_limit=None if swiglu_in is None else swiglu_in.limit)
     grid = (r, sum(ns) // cfg.block_n) + ((split,) if split > 1 else ())
     if limit is not None:
         out_shape = [jax.ShapeDtypeStruct((r, ns[0]), out_dtype) if split == 1
@@ -349,7 +399,7 @@ def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, 
 
 
 def _rows_and_flags(x: Array | QuantRows | Partials, count: int, quantise: tuple[bool, ...] | None):
-    if isinstance(x, QuantRows) and isinstance(x.rows, Partials):
+    if isinstance(x, QuantRows) and isinstance(x.rows, (Partials, SwiGLUPartials)):
         raise ValueError("gemv: pass partial sums as they are with quantise flags, not in QuantRows")
     if isinstance(x, QuantRows):
         if quantise is not None:
@@ -365,7 +415,8 @@ def gemv(x: Float[Array, "r k"] | QuantRows, w: Weights, group: Int[Array, " r"]
     return gemv_many(x, (w,), group, out_dtype=out_dtype, config=config, interpret=interpret)[0]
 
 
-def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials, ws: tuple[Weights, ...], group: Int[Array, " r"], *,
+def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials | SwiGLUPartials, ws: tuple[Weights, ...],
+              group: Int[Array, " r"], *,
               quantise: tuple[bool, ...] | None = None, out_dtype=None, partials: tuple[bool, ...] | None = None,
               rows_dtype=None, config: GemvConfig | None = None, interpret: bool | None = None
               ) -> tuple[Float[Array, "r n"] | Partials, ...]:
@@ -376,13 +427,17 @@ def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials, ws: tuple[Weights, 
     ``partials`` (one flag per weight): those flagged come back as ``Partials`` (float32, one part
     when K is not split), the others summed in ``out_dtype``. x may itself be a producer's
     ``Partials`` [S, R, K]: each program adds the parts of its inputs and rounds them to
-    ``rows_dtype`` (the producer's output dtype) before using them."""
+    ``rows_dtype`` (the producer's output dtype) before using them; or ``SwiGLUPartials`` (a
+    shared expert's w1 and w3): the same for both, then their SwiGLU, rounded to ``rows_dtype``."""
     rows, flags = _rows_and_flags(x, len(ws), quantise)
-    if isinstance(rows, Partials):
-        if rows_dtype is None or rows.parts.ndim != 3:
+    if isinstance(rows, SwiGLUPartials) and rows.gate.parts.shape != rows.up.parts.shape:
+        raise ValueError(f"gemv rows as the SwiGLU of partial sums need gate and up parts of one shape, got "
+                         f"{rows.gate.parts.shape} and {rows.up.parts.shape}")
+    if isinstance(rows, (Partials, SwiGLUPartials)):
+        if rows_dtype is None or len(rows.shape) != 2:
             raise ValueError(f"gemv rows as partial sums need parts [S, R, K] and rows_dtype, got "
-                             f"{rows.parts.shape} and {rows_dtype}")
-        view = jax.ShapeDtypeStruct(rows.parts.shape[1:], jnp.dtype(rows_dtype))
+                             f"{rows.shape} rows and {rows_dtype}")
+        view = jax.ShapeDtypeStruct(rows.shape, jnp.dtype(rows_dtype))
     else:
         view = rows
     check_inputs(view, tuple(ws), group, same_n=False, quantise=flags)

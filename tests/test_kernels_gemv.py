@@ -218,6 +218,16 @@ def test_flash_linears_lower_for_gpus(arch, platform):
                                                  partials=(True,), rows_dtype=jnp.bfloat16, interpret=False)[0].parts,
                           SD((4, 1, 8192), jnp.float32), wo_b, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_split" in text
+    # the shared expert's w2 on the SwiGLU of w1's and w3's 8 partial sums, its own as partial sums
+    from pallas_kernels.gemv import SwiGLUPartials
+
+    w2 = gm.Weights(SD((1, 4096, 2048), jnp.float8_e4m3fn), SD((1, 32, 16), jnp.uint8), "fp8")
+    text = lowering.lower(lambda g, u, w: gemv_many(SwiGLUPartials(Partials(g), Partials(u), 10.0), (w,),
+                                                    jnp.zeros((1,), jnp.int32), quantise=(True,), partials=(True,),
+                                                    rows_dtype=jnp.bfloat16, interpret=False)[0].parts,
+                          SD((8, 1, 2048), jnp.float32), SD((8, 1, 2048), jnp.float32), w2, arch=arch,
+                          platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "gemv_fp8_q_split" in text
 
 
 def test_bad_input_is_named():
@@ -375,6 +385,51 @@ def test_rows_as_partial_sums(quantise):
     assert got.shape == (1, 1, 256) and got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7, atol=0)
     calls = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda p: lin(Partials(p)))(x.parts).jaxpr)]
+    assert len(calls) == 1 and calls[0].startswith("gemv_fp8"), calls
+
+
+@pytest.mark.parametrize("quantise,limit", [(True, 10.0), (False, 0.0)])
+def test_rows_as_the_swiglu_of_partial_sums(quantise, limit):
+    """Rows given as the SwiGLU of two products' partial sums (``SwiGLUPartials``: a shared
+    expert's w1 and w3 for w2): every program adds both products' parts in order, rounds them to
+    ``rows_dtype``, applies the SwiGLU (clamped at ``limit``; 0: none) and rounds that: the
+    products of those rows bit for bit; through ``SharedExpert.down`` one launch, the reference's
+    w2 of the SwiGLU of the rounded sums."""
+    from dspark_jax.config import tiny
+    from dspark_jax.model.common import Numerics
+    from dspark_jax.model.moe import SharedExpert
+    from flax import nnx
+    from pallas_kernels.gemv import Partials, SwiGLUPartials, total
+
+    rng, w, _, _ = _case(23, "fp8", 1, 1, 256, 512)
+    gate, up = (jnp.asarray(rng.standard_normal((4, 1, 512)) * 6, jnp.float32) for _ in range(2))
+    summed = []
+    for p in (gate, up):
+        acc = np.asarray(p[0])
+        for s_ in range(1, 4):
+            acc = acc + np.asarray(p[s_])
+        summed.append(jnp.asarray(acc).astype(jnp.bfloat16))
+    rows = gm.swiglu(summed[0], summed[1], limit).astype(jnp.bfloat16)
+    assert limit == 0 or float(jnp.max(jnp.abs(summed[1].astype(jnp.float32)))) > limit  # the clamp bites
+    kw = dict(quantise=(quantise,), config=GemvConfig(block_n=32, split_k=2), out_dtype=jnp.float32)
+    x = SwiGLUPartials(Partials(gate), Partials(up), limit)
+    (got,) = gemv_many(x, (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16, **kw)
+    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **kw)
+    assert np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="gate and up parts of one shape"):
+        gemv_many(SwiGLUPartials(Partials(gate), Partials(up[:2]), limit), (w,), jnp.zeros((1,), jnp.int32),
+                  rows_dtype=jnp.bfloat16, **kw)
+
+    cfg = tiny().replace(hidden_size=256, moe_intermediate_size=512, swiglu_limit=limit)
+    num = Numerics(dtype=jnp.bfloat16, quant_sim=quantise, weight_format="fp8", kernels="pallas")
+    se = SharedExpert(cfg, num, rngs=nnx.Rngs(0))
+    g, u = Partials(gate), Partials(up)
+    got = total(se.down(g, u), jnp.bfloat16)
+    want = se.w2(gm.swiglu(g.total(jnp.bfloat16), u.total(jnp.bfloat16), limit).astype(jnp.bfloat16)[None])
+    np.testing.assert_allclose(np.asarray(got, np.float32).ravel(), np.asarray(want, np.float32).ravel(),
+                               rtol=2**-7, atol=1e-6)
+    calls = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda a, b: se.down(Partials(a), Partials(b)))(gate, up).jaxpr)]
     assert len(calls) == 1 and calls[0].startswith("gemv_fp8"), calls
 
 

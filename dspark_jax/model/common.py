@@ -291,26 +291,28 @@ class Linear(nnx.Module):
         in a ``shard_map`` on its own shard: its requests (x's leading dim, over ``data``) and the
         weight's block of rows (column-parallel: its share of the outputs) or of columns (row-
         parallel: x split likewise, the fp32 partial products psum'ed over the split axes). x may be
-        its producer's float32 partial sums (``gemv.Partials``, e.g. wo_a's for wo_b): at one row
-        on ``gemv`` its programs add them (rounded to the activations' dtype), else they are added
-        first.
+        its producer's float32 partial sums (``gemv.Partials``, e.g. wo_a's for wo_b; or
+        ``gemv.SwiGLUPartials``, the shared expert's w1 and w3 for w2): at one row on ``gemv`` its
+        programs add them (rounded to the activations' dtype; the SwiGLU after), else they are
+        added first.
         ``rounded``: x holds the quantised input values already (``quant.fp8_sim(x, 128)``, e.g.
         from ``pallas_kernels.rms_norms``), so an ``fp8_act`` linear does not quantise it again
         (quantising them again would give the same values). ``partials``: where x is one row that
         ``takes_gemv``, the result as the float32 partial sums of the kernel's K split
         (``gemv.Partials``, for a consumer that adds them as it loads them); else as usual."""
-        if isinstance(x, gemv.Partials):  # a producer's partial sums: added by gemv's programs (at one row)
+        sums = (gemv.Partials, gemv.SwiGLUPartials)
+        if isinstance(x, sums):  # a producer's partial sums (or their SwiGLU): added by gemv's programs (at one row)
             dtype = jnp.dtype(self.num.dtype)
-            if not self.takes_gemv(jax.ShapeDtypeStruct(x.parts.shape[1:], dtype)):
-                x = x.total(dtype)
-        if isinstance(x, gemv.Partials) or (partials and self.takes_gemv(x)):
-            parts = isinstance(x, gemv.Partials)
+            if not self.takes_gemv(jax.ShapeDtypeStruct(x.shape, dtype)):
+                x = gemv.total(x, dtype)
+        if isinstance(x, sums) or (partials and self.takes_gemv(x)):
+            parts = isinstance(x, sums)
             rows = x.reshape(1, -1) if parts else x.reshape(1, -1).astype(self.compute_dtype or x.dtype)
             (y,) = gemv.gemv_many(rows, (self.grouped_weights(),), gemv.ONE_GROUP,
                                   quantise=(self.fp8_act and not rounded,), partials=(partials,),
                                   out_dtype=out_dtype or (self.num.dtype if parts else x.dtype),
                                   rows_dtype=self.num.dtype if parts else None)
-            return y.reshape(*(x.parts.shape[1:-1] if parts else x.shape[:-1]), -1)
+            return y.reshape(*x.shape[:-1], -1)
         if self.mesh is None:
             return self._apply(x, out_dtype, rounded)
         out_axes, in_axes = (*self.spec, None, None)[:2]

@@ -102,11 +102,13 @@ class SharedExpert(nnx.Module):
             h = swiglu(self.w1(x), self.w3(x), self.limit)  # GEMM outputs in the activation dtype, then fp32
         return self.w2(h.astype(x.dtype))
 
-    def down(self, g: gemv.Partials, u: gemv.Partials, dtype) -> Float[Array, "n d"] | gemv.Partials:
+    def down(self, g: gemv.Partials, u: gemv.Partials) -> Float[Array, "n d"] | gemv.Partials:
         """w2 of the SwiGLU of w1's and w3's float32 partial sums (``gemv`` with ``partials``):
-        the products rounded to ``dtype`` (the activations'), then the SwiGLU as the fused
-        kernel's; w2's own partial sums where it runs as ``gemv`` (``Linear(partials=True)``)."""
-        return self.w2(swiglu(g.total(dtype), u.total(dtype), self.limit).astype(dtype), partials=True)
+        the products rounded to the activations' dtype (``Numerics.dtype``), then the SwiGLU as the
+        fused kernel's, rounded likewise: in w2's programs as they load their inputs where it runs as
+        ``gemv`` (``gemv.SwiGLUPartials``: no launch of its own), w2's own partial sums out
+        (``Linear(partials=True)``)."""
+        return self.w2(gemv.SwiGLUPartials(g, u, float(self.limit)), partials=True)
 
     def weights(self) -> tuple[gm.Weights, gm.Weights, gm.Weights]:
         """w1, w2, w3 as one-group weights of the grouped matmul's formats."""
@@ -341,6 +343,6 @@ class MoE(nnx.Module):
             logits, g, u = gemv.gemv_many(xf, (gate.weights(), se.w1.grouped_weights(), se.w3.grouped_weights()),
                                           gemv.ONE_GROUP, quantise=(False, se.w1.fp8_act, se.w3.fp8_act),
                                           out_dtype=jnp.float32, partials=(True, True, True))
-            return *gate.select(logits, ids), se.down(g, u, xf.dtype)
+            return *gate.select(logits, ids), se.down(g, u)
         logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
         return *gate.select(logits, ids), None
