@@ -49,7 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import backend, kv_rows
+from pallas_kernels import backend, horizontal, kv_rows
 from pallas_kernels.gemv import Partials, total
 
 if TYPE_CHECKING:  # shape annotations only
@@ -290,7 +290,7 @@ def pool_write_reference(ring_kv: Float[Array, "b r c"], ring_score: Float[Array
     return entries, ring_kv, ring_score
 
 
-def _pool_write_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, weight_ref, freq_ref, *refs,
+def _pool_write_kernel(ids, start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_ref, weight_ref, freq_ref, *refs,
                        m: int, span: int, overlap: bool, w: int, sb: int, parts: int, eps: float, rope_dim: int,
                        quant: str | None, dt):
     """One request per program: every candidate window its real rows closed pooled over blocks
@@ -300,7 +300,7 @@ def _pool_write_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_re
     *h_ref, _, _, _, ring_kv_ref, ring_score_ref, entries_ref = refs  # (inputs aliased to the outputs)
     t, ring, n = kv_new_ref.shape[1], ring_kv_ref.shape[1], entries_ref.shape[1]
     b = kv_new_ref.shape[0] // parts
-    req = pl.program_id(0)
+    (req,) = ids
     start, n_valid = start_ref[req], n_valid_ref[req]
 
     def chunk_rows(ref, rows, cols, mask):  # the chunk's rows at cols, their parts added in order
@@ -366,35 +366,41 @@ def _pool_write_kernel(start_ref, n_valid_ref, ape_ref, kv_new_ref, score_new_re
             pltriton.store(ring_ref.at[req, dest, half], chunk_rows(new_ref, src, half, ok), mask=ok)
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "overlap", "eps", "quant", "dtype", "config", "interpret"))
-def _pool_write_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq, *,
-                       ratio: int, overlap: bool, eps: float, quant: str | None, dtype, config: PoolConfig,
-                       interpret: bool):
+def pool_write_part(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq, *,
+                    ratio: int, overlap: bool, eps: float, quant: str | None, dtype,
+                    config: PoolConfig = PoolConfig()) -> horizontal.Part:
+    """``pool_write_kernel`` as a launch's part (``horizontal``): outputs (ring kv, ring score,
+    entries)."""
     (kv_new, parts), (score_new, score_parts) = _flat_parts(kv_new), _flat_parts(score_new)
     if parts != score_parts:
         kv_new, score_new = _flat_parts(total(kv_new))[0], _flat_parts(total(score_new))[0]
         parts = 1
-    b = ring_kv.shape[0]
     span, w = geometry(ratio, overlap, ring_kv.shape[2])
     fit = max(1, config.row_tile // w)
     sb = min(backend.next_power_of_2(span), 1 << (fit.bit_length() - 1))  # (powers of two)
-    hadamard = kv_rows.hadamard_operands(quant, w)
-    kernel = functools.partial(_pool_write_kernel, m=ratio, span=span, overlap=overlap, w=w, sb=sb, parts=parts,
-                               eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, dt=dtype)
-    n_in = 7 + len(hadamard)
-    with backend.quiet_triton_deprecation():
-        ring_kv, ring_score, entries = pl.pallas_call(
-            kernel,
-            grid=(b,),
-            out_shape=(jax.ShapeDtypeStruct(ring_kv.shape, jnp.float32),
-                       jax.ShapeDtypeStruct(ring_score.shape, jnp.float32),
-                       jax.ShapeDtypeStruct(entries.shape, entries.dtype)),
-            input_output_aliases={n_in: 0, n_in + 1: 1, n_in + 2: 2},
-            compiler_params=backend.compiler_params(config.num_warps, config.num_stages),
-            interpret=interpret,
-            name="compressor_pool_write" if quant != "keys" else "compressor_pool_keys",
-        )(start.astype(jnp.int32), n_valid.astype(jnp.int32), ape.astype(jnp.float32), kv_new, score_new,
-          weight.astype(jnp.float32), inv_freq, *hadamard, ring_kv, ring_score, entries)
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    body = functools.partial(_pool_write_kernel, m=ratio, span=span, overlap=overlap, w=w, sb=sb, parts=parts,
+                             eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, dt=jnp.dtype(dtype))
+    inputs = (start.astype(jnp.int32), n_valid.astype(jnp.int32), ape.astype(jnp.float32), kv_new, score_new,
+              weight.astype(jnp.float32), inv_freq, *kv_rows.hadamard_operands(quant, w), ring_kv, ring_score,
+              entries)
+    n = len(inputs)
+    return horizontal.Part(body, (ring_kv.shape[0],), inputs,
+                           (jax.ShapeDtypeStruct(ring_kv.shape, jnp.float32),
+                            jax.ShapeDtypeStruct(ring_score.shape, jnp.float32),
+                            jax.ShapeDtypeStruct(entries.shape, entries.dtype)),
+                           {n - 3: 0, n - 2: 1, n - 1: 2},
+                           "compressor_pool_write" if quant != "keys" else "compressor_pool_keys")
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "overlap", "eps", "quant", "dtype", "config", "interpret"))
+def _pool_write_pallas(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq, *,
+                       ratio: int, overlap: bool, eps: float, quant: str | None, dtype, config: PoolConfig,
+                       interpret: bool):
+    part = pool_write_part(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq,
+                           ratio=ratio, overlap=overlap, eps=eps, quant=quant, dtype=dtype, config=config)
+    ((ring_kv, ring_score, entries),) = horizontal.launch([part], num_warps=config.num_warps,
+                                                          num_stages=config.num_stages, interpret=interpret)
     return entries, ring_kv, ring_score
 
 
@@ -432,6 +438,15 @@ def pool_write_kernel(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "
                               interpret=backend.interpret_mode(interpret))
 
 
+def takes_pool_write(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq, *,
+                     ratio: int, overlap: bool, eps: float, quant: str | None, dtype, impl: str | None = None) -> bool:
+    """Whether ``pool_write`` (same arguments) takes ``pool_write_kernel``: ``impl`` resolves to
+    "pallas", ``WRITE_IN_POOL`` is on and the kernel takes the inputs."""
+    del ring_score, score_new, ape, start, n_valid, weight, eps, dtype  # (``pool_write``'s signature)
+    return (backend.resolve(impl) == "pallas" and WRITE_IN_POOL
+            and _write_takes(ring_kv, kv_new, entries, ratio, overlap, inv_freq, quant))
+
+
 def pool_write(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"], kv_new: Float[Array, "b t c"],
                score_new: Float[Array, "b t c"], ape: Float[Array, "m c"], start: Int[Array, " b"],
                n_valid: Int[Array, " b"], entries: Array, weight: Float[Array, " w"], inv_freq, *, ratio: int,
@@ -440,8 +455,8 @@ def pool_write(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"]
     """The backend switch: ``pool_write_kernel`` where ``impl`` resolves to "pallas", it takes the
     inputs and ``WRITE_IN_POOL`` is on; else ``pool``, then ``kv_rows.write_window_rows`` (each its
     own kernel or reference)."""
-    if (backend.resolve(impl) == "pallas" and WRITE_IN_POOL
-            and _write_takes(ring_kv, kv_new, entries, ratio, overlap, inv_freq, quant)):
+    if takes_pool_write(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight, inv_freq,
+                        ratio=ratio, overlap=overlap, eps=eps, quant=quant, dtype=dtype, impl=impl):
         return pool_write_kernel(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, entries, weight,
                                  inv_freq, ratio=ratio, overlap=overlap, eps=eps, quant=quant, dtype=dtype)
     c, ring_kv, ring_score = pool(ring_kv, ring_score, kv_new, score_new, ape, start, n_valid, ratio=ratio,

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import backend
+from pallas_kernels import backend, horizontal
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.grouped_matmul import ACT_FP8_MAX, act_scale, act_scale_inverse
 from pallas_kernels.rms_norms import normalise_row, rms_norms
@@ -146,7 +146,7 @@ def finished_row(load, w_ref, freq_ref, h_ref, position, *, w: int, eps: float, 
     return e
 
 
-def _kernel(a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
+def _kernel(ids, a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
             parts: int, rows_per_request: int, ratio: int, dt, norm_eps: float | None = None):
     """Refs a, b: slots and positions [b k]; or with ``ratio`` (a compressor's candidate windows,
     ``write_window_rows``) the requests' start and n_valid [b]. With ``norm_eps`` (``write_rows_and_norm``)
@@ -154,8 +154,7 @@ def _kernel(a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: i
     h_ref = refs[:1] if quant == "keys" else ()  # the Hadamard matrix
     refs = refs[len(h_ref):]
     norm_refs, (_, pool_ref, *norm_out) = (refs[:2], refs[2:]) if norm_eps is not None else ((), refs)
-    b, k = pl.program_id(0), pl.program_id(1)
-    task = pl.program_id(2) if norm_eps is not None else 0  # (read here: interpret mode has none in branches)
+    b, k, task = ids if norm_eps is not None else (*ids, 0)
     n, w = pool_ref.shape[1], pool_ref.shape[2]
     row = b * rows_per_request + k  # of c [parts * rows, w]
     if ratio:  # window start // m + k, written iff the chunk's real rows closed it
@@ -199,31 +198,37 @@ def hadamard_operands(quant: str | None, w: int) -> tuple:
     return (jnp.asarray(hadamard_matrix(w)),) if quant == "keys" else ()
 
 
+def rows_part(pool, a, b_, c, weight, inv_freq, norm_x: Partials | None = None, norm_weight=None, *, eps: float,
+              quant: str | None, ratio: int, dtype, norm_eps: float | None = None,
+              norm_rounded: bool = False) -> horizontal.Part:
+    """The rows kernel as a launch's part (``horizontal``): outputs the pool, then with ``norm_eps``
+    the normed rows of ``norm_x`` (and their quantised values when ``norm_rounded``). a, b_: slots
+    and positions [b k], or with ``ratio`` the requests' start and n_valid [b]."""
+    parts = c.parts if isinstance(c, Partials) else c[None]
+    s, b, k, w = parts.shape
+    body = functools.partial(_kernel, eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, parts=s,
+                             rows_per_request=k, ratio=ratio, dt=dtype, norm_eps=norm_eps)
+    hadamard = hadamard_operands(quant, w)
+    norm_in, norm_out = (), ()
+    if norm_eps is not None:  # (``write_rows_and_norm``)
+        norm_in = (norm_x.parts.astype(jnp.float32), norm_weight.astype(jnp.float32))
+        normed = jax.ShapeDtypeStruct(norm_x.parts.shape[1:], dtype)
+        norm_out = (normed, normed) if norm_rounded else (normed,)
+    inputs = (a.reshape(-1).astype(jnp.int32), b_.reshape(-1).astype(jnp.int32),
+              parts.astype(jnp.float32).reshape(s * b * k, w), weight.astype(jnp.float32), inv_freq, *hadamard,
+              *norm_in, pool)
+    return horizontal.Part(body, (b, k) if norm_eps is None else (b, k, 2), inputs,
+                           (jax.ShapeDtypeStruct(pool.shape, pool.dtype), *norm_out), {len(inputs) - 1: 0},
+                           ("kv_rows" if quant != "keys" else "key_rows") + ("_norm" if norm_eps is not None else ""))
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "quant", "ratio", "dtype", "norm_eps", "norm_rounded",
                                              "interpret"))
 def _pallas(pool, a, b_, c, weight, inv_freq, norm_x=None, norm_weight=None, *, eps: float, quant: str | None,
             ratio: int, dtype, norm_eps: float | None = None, norm_rounded: bool = False, interpret: bool):
-    parts = c.parts if isinstance(c, Partials) else c[None]
-    s, b, k, w = parts.shape
-    kernel = functools.partial(_kernel, eps=eps, rope_dim=2 * inv_freq.shape[0], quant=quant, parts=s,
-                               rows_per_request=k, ratio=ratio, dt=dtype, norm_eps=norm_eps)
-    hadamard = hadamard_operands(quant, w)
-    norm_in, norm_out = (), ()
-    if norm_eps is not None:  # (``write_rows_and_norm``)
-        norm_in = (norm_x.parts.astype(jnp.float32), norm_weight)
-        normed = jax.ShapeDtypeStruct(norm_x.parts.shape[1:], dtype)
-        norm_out = (normed, normed) if norm_rounded else (normed,)
-    with backend.quiet_triton_deprecation():
-        out = pl.pallas_call(
-            kernel,
-            grid=(b, k) if norm_eps is None else (b, k, 2),
-            out_shape=(jax.ShapeDtypeStruct(pool.shape, pool.dtype), *norm_out),
-            input_output_aliases={5 + len(hadamard) + len(norm_in): 0},
-            compiler_params=backend.compiler_params(4, 1),
-            interpret=interpret,
-            name=("kv_rows" if quant != "keys" else "key_rows") + ("_norm" if norm_eps is not None else ""),
-        )(a.reshape(-1).astype(jnp.int32), b_.reshape(-1).astype(jnp.int32),
-          parts.astype(jnp.float32).reshape(s * b * k, w), weight, inv_freq, *hadamard, *norm_in, pool)
+    part = rows_part(pool, a, b_, c, weight, inv_freq, norm_x, norm_weight, eps=eps, quant=quant, ratio=ratio,
+                     dtype=dtype, norm_eps=norm_eps, norm_rounded=norm_rounded)
+    (out,) = horizontal.launch([part], interpret=interpret)
     return out if norm_eps is not None else out[0]
 
 
@@ -299,30 +304,44 @@ def write_rows(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"], c: 
                              impl=impl, mesh=mesh)
 
 
+def rows_and_norm_part(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"],
+                       c: Float[Array, "b k w"] | Partials, weight: Float[Array, " w"], inv_freq, *, eps: float,
+                       quant: str | None, dtype, norm_x: Partials, norm_weight: Float[Array, " n"], norm_eps: float,
+                       rounded: bool = False, impl: str | None = None, mesh=None) -> horizontal.Part | None:
+    """``write_rows_and_norm``'s kernel as a launch's part (grid (b, k, 2), the programs of axis 2
+    = 1 normalising), or None where it does not take it: ``write_rows`` would not take the kernel,
+    or norm_x's parts [S, R, n] do not have a row per written row (R = b k; n a power of two, a
+    multiple of 128 when ``rounded``)."""
+    rope_dim = 2 * np.asarray(inv_freq).shape[0]
+    n = norm_x.parts.shape[-1]
+    fits = (norm_x.parts.ndim == 3 and norm_x.parts.shape[1] == int(np.prod(_shape(c)[:2]))
+            and norm_weight.shape == (n,) and backend.is_power_of_2(n) and not (rounded and n % 128))
+    if not (backend.resolve(impl) == "pallas" and mesh is None and kernel_takes(pool, c, rope_dim, quant) and fits):
+        return None
+    shape = _shape(c)
+    if slots.shape != shape[:2] or positions.shape != shape[:2] or weight.shape != shape[2:]:
+        raise ValueError(f"slots and positions must be {shape[:2]} and the weight [{shape[2]}], got "
+                         f"{slots.shape}, {positions.shape} and {weight.shape}")
+    return rows_part(pool, slots, positions, c, weight, jnp.asarray(inv_freq, jnp.float32), norm_x, norm_weight,
+                     eps=float(eps), quant=quant, ratio=0, dtype=jnp.dtype(dtype), norm_eps=float(norm_eps),
+                     norm_rounded=bool(rounded))
+
+
 def write_rows_and_norm(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"],
                         c: Float[Array, "b k w"] | Partials, weight: Float[Array, " w"], inv_freq, *, eps: float,
                         quant: str | None, dtype, norm_x: Partials, norm_weight: Float[Array, " n"], norm_eps: float,
                         rounded: bool = False, impl: str | None = None, mesh=None) -> tuple[Array, ...]:
     """``write_rows`` and ``rms_norms((norm_x,), (norm_weight,), norm_eps, dtype, rounded=(rounded,))``
     (a one-token step's window row and q_norm, both from the attention's shared launch): (pool,
-    normed rows [R, n][, their quantised values]). In one launch where ``write_rows`` takes the
-    kernel and norm_x's parts [S, R, n] have a row per written row (R = b k; n a power of two, a
-    multiple of 128 when ``rounded``): grid (b, k, 2), the programs of axis 2 = 1 normalising;
-    else each on its own."""
-    rope_dim = 2 * np.asarray(inv_freq).shape[0]
-    n = norm_x.parts.shape[-1]
-    fits = (norm_x.parts.ndim == 3 and norm_x.parts.shape[1] == int(np.prod(_shape(c)[:2]))
-            and norm_weight.shape == (n,) and backend.is_power_of_2(n) and not (rounded and n % 128))
-    if backend.resolve(impl) == "pallas" and mesh is None and kernel_takes(pool, c, rope_dim, quant) and fits:
-        shape = _shape(c)
-        if slots.shape != shape[:2] or positions.shape != shape[:2] or weight.shape != shape[2:]:
-            raise ValueError(f"slots and positions must be {shape[:2]} and the weight [{shape[2]}], got "
-                             f"{slots.shape}, {positions.shape} and {weight.shape}")
-        return _pallas(pool, slots, positions, c, weight.astype(jnp.float32), jnp.asarray(inv_freq, jnp.float32),
-                       norm_x, norm_weight, eps=float(eps), quant=quant, ratio=0, dtype=jnp.dtype(dtype),
-                       norm_eps=float(norm_eps), norm_rounded=bool(rounded), interpret=backend.interpret_mode(None))
-    pool = write_rows(pool, slots, positions, c, weight, inv_freq, eps=eps, quant=quant, dtype=dtype, impl=impl,
-                      mesh=mesh)
+    normed rows [R, n][, their quantised values]). In one launch where ``rows_and_norm_part``
+    takes them, else each on its own."""
+    kw = dict(eps=eps, quant=quant, dtype=dtype)
+    norm = dict(norm_x=norm_x, norm_weight=norm_weight, norm_eps=norm_eps, rounded=rounded)
+    part = rows_and_norm_part(pool, slots, positions, c, weight, inv_freq, **kw, **norm, impl=impl, mesh=mesh)
+    if part is not None:
+        (out,) = horizontal.launch([part], interpret=backend.interpret_mode(None))
+        return out
+    pool = write_rows(pool, slots, positions, c, weight, inv_freq, **kw, impl=impl, mesh=mesh)
     return (pool, *rms_norms((norm_x,), (norm_weight,), norm_eps, dtype, rounded=(rounded,), impl=impl))
 
 

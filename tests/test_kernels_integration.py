@@ -164,8 +164,8 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
     layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
-    q norm of the split sums and the window's new KV row in one (``kv_rows.write_rows_and_norm``),
-    the queries' norm + RoPE in one, each compressor's pooling and entries in one; the logits those of
+    q norm of the split sums, the window's new KV row and the compressors' pooling and entries in
+    one (``Attention._new_rows``), the queries' norm + RoPE in one; the logits those of
     the XLA path (fp32 activations, bf16 and FP8 weights: exact products both ways but for fp32
     rows times FP8 weights, rounded alike). With ``quant_sim`` the q norm's launch also gives
     its quantised values, which wq_b and the indexer's wq_b multiply as they are (no ``_q``)."""
@@ -197,15 +197,15 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     assert routers == (len(SMALL.compress_ratios),) * 3, names
     assert count("gemv_fp8_q_swiglu") == 0, names
     layers = len(SMALL.compress_ratios)
-    # q_norm of the partial sums with the window's new row (kv_norm + RoPE + kv_sim + the write) in one launch
-    assert (count("kv_rows_norm"), count("rms_norms")) == (layers, 0), names
+    # q_norm of the partial sums, the window's new row (kv_norm + RoPE + kv_sim + the write) and the C4 and
+    # C128 layers' compressors' pooling and entries (the indexer's keys with their Hadamard + e2m1 rounding;
+    # without quant_sim, plain rows) in one launch per layer (``Attention._new_rows``)
+    rows = (count("kv_rows_norm"), count("new_rows_x2"), count("new_rows_x3"))
+    assert rows == (1, 1, 1) and SMALL.compress_ratios == (0, 4, 128), " ".join(names)
+    alone = ("rms_norms", "kv_rows", "key_rows", "compressor_pool")  # (launches of their own)
+    assert [n for n in names if n.startswith(alone)] == ["kv_rows_norm"], " ".join(names)
     # the queries' head norm + RoPE inside the attention kernel (``q_rope``): no launch of their own
     assert count("q_norm_rope") == 0 and count("ragged_sink_attention") == layers, names
-    # the C4 and C128 layers' compressors pool and write their entries in one launch each (the indexer's
-    # keys with their Hadamard + e2m1 rounding; without quant_sim, plain rows)
-    assert (count("kv_rows"), count("key_rows")) == (layers, 0), names
-    pools = (count("compressor_pool_write"), count("compressor_pool_keys"), count("compressor_pool"))
-    assert pools == ((2, 1, 3) if quant_sim else (3, 0, 3)), names
     assert (count("query_rows"), count("index_scores"), count("top_k_rank")) == (1, 1, 1), names  # the indexer's
     if not quant_sim:
         assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # no row quantised

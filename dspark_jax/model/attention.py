@@ -28,7 +28,7 @@ from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from dspark_jax.sharding import activation_spec, batch_axes
-from pallas_kernels import attention_metadata, kv_rows
+from pallas_kernels import attention_metadata, backend, horizontal, kv_rows
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 from pallas_kernels.rope import q_norm_rope
@@ -125,15 +125,13 @@ class Attention(nnx.Module):
         new = {}
         qr = kv = None
         rounded = False  # qr: the quantised values wq_b (and the indexer's wq_b) take
+        pooled = (None, None)  # the compressor's and the indexer's pooling, when launched here
         if isinstance(a_q, Partials) and isinstance(a_kv, Partials) and decode and chunk.packing is None:
-            # one token, from the split sums: the window's new row (kv_norm, RoPE, kv_sim and the write)
-            # and q_norm (with the values wq_b takes) in one launch (``kv_rows.write_rows_and_norm``)
+            # one token, from the split sums: the window's new row (kv_norm, RoPE, kv_sim and the write),
+            # q_norm (with the values wq_b takes) and the compressors' pooling and entries in one launch
             rounded = self.wq_b.fp8_act and (self.ratio != 4 or self.indexer.wq_b.fp8_act)
-            new["window"], *normed = kv_rows.write_rows_and_norm(
-                cache.window, slots, pos, a_kv, self.kv_norm.weight[...], self.inv_freq, eps=self.kv_norm.eps,
-                quant="kv" if self.num.quant_sim else None, dtype=x.dtype, norm_x=a_q.reshape(-1, a_q.parts.shape[-1]),
-                norm_weight=self.q_norm.weight[...], norm_eps=self.q_norm.eps, rounded=rounded, impl=impl,
-                mesh=self.mesh)
+            (new["window"], *normed), pooled = self._new_rows(a_q, a_kv, chunk, cache, slots, rounded, projected,
+                                                              x.dtype)
             qr = normed[-1].reshape(*x.shape[:-1], -1)
         else:
             a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
@@ -143,10 +141,11 @@ class Attention(nnx.Module):
 
         entries = top = None
         if self.ratio:
-            entries, new["compressor"] = self.compressor(x, chunk, cache.compressor, tuple(projected[:2]))
+            entries, new["compressor"] = self.compressor(x, chunk, cache.compressor, tuple(projected[:2]),
+                                                         pooled=pooled[0])
             if self.ratio == 4:
                 top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer, tuple(projected[2:]),  # -1: none
-                                                   rounded=rounded)
+                                                   rounded=rounded, pooled=pooled[1])
 
         if decode:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.
@@ -172,6 +171,31 @@ class Attention(nnx.Module):
             o = sink_attention(q, parts, self.attn_sink[...], cfg.head_dim**-0.5)
             new["window"] = write_kv(cache.window, slots, kv, impl=impl, mesh=self.mesh)
         return self.project_out(o, pos), dataclasses.replace(cache, **new)
+
+    def _new_rows(self, a_q: Partials, a_kv: Partials, chunk: Chunk, cache: LayerCache, slots: Array, rounded: bool,
+                  projected: list, dtype) -> tuple[tuple[Array, ...], tuple]:
+        """A one-token step's new rows from the shared launch's partial sums: (the window's pool with
+        its new row, q_norm's rows[, their quantised values]) and the compressor's and indexer's
+        pooling outputs (``Compressor.pool_part``; None: not pooled here). One launch on the Pallas
+        path (``horizontal.launch``: ``kv_rows.rows_and_norm_part`` and the compressors' parts),
+        else the window's row and q_norm in one (``kv_rows.write_rows_and_norm``) and the
+        compressors' on their own."""
+        impl = self.num.kernel_impl()
+        rows = dict(eps=self.kv_norm.eps, quant="kv" if self.num.quant_sim else None, dtype=dtype,
+                    norm_x=a_q.reshape(-1, a_q.parts.shape[-1]), norm_weight=self.q_norm.weight[...],
+                    norm_eps=self.q_norm.eps, rounded=rounded, impl=impl, mesh=self.mesh)
+        args = (cache.window, slots, chunk.positions, a_kv, self.kv_norm.weight[...], self.inv_freq)
+        window = kv_rows.rows_and_norm_part(*args, **rows)
+        pools = []
+        if self.ratio:
+            pools.append(self.compressor.pool_part(chunk, cache.compressor, tuple(projected[:2])))
+        if self.ratio == 4:
+            pools.append(self.indexer.compressor.pool_part(chunk, cache.indexer, tuple(projected[3:5])))
+        if window is None or any(p is None for p in pools):
+            return kv_rows.write_rows_and_norm(*args, **rows), (None, None)
+        name = f"new_rows_x{1 + len(pools)}" if pools else None  # (the window's alone: kv_rows_norm)
+        outs = horizontal.launch([window, *pools], name=name, interpret=backend.interpret_mode(None))
+        return outs[0], tuple(outs[1:]) + (None,) * (3 - len(outs))
 
     def per_device(self, fn, q: Float[Array, "b t h d"], requests: dict) -> Float[Array, "b t h d"]:
         """``fn(q, sink, requests)`` for the queries, this layer's sinks [h] and a dict of

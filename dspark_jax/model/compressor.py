@@ -22,7 +22,7 @@ from dspark_jax.config import ModelConfig
 from dspark_jax.model.common import Chunk, Linear, Numerics
 from dspark_jax.model.norms_rope import RMSNorm, layer_inv_freq
 from dspark_jax.sharding import per_request
-from pallas_kernels import compressor_pool
+from pallas_kernels import compressor_pool, horizontal
 from pallas_kernels.gemv import total
 
 
@@ -41,17 +41,21 @@ class Compressor(nnx.Module):
         self.mesh = None  # set by ``dspark_jax.sharding.attach_mesh``: then it runs per device on its requests
 
     def __call__(self, x: Float[Array, "b t d"], chunk: Chunk, state: CompressorState,
-                 projected: tuple[Array, Array] | None = None) -> tuple[KVPool, CompressorState]:
+                 projected: tuple[Array, Array] | None = None, pooled: tuple[Array, ...] | None = None
+                 ) -> tuple[KVPool, CompressorState]:
         """Compress every window closed inside the chunk; returns all entries and the new state.
         ``x`` is in the chunk's layout (per request or packed); only real tokens reach the state.
         ``projected``: (wkv(x), wgate(x)) when the caller computed them (``Attention``: in one
         launch with its own projections at one row, as the split's partial sums, ``gemv.Partials``,
-        which the pooling kernel adds as it loads them).
+        which the pooling kernel adds as it loads them). ``pooled``: the outputs of ``pool_part``'s
+        kernel when the caller launched it (``Attention``, with its other new rows).
 
         The projections run token-wise in the chunk's layout (packed: only the real tokens); the
         pooling runs per request. On a mesh every device pools its own requests in a
         ``shard_map`` (``data``; its weights are replicated): left to the partitioner, the gathers
         by window position made it collect every request's rows on every device."""
+        if pooled is not None:
+            return self._finish(*pooled, state)
         with jax.named_scope("compressor"):
             kv_new, score_new = projected or (self.wkv(x), self.wgate(x))
             if chunk.packing is not None or self.mesh is not None:  # (partial sums: the pooling adds them)
@@ -63,15 +67,38 @@ class Compressor(nnx.Module):
             return per_request(lambda w, *a: nnx.merge(graphdef, w)._pool(*a), self.mesh, kv_new, score_new,
                                chunk.dense, state, replicated=(weights,))
 
-    def _pool(self, kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], chunk: Chunk,
-              state: CompressorState) -> tuple[KVPool, CompressorState]:
-        """Pool the chunk's projected rows (per-request layout) with the ring's into the entries."""
+    def _pool_args(self, kv_new: Array, score_new: Array, chunk: Chunk, state: CompressorState
+                   ) -> tuple[tuple, dict]:
+        """``compressor_pool.pool_write``'s arguments for the chunk's projected rows (per request)."""
         # the softmax pool, then norm, RoPE, the reference's rounding (KV entries: fp8; the indexer's keys:
         # Hadamard + e2m1; without quantisation the indexer's rotation cancels in q.k) and the write of
-        # every window the chunk closed, with the ring's update: one launch on the Pallas path
+        # every window the chunk closed, with the ring's update
         quant = ("keys" if self.rotate else "kv") if self.num.quant_sim else None
-        entries, ring_kv, ring_score = compressor_pool.pool_write(
-            state.kv, state.score, kv_new, score_new, self.ape[...], chunk.start, chunk.n_valid, state.entries,
-            self.norm.weight[...], layer_inv_freq(self.cfg, self.ratio), ratio=self.ratio, overlap=self.overlap,
-            eps=self.norm.eps, quant=quant, dtype=self.num.dtype, impl=self.num.kernel_impl())
+        args = (state.kv, state.score, kv_new, score_new, self.ape[...], chunk.start, chunk.n_valid, state.entries,
+                self.norm.weight[...], layer_inv_freq(self.cfg, self.ratio))
+        return args, dict(ratio=self.ratio, overlap=self.overlap, eps=self.norm.eps, quant=quant, dtype=self.num.dtype)
+
+    def _pool(self, kv_new: Float[Array, "b t c"], score_new: Float[Array, "b t c"], chunk: Chunk,
+              state: CompressorState) -> tuple[KVPool, CompressorState]:
+        """Pool the chunk's projected rows (per-request layout) with the ring's into the entries:
+        one launch on the Pallas path (``compressor_pool.pool_write``)."""
+        args, kw = self._pool_args(kv_new, score_new, chunk, state)
+        entries, ring_kv, ring_score = compressor_pool.pool_write(*args, **kw, impl=self.num.kernel_impl())
+        return self._finish(ring_kv, ring_score, entries, state)
+
+    def _finish(self, ring_kv: Array, ring_score: Array, entries: KVPool, state: CompressorState
+                ) -> tuple[KVPool, CompressorState]:
         return entries, dataclasses.replace(state, kv=ring_kv, score=ring_score, entries=entries)
+
+    def pool_part(self, chunk: Chunk, state: CompressorState, projected: tuple[Array, Array]
+                  ) -> horizontal.Part | None:
+        """A one-token step's pooling and entries' write as a part of the caller's launch
+        (``Attention``: with the window's new row; ``projected``: wkv(x), wgate(x) from its shared
+        launch), its outputs for ``__call__``'s ``pooled``; None where the kernel does not take
+        them (a packed chunk, a mesh, ...)."""
+        if chunk.packing is not None or self.mesh is not None:
+            return None
+        args, kw = self._pool_args(*projected, chunk, state)
+        if not compressor_pool.takes_pool_write(*args, **kw, impl=self.num.kernel_impl()):
+            return None
+        return compressor_pool.pool_write_part(*args, **kw)

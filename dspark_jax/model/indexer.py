@@ -54,16 +54,17 @@ class Indexer(nnx.Module):
         return (self.weights_proj, self.compressor.wkv, self.compressor.wgate)
 
     def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState,
-                 projected: tuple[Array, ...] | None = None, *, rounded: bool = False
-                 ) -> tuple[Int[Array, "b t k"], CompressorState]:
+                 projected: tuple[Array, ...] | None = None, *, rounded: bool = False,
+                 pooled: tuple[Array, ...] | None = None) -> tuple[Int[Array, "b t k"], CompressorState]:
         """``projected``: the ``x_linears``' results when the caller computed them; ``rounded``:
-        qr holds the quantised values wq_b takes (``Linear(rounded=True)``)."""
+        qr holds the quantised values wq_b takes (``Linear(rounded=True)``); ``pooled``: the
+        compressor's pooling when the caller launched it (``Compressor.pool_part``)."""
         with jax.named_scope("indexer"):
-            return self._top_entries(x, qr, chunk, state, projected, rounded)
+            return self._top_entries(x, qr, chunk, state, projected, rounded, pooled)
 
     def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
-                     state: CompressorState, projected: tuple[Array, ...] | None, rounded: bool
-                     ) -> tuple[Int[Array, "b t k"], CompressorState]:
+                     state: CompressorState, projected: tuple[Array, ...] | None, rounded: bool,
+                     pooled: tuple[Array, ...] | None) -> tuple[Int[Array, "b t k"], CompressorState]:
         """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
         queries are unpacked, their picks packed back)."""
         w_raw, *kv_score = projected or (self.weights_proj(x), None, None)
@@ -73,7 +74,8 @@ class Indexer(nnx.Module):
         impl = self.num.kernel_impl() if self.mesh is None else "xla"
         q = kv_rows.query_rows(q, chunk.positions, layer_inv_freq(self.cfg, 4),
                                quant="keys" if self.num.quant_sim else None, dtype=x.dtype, impl=impl)
-        keys, state = self.compressor(x, chunk, state, None if projected is None else tuple(kv_score))  # [b, n, d_I]
+        keys, state = self.compressor(x, chunk, state, None if projected is None else tuple(kv_score),
+                                      pooled=pooled)  # [b, n, d_I]
 
         # the scores of the entries visible to each query (the others -inf; fp8 keys: exact in bf16),
         # one launch on the Pallas path (``pallas_kernels.index_scores``), then their top-k (-1: none)
