@@ -80,13 +80,13 @@ def gpu_platform() -> str | None:
     device; None off GPU."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     device = getattr(get_mesh(), "abstract_device", None) if get_mesh is not None else None
-    if device is not None:
-        platform = getattr(device, "platform", None)
-        if platform in ("cuda", "rocm"):
-            return platform
-        return "rocm" if str(device.device_kind).startswith("gfx") else "cuda"
-    if not on_gpu():
-        return None
+    platform = getattr(device, "platform", None)
+    if platform in ("cuda", "rocm"):
+        return platform
+    if platform == "gpu" and str(device.device_kind).startswith("gfx"):
+        return "rocm"
+    if not on_gpu():  # (no abstract device, a CPU mesh's, or an abstract "gpu" one: CUDA's name)
+        return "cuda" if platform == "gpu" else None
     device = jax.devices()[0]
     version = str(getattr(device.client, "platform_version", "")).lower()
     rocm = device.platform == "rocm" or str(getattr(device, "compute_capability", "")).startswith("gfx")
@@ -94,8 +94,10 @@ def gpu_platform() -> str | None:
 
 
 def interpret_mode(interpret: bool | None = None) -> bool:
-    """Whether a Pallas kernel must run in interpret mode: explicitly given, else off GPU."""
-    return (not on_gpu()) if interpret is None else bool(interpret)
+    """Whether a Pallas kernel must run in interpret mode: explicitly given, else off GPU (and not
+    lowering for an abstract GPU device: ``lowering.lower`` of a whole model step, e.g.
+    ``benchmarks/launches.py``)."""
+    return (gpu_platform() is None) if interpret is None else bool(interpret)
 
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.extend
 
 from pallas_kernels import backend
 
@@ -38,3 +39,27 @@ def lower(fn: Callable, *args: Any, arch: str = "gfx950", platform: str = "rocm"
 
 def count_triton_calls(hlo_text: str) -> int:
     return hlo_text.count(TRITON_CALL)
+
+
+def subjaxprs(value):
+    """The jaxprs held by an equation's parameter (a jaxpr, a closed jaxpr, or a tuple of them)."""
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from subjaxprs(v)
+
+
+def pallas_calls(jaxpr, inside: bool = False) -> list[tuple[str, bool]]:
+    """(name, whether it runs inside a ``shard_map``) of every ``pallas_call`` of a jaxpr, nested
+    ones included, in program order: the kernels a call of it launches (no loops hold any)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append((eqn.params["name"], inside))
+        for v in eqn.params.values():
+            for sub in subjaxprs(v):
+                found += pallas_calls(sub, inside or eqn.primitive.name == "shard_map")
+    return found

@@ -11,20 +11,10 @@ import dspark_jax
 from dspark_jax import config
 from dspark_jax.api import forward_step
 from dspark_jax.cache import commit
+from pallas_kernels.lowering import pallas_calls, subjaxprs  # noqa: F401 (shared by the tests)
 
 
 MATMULS = ("dot_general", "ragged_dot_general", "ragged_dot")
-
-
-def subjaxprs(value):
-    """The jaxprs held by an equation's parameter (a jaxpr, a closed jaxpr, or a tuple of them)."""
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from subjaxprs(v)
 
 
 def equations(jaxpr):
@@ -40,19 +30,6 @@ def equations(jaxpr):
 def matmul_precisions(jaxpr) -> list:
     """The precision parameter of every matmul in ``jaxpr`` and its sub-programs."""
     return [eqn.params.get("precision") for eqn in equations(jaxpr) if eqn.primitive.name in MATMULS]
-
-
-def pallas_calls(jaxpr, inside: bool = False) -> list[tuple[str, bool]]:
-    """(name, whether it runs inside a ``shard_map``) of every ``pallas_call`` of a jaxpr (nested
-    ones included)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append((eqn.params["name"], inside))
-        for v in eqn.params.values():
-            for sub in subjaxprs(v):
-                found += pallas_calls(sub, inside or eqn.primitive.name == "shard_map")
-    return found
 
 
 def perturb(model: dspark_jax.Model, seed: int = 0, scale: float = 0.3) -> dspark_jax.Model:

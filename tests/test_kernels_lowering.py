@@ -147,3 +147,20 @@ def test_float32_queries_lower_for_gfx950(precision):
                               SD((t, h, d), jnp.float32), SD((s, 24, d), jnp.bfloat16), SD((s, 40, d), jnp.bfloat16),
                               SD((h,), jnp.float32), meta)
     _assert_attention_calls(text, None)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_flash_step_lowers_for_gfx950(tokens):
+    """A whole target step of a 4-layer Flash slice (two window layers, a C4 layer with the indexer,
+    a C128 layer; FP8 weights, 2k context) at batch 1, a decode step and a verify chunk, through
+    JAX's Triton lowering for gfx950: every kernel the step launches at Flash's shapes. The
+    dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): the
+    decode step's layer rows in one launch each (``new_rows_x2`` / ``x3``)."""
+    from benchmarks.launches import abstract_step
+
+    fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048)
+    text = lowering.lower(fn, *args, arch="gfx950", platform="rocm")
+    assert lowering.count_triton_calls(text) >= 20
+    for name in ("ragged_sink_attention", "hc_pre_norm", "grouped_matmul", "index_scores", "top_k_rank"):
+        assert name in text, name
+    assert ("new_rows_x3" in text) == (tokens == 1) and ("compressor_pool_keys" in text) == (tokens == 6)

@@ -99,10 +99,10 @@ class Numerics:
 
     def sinkhorn_impl(self) -> str:
         """``sinkhorn_impl`` for ``hyper.hc_pre`` ("auto" resolved when tracing)."""
-        if self.sinkhorn == "auto":
-            from pallas_kernels.backend import on_gpu
+        if self.sinkhorn == "auto":  # the fused kernels on a GPU, or lowering for one
+            from pallas_kernels.backend import gpu_platform
 
-            return "fused" if on_gpu() else "loop"
+            return "fused" if gpu_platform() is not None else "loop"
         return self.sinkhorn
 
     def mhc_fused(self) -> bool:
@@ -111,10 +111,10 @@ class Numerics:
 
     def kernel_impl(self) -> str:
         """The implementation the kernel dispatchers get (resolved when tracing)."""
-        if self.kernels == "auto":
-            from pallas_kernels.backend import on_gpu
+        if self.kernels == "auto":  # the kernels on a GPU, or lowering for one (``pallas_kernels.lowering``)
+            from pallas_kernels.backend import gpu_platform
 
-            return "pallas" if on_gpu() else "xla"
+            return "pallas" if gpu_platform() is not None else "xla"
         return self.kernels
 
 
