@@ -7,7 +7,10 @@
   window ring and compressed entries (bf16 or fp8 pools); ``attention_configs``: its tile
   configurations by shape, from the tuned table ``attention_configs.json``.
 - ``compressor_pool``: the compressors' gather, softmax pool and ring update at decode / verify
-  in one launch.
+  in one launch (with the closed windows' entries: ``pool_write``).
+- ``kv_rows``, ``rms_norms``, ``rope``, ``index_scores``, ``gemv``, ``grouped_matmul``, ``hc_fused``,
+  ...: docs/kernels.md lists every module.
+- ``horizontal``: independent kernels in one launch (a one-token step's new rows of a layer).
 - ``top_k``: the indexer's top-k by rank at decode / verify (``lax.top_k``'s indices, one launch).
 - ``lowering``: deviceless lowering for a gfx950 (ROCm) target, the CI legality check.
 
