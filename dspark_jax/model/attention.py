@@ -63,15 +63,16 @@ class Attention(nnx.Module):
         return layer_inv_freq(self.cfg, self.ratio)
 
     def project_q(self, x: Float[Array, "b t D"], pos: Array, a: Array | None = None, qr: Array | None = None,
-                  rounded: bool = False, rope: bool = True) -> tuple[Float[Array, "b t h d"], Array]:
+                  rounded: bool = False, rope: bool = True, q_b: Array | None = None
+                  ) -> tuple[Float[Array, "b t h d"], Array]:
         """Queries and qr = q_norm(wq_a(x)) (``a``: wq_a(x), or ``qr`` itself, when already computed;
-        ``rounded``: that qr holds the quantised values wq_b takes, ``Linear(rounded=True)``).
-        ``rope`` False: the queries before their head norm and RoPE, for the ragged attention to
-        apply (``q_rope``: ``ragged_q_rope``)."""
+        ``rounded``: that qr holds the quantised values wq_b takes, ``Linear(rounded=True)``;
+        ``q_b``: wq_b(qr) itself). ``rope`` False: the queries before their head norm and RoPE, for
+        the ragged attention to apply (``q_rope``: ``ragged_q_rope``)."""
         cfg = self.cfg
         if qr is None:
             qr = self.q_norm(self.wq_a(x) if a is None else a)
-        q = self.wq_b(qr, rounded=rounded)
+        q = self.wq_b(qr, rounded=rounded) if q_b is None else q_b
         b, t = x.shape[:2]
         if not rope:
             return q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), qr
@@ -126,6 +127,7 @@ class Attention(nnx.Module):
         qr = kv = None
         rounded = False  # qr: the quantised values wq_b (and the indexer's wq_b) take
         pooled = (None, None)  # the compressor's and the indexer's pooling, when launched here
+        q_b = index_q = None  # wq_b(qr) and the indexer's, when launched here
         if isinstance(a_q, Partials) and isinstance(a_kv, Partials) and decode and chunk.packing is None:
             # one token, from the split sums: the window's new row (kv_norm, RoPE, kv_sim and the write),
             # q_norm (with the values wq_b takes) and the compressors' pooling and entries in one launch
@@ -133,11 +135,14 @@ class Attention(nnx.Module):
             (new["window"], *normed), pooled = self._new_rows(a_q, a_kv, chunk, cache, slots, rounded, projected,
                                                               x.dtype)
             qr = normed[-1].reshape(*x.shape[:-1], -1)
+            if self.ratio == 4:  # wq_b and the indexer's wq_b (its split sums to its query kernel) in one launch
+                q_b, index_q = shared_input((self.wq_b, self.indexer.wq_b), qr, self.mesh, partials=(False, True),
+                                            rounded=rounded)
         else:
             a_q, a_kv = total(a_q, x.dtype), total(a_kv, x.dtype)
             kv = self.project_kv(x, pos, a_kv)
         # (a decode step's queries get their head norm and RoPE inside the ragged attention)
-        q, qr = self.project_q(x, pos, a_q, qr, rounded, rope=not decode)
+        q, qr = self.project_q(x, pos, a_q, qr, rounded, rope=not decode, q_b=q_b)
 
         entries = top = None
         if self.ratio:
@@ -145,7 +150,7 @@ class Attention(nnx.Module):
                                                          pooled=pooled[0])
             if self.ratio == 4:
                 top, new["indexer"] = self.indexer(x, qr, chunk, cache.indexer, tuple(projected[2:]),  # -1: none
-                                                   rounded=rounded, pooled=pooled[1])
+                                                   rounded=rounded, pooled=pooled[1], q=index_q)
 
         if decode:
             # Decode / verify: write the rows first; the ring then holds every key of the chunk.

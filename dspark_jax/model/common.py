@@ -378,25 +378,28 @@ class Linear(nnx.Module):
 
 
 def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=None,
-                 partials: tuple[bool, ...] = ()) -> tuple[Float[Array, "... o"] | gemv.Partials, ...]:
+                 partials: tuple[bool, ...] = (), rounded: bool = False
+                 ) -> tuple[Float[Array, "... o"] | gemv.Partials, ...]:
     """``lin(x)`` for each of several linears of one input (e.g. an attention layer's wq_a and wkv
     and its compressors' wkv and wgate). At one row without a ``mesh`` (the caller's), those that
     would take ``gemv`` (``Linear.takes_gemv``, at least two) run in one launch (``gemv.gemv_many``:
     the row read once per program instead of once per linear's launch, quantised for the linears
     that quantise it); the others, and every linear otherwise, one call each. ``partials[i]``:
     linear i's result comes back as ``gemv.Partials`` (float32) when it ran in the shared launch,
-    for a consumer that adds the K split's partial sums itself (``gemv.total`` gives the array)."""
+    for a consumer that adds the K split's partial sums itself (``gemv.total`` gives the array).
+    ``rounded``: x holds the quantised values already (``Linear(rounded=True)``)."""
     takers = [i for i, lin in enumerate(linears) if lin.takes_gemv(x)] if mesh is None else []
     if len(takers) < 2:
-        return tuple(lin(x) for lin in linears)
+        return tuple(lin(x, rounded=rounded) for lin in linears)
     picked = tuple(linears[i] for i in takers)
     keep = tuple(bool((partials + (False,) * len(linears))[i]) for i in takers)
     ys = gemv.gemv_many(x.reshape(1, -1), tuple(lin.grouped_weights() for lin in picked), gemv.ONE_GROUP,
-                        quantise=tuple(lin.fp8_act for lin in picked), out_dtype=jnp.float32, partials=keep)
+                        quantise=tuple(lin.fp8_act and not rounded for lin in picked), out_dtype=jnp.float32,
+                        partials=keep)
     lead = x.shape[:-1]
     shared = {i: y.reshape(*lead, -1) if isinstance(y, gemv.Partials)
               else y.reshape(*lead, -1).astype(lin.compute_dtype or x.dtype) for i, y, lin in zip(takers, ys, picked)}
-    return tuple(shared[i] if i in shared else lin(x) for i, lin in enumerate(linears))
+    return tuple(shared[i] if i in shared else lin(x, rounded=rounded) for i, lin in enumerate(linears))
 
 
 class Embedding(nnx.Module):

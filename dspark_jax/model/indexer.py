@@ -55,22 +55,26 @@ class Indexer(nnx.Module):
 
     def __call__(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk, state: CompressorState,
                  projected: tuple[Array, ...] | None = None, *, rounded: bool = False,
-                 pooled: tuple[Array, ...] | None = None) -> tuple[Int[Array, "b t k"], CompressorState]:
+                 pooled: tuple[Array, ...] | None = None, q: Array | None = None
+                 ) -> tuple[Int[Array, "b t k"], CompressorState]:
         """``projected``: the ``x_linears``' results when the caller computed them; ``rounded``:
         qr holds the quantised values wq_b takes (``Linear(rounded=True)``); ``pooled``: the
-        compressor's pooling when the caller launched it (``Compressor.pool_part``)."""
+        compressor's pooling when the caller launched it (``Compressor.pool_part``); ``q``:
+        wq_b(qr) (its split's partial sums) when the caller computed it."""
         with jax.named_scope("indexer"):
-            return self._top_entries(x, qr, chunk, state, projected, rounded, pooled)
+            return self._top_entries(x, qr, chunk, state, projected, rounded, pooled, q)
 
     def _top_entries(self, x: Float[Array, "b t d"], qr: Float[Array, "b t r"], chunk: Chunk,
                      state: CompressorState, projected: tuple[Array, ...] | None, rounded: bool,
-                     pooled: tuple[Array, ...] | None) -> tuple[Int[Array, "b t k"], CompressorState]:
+                     pooled: tuple[Array, ...] | None, q: Array | None
+                     ) -> tuple[Int[Array, "b t k"], CompressorState]:
         """Projections in the chunk's layout; scores and top-k per request (a packed chunk's
         queries are unpacked, their picks packed back)."""
         w_raw, *kv_score = projected or (self.weights_proj(x), None, None)
         # queries: wq_b (at one token its split's partial sums), RoPE, the Hadamard rotation and e2m1
         # (with quant_sim): one launch after wq_b's on the Pallas path (``kv_rows.query_rows``)
-        q = self.wq_b(qr, rounded=rounded, partials=True).reshape(*x.shape[:2], self.n_heads, self.head_dim)
+        q = self.wq_b(qr, rounded=rounded, partials=True) if q is None else q
+        q = q.reshape(*x.shape[:2], self.n_heads, self.head_dim)
         impl = self.num.kernel_impl() if self.mesh is None else "xla"
         q = kv_rows.query_rows(q, chunk.positions, layer_inv_freq(self.cfg, 4),
                                quant="keys" if self.num.quant_sim else None, dtype=x.dtype, impl=impl)
