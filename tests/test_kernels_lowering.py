@@ -164,3 +164,20 @@ def test_flash_step_lowers_for_gfx950(tokens):
     for name in ("ragged_sink_attention", "hc_pre_norm", "grouped_matmul", "index_scores", "top_k_rank"):
         assert name in text, name
     assert ("new_rows_x3" in text) == (tokens == 1) and ("compressor_pool_keys" in text) == (tokens == 6)
+
+
+def test_launch_count_script(tmp_path, monkeypatch):
+    """``benchmarks/launches.py`` at a batch-1 decode step: the 4-layer slice holds the 2-layer
+    slice's launches and a C4 + C128 pair's more (the layers' new rows in one launch each: no
+    separate norm, row or pooling launches), written to launches.json."""
+    import json
+
+    from benchmarks import launches
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    out = launches.main(["--batch", "1", "--tokens", "1", "--context", "512"])
+    assert out["launches_4_layers"] == out["launches_2_layers"] + out["launches_c4_c128_pair"] > 0
+    pair = out["pair_by_name"]
+    assert pair["new_rows_x2"] == pair["new_rows_x3"] == 1 and pair["ragged_sink_attention"] == 2
+    assert not [n for n in pair if n.startswith(("rms_norms", "kv_rows", "key_rows", "compressor_pool"))], pair
+    assert json.loads((tmp_path / "launches.json").read_text())["launches_per_layer"] == out["launches_per_layer"]
