@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import backend
+from pallas_kernels import backend, kv_rows
 from pallas_kernels.gemv import Partials, total
 
 BLOCK_N = 64  # entries per program
@@ -57,13 +57,23 @@ def scores_reference(q: Float[Array, "b t h d"], keys: Float[Array, "b n d"], w_
     return jnp.where(jnp.arange(n)[None, None] < limit[..., None], score, -jnp.inf)
 
 
-def _kernel(lim_ref, q_ref, k_ref, w_ref, o_ref, *, t: int, parts: int, scale: float, bn: int, dt):
+def _kernel(lim_ref, q_ref, k_ref, w_ref, *refs, t: int, parts: int, scale: float, bn: int, dt, h: int, d: int,
+            raw: tuple | None = None):
+    """``raw`` (q_parts, rope_dim, quant, dtype): q_ref holds the unfinished queries [S rows h, d]
+    (``kv_rows.QueryRows``), finished here (``kv_rows.query_tile``) with the refs positions,
+    inv_freq[, signs] before the output."""
     r, jb = pl.program_id(0), pl.program_id(1)
-    rows, h, d = q_ref.shape
-    n = k_ref.shape[1]
+    rows, n = lim_ref.shape[0], k_ref.shape[1]
     heads = jnp.arange(h, dtype=jnp.int32)
     dims = jnp.arange(d, dtype=jnp.int32)[None, :]
-    q = pltriton.load(q_ref.at[r, heads[:, None], dims])  # [h, d]
+    if raw is None:
+        (o_ref,) = refs
+        q = pltriton.load(q_ref.at[r, heads[:, None], dims])  # [h, d]
+    else:
+        (q_parts, rope_dim, quant, q_dt), (pos_ref, freq_ref, *sign_ref, o_ref) = raw, refs
+        q = kv_rows.query_tile(kv_rows.tile_loader(q_ref, r * h, h, q_parts), freq_ref,
+                               sign_ref[0] if sign_ref else None, pos_ref[r], heads=h, w=d, rope_dim=rope_dim,
+                               quant=quant, dt=q_dt)
     j = jb * bn + jnp.arange(bn, dtype=jnp.int32)
     j_ok = j < n
     keys = pltriton.load(k_ref.at[r // t, j[:, None], dims], mask=j_ok[:, None], other=0.0).astype(q.dtype)
@@ -88,7 +98,16 @@ def _pallas(q, keys, w_raw, limit, *, scale: float, dtype, interpret: bool):
         parts, w = w_raw.parts.shape[0], w_raw.parts.astype(jnp.float32).reshape(-1, h)
     else:
         parts, w = 1, w_raw.reshape(b * t, h)
-    kernel = functools.partial(_kernel, t=t, parts=parts, scale=scale, bn=BLOCK_N, dt=dtype)
+    raw, extra = None, ()
+    if isinstance(q, kv_rows.QueryRows):  # finished in the kernel
+        c = q.c.parts if isinstance(q.c, Partials) else q.c[None]
+        freq = jnp.asarray(q.inv_freq, jnp.float32)
+        raw = (c.shape[0], 2 * freq.shape[0], q.quant, jnp.dtype(q.dtype))
+        extra = (q.positions.reshape(-1).astype(jnp.int32), freq, *kv_rows.sign_operands(q.quant, d, q.dtype))
+        q_in = c.astype(jnp.float32).reshape(-1, d)
+    else:
+        q_in = q.reshape(b * t, h, d)
+    kernel = functools.partial(_kernel, t=t, parts=parts, scale=scale, bn=BLOCK_N, dt=dtype, h=h, d=d, raw=raw)
     with backend.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
@@ -96,27 +115,31 @@ def _pallas(q, keys, w_raw, limit, *, scale: float, dtype, interpret: bool):
             out_shape=jax.ShapeDtypeStruct((b * t, n), jnp.float32),
             compiler_params=backend.compiler_params(4, 1),
             interpret=interpret,
-            name="index_scores",
-        )(limit.reshape(-1).astype(jnp.int32), q.reshape(b * t, h, d), keys, w)
+            name="index_scores" + ("_queries" if raw else ""),
+        )(limit.reshape(-1).astype(jnp.int32), q_in, keys, w, *extra)
     return out.reshape(b, t, n)
 
 
-def kernel_takes(q: Array, keys) -> bool:
+def kernel_takes(q: Array | kv_rows.QueryRows, keys) -> bool:
     """Whether ``scores_kernel`` takes these: plain keys [b, n, d] (not ``cache.Fp8Keys``), at
-    least 16 heads, d a power of two >= 16 (the dot's tiles)."""
+    least 16 heads, d a power of two >= 16 (the dot's tiles); unfinished queries
+    (``kv_rows.QueryRows``) that ``query_tile`` takes."""
+    if isinstance(q, kv_rows.QueryRows):
+        return q.fit() and kernel_takes(jax.ShapeDtypeStruct(q.shape, jnp.dtype(q.dtype)), keys)
     return (isinstance(keys, jax.Array) and keys.ndim == 3 and q.ndim == 4 and q.shape[0] == keys.shape[0]
             and q.shape[3] == keys.shape[2] and q.shape[2] >= 16 and backend.is_power_of_2(q.shape[2])
             and q.shape[3] >= 16 and backend.is_power_of_2(q.shape[3])
             and q.dtype in (jnp.bfloat16, jnp.float32))
 
 
-def scores_kernel(q: Float[Array, "b t h d"], keys: Float[Array, "b n d"], w_raw: Array | Partials,
-                  limit: Int[Array, "b t"], *, scale: float, dtype, interpret: bool | None = None
-                  ) -> Float[Array, "b t n"]:
-    """The Pallas kernel (same contract as ``scores_reference``)."""
+def scores_kernel(q: Float[Array, "b t h d"] | kv_rows.QueryRows, keys: Float[Array, "b n d"],
+                  w_raw: Array | Partials, limit: Int[Array, "b t"], *, scale: float, dtype,
+                  interpret: bool | None = None) -> Float[Array, "b t n"]:
+    """The Pallas kernel (same contract as ``scores_reference``; queries may come unfinished,
+    ``kv_rows.QueryRows``: finished as ``query_rows`` finishes them, in this launch)."""
     if not kernel_takes(q, keys):
         raise ValueError(f"index scores kernel needs queries [b, t, h, d] (bf16 / fp32, h and d powers of two >= 16) "
-                         f"and plain keys [b, n, d]; got {q.dtype} {q.shape} and "
+                         f"and plain keys [b, n, d]; got {jnp.dtype(q.dtype)} {q.shape} and "
                          f"{getattr(keys, 'dtype', type(keys).__name__)} {getattr(keys, 'shape', None)}")
     w_shape = tuple(w_raw.parts.shape[1:]) if isinstance(w_raw, Partials) else tuple(w_raw.shape)
     if w_shape != q.shape[:3] or limit.shape != q.shape[:2]:
@@ -126,13 +149,15 @@ def scores_kernel(q: Float[Array, "b t h d"], keys: Float[Array, "b n d"], w_raw
                    interpret=backend.interpret_mode(interpret))
 
 
-def scores(q: Float[Array, "b t h d"], keys, w_raw: Array | Partials, limit: Int[Array, "b t"], *, scale: float,
-           dtype, impl: str | None = None) -> Float[Array, "b t n"]:
-    """The backend switch: the kernel when ``impl`` resolves to "pallas", it takes the keys and
-    there are at most ``KERNEL_MAX_ROWS`` query rows, else the reference (fp8 keys dequantised to
-    the queries' dtype)."""
+def scores(q: Float[Array, "b t h d"] | kv_rows.QueryRows, keys, w_raw: Array | Partials, limit: Int[Array, "b t"],
+           *, scale: float, dtype, impl: str | None = None) -> Float[Array, "b t n"]:
+    """The backend switch: the kernel when ``impl`` resolves to "pallas", it takes the keys (and
+    unfinished queries) and there are at most ``KERNEL_MAX_ROWS`` query rows, else the reference
+    (fp8 keys dequantised to the queries' dtype; unfinished queries finished first)."""
     if backend.resolve(impl) == "pallas" and kernel_takes(q, keys) and q.shape[0] * q.shape[1] <= KERNEL_MAX_ROWS:
         return scores_kernel(q, keys, w_raw, limit, scale=scale, dtype=dtype)
+    if isinstance(q, kv_rows.QueryRows):
+        q = q.finish(impl)
     from dspark_jax.cache import read_kv
 
     return scores_reference(q, read_kv(keys, q.dtype), w_raw, limit, scale=scale, dtype=dtype)

@@ -30,6 +30,7 @@ there. Inference only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -139,11 +140,61 @@ def finished_row(load, w_ref, freq_ref, h_ref, position, *, w: int, eps: float, 
         e = jnp.where(nope, codes.astype(jnp.float32) * act_scale(amax), blocks).reshape(1, w).astype(dt)
     elif quant == "keys":  # the Hadamard rotation (rounded to dtype), then e2m1 per 32 dims (quant.fp4_sim)
         h = pltriton.load(h_ref.at[cols.reshape(w, 1), cols])  # [w, w]: h[j, i]
-        z = jnp.sum(h * e.astype(jnp.float32), axis=1).reshape(1, w).astype(dt).astype(jnp.float32)
-        blocks = z.reshape(w // KEY_BLOCK, KEY_BLOCK)
-        scale = _fp4_scale(jnp.max(jnp.abs(blocks), axis=1, keepdims=True))
-        e = (_e2m1(jnp.clip(blocks / scale, -6.0, 6.0)) * scale).reshape(1, w).astype(dt)
+        z = jnp.sum(h * e.astype(jnp.float32), axis=1).reshape(1, w).astype(dt)
+        e = _fp4_blocks(z).astype(dt)
     return e
+
+
+def _fp4_blocks(z: Array) -> Array:
+    """Values z [r, w] (of any float dtype) rounded to e2m1 per 32 columns with power-of-two scales,
+    as ``quant.fp4_sim``: float32."""
+    r, w = z.shape
+    blocks = z.astype(jnp.float32).reshape(r * w // KEY_BLOCK, KEY_BLOCK)
+    scale = _fp4_scale(jnp.max(jnp.abs(blocks), axis=1, keepdims=True))
+    return (_e2m1(jnp.clip(blocks / scale, -6.0, 6.0)) * scale).reshape(r, w)
+
+
+def query_tile(load, freq_ref, sign_ref, position, *, heads: int, w: int, rope_dim: int, quant: str | None,
+               dt) -> Array:
+    """A token's ``heads`` queries [heads, w] (``load(cols)``: their float32 values at columns cols
+    [1, w]) rounded to ``dt``, rotated at ``position`` and with "keys" the Hadamard rotation and
+    e2m1 per 32 dims: [heads, w] in ``dt``. The rotation is one dot of the rounded rows with the
+    Sylvester matrix of signs (``sign_ref`` [w, w] in ``dt``: exact products, float32 sums)
+    scaled by w**-0.5, the reference's ``quant.hadamard`` up to the float32 rounding of its sums.
+    (``query_rows`` runs it per token; ``index_scores`` finishes the indexer's queries with it
+    inside its own kernel.)"""
+    cols = jnp.arange(w, dtype=jnp.int32)[None, :]
+    partner = jnp.where(cols >= w - rope_dim, partner_columns(cols), cols)
+    values, partner_values = load(cols).astype(dt), load(partner).astype(dt)
+    e = rotate_pairs(values, partner_values, cols, w, rope_dim, position, freq_ref, inverse=False)  # [heads, w]
+    if quant != "keys":
+        return e
+    signs = pltriton.load(sign_ref.at[cols.reshape(w, 1), cols])  # [w, w]: s[i, j] (symmetric)
+    precision = jax.lax.Precision.HIGHEST if jnp.dtype(dt) == jnp.float32 else None  # (Triton's default: TF32)
+    z = jax.lax.dot_general(e, signs, (((1,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    z = (z * np.float32(w ** -0.5)).astype(dt)
+    return _fp4_blocks(z).astype(dt)
+
+
+def sign_operands(quant: str | None, w: int, dtype) -> tuple:
+    """``query_tile``'s Sylvester matrix of signs [w, w] in ``dtype`` for "keys" (else nothing)."""
+    from dspark_jax.model.quant import hadamard_matrix
+
+    return (jnp.asarray(np.sign(hadamard_matrix(w)), dtype),) if quant == "keys" else ()
+
+
+def tile_loader(c_ref, row0, heads: int, parts: int):
+    """The loader of ``query_tile`` for rows row0 .. row0 + heads - 1 of c [parts * rows, w] (each
+    row's parts added in order)."""
+    rows = jnp.arange(heads, dtype=jnp.int32)[:, None] + row0
+
+    def load(at: Array) -> Array:
+        x = pltriton.load(c_ref.at[rows, at])
+        for s in range(1, parts):
+            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + rows, at])
+        return x
+    return load
 
 
 def _kernel(ids, a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
@@ -182,14 +233,14 @@ def _kernel(ids, a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_d
 
 
 def _queries_kernel(pos_ref, c_ref, freq_ref, *refs, rope_dim: int, quant: str | None, parts: int, heads: int, dt):
-    """Head ``k`` of token ``t`` (row t * heads + k of c), rotated at the token's position."""
-    *h_ref, o_ref = refs
-    t, k = pl.program_id(0), pl.program_id(1)
+    """Token t's heads (rows t * heads .. of c) in one tile, rotated at the token's position."""
+    *sign_ref, o_ref = refs
+    t = pl.program_id(0)
     w = o_ref.shape[1]
-    row = t * heads + k
-    e = finished_row(ref_row(c_ref, row, parts), None, freq_ref, h_ref[0] if h_ref else None, pos_ref[t], w=w,
-                     eps=0.0, rope_dim=rope_dim, quant=quant, dt=dt)
-    pltriton.store(o_ref.at[row, jnp.arange(w, dtype=jnp.int32)[None, :]], e)
+    e = query_tile(tile_loader(c_ref, t * heads, heads, parts), freq_ref, sign_ref[0] if sign_ref else None,
+                   pos_ref[t], heads=heads, w=w, rope_dim=rope_dim, quant=quant, dt=dt)
+    rows = t * heads + jnp.arange(heads, dtype=jnp.int32)[:, None]
+    pltriton.store(o_ref.at[rows, jnp.arange(w, dtype=jnp.int32)[None, :]], e)
 
 
 def hadamard_operands(quant: str | None, w: int) -> tuple:
@@ -241,13 +292,13 @@ def _queries_pallas(c, positions, inv_freq, *, quant: str | None, dtype, interpr
     with backend.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
-            grid=(b * t, h),
+            grid=(b * t,),
             out_shape=jax.ShapeDtypeStruct((b * t * h, w), dtype),
             compiler_params=backend.compiler_params(4, 1),
             interpret=interpret,
             name="query_rows",
         )(positions.reshape(-1).astype(jnp.int32), parts.astype(jnp.float32).reshape(s * b * t * h, w), inv_freq,
-          *hadamard_operands(quant, w))
+          *sign_operands(quant, w, dtype))
     return out.reshape(b, t, h, w)
 
 
@@ -381,23 +432,57 @@ def queries_reference(c: Float[Array, "b t h w"] | Partials, positions: Int[Arra
     return fp4_sim(hadamard(q), KEY_BLOCK) if quant == "keys" else q
 
 
-# The most tokens ``query_rows`` takes the kernel for: each of its programs (a token's head) reads
-# the 64 KiB Hadamard matrix, so a verify of 32 x 6 tokens would stream ~0.8 GB through the L2
-# (measured on an H200 at a decode step and a batch-1 verify only); XLA's GEMM beyond.
+# The most tokens ``query_rows`` takes the kernel for, as measured on an H200 at a decode step and a
+# batch-1 verify with a program per head (each read the 64 KiB Hadamard matrix: a verify of 32 x 6
+# tokens would have streamed ~0.8 GB through the L2); a program per token now reads its signs once,
+# not yet measured beyond; XLA's GEMM beyond.
 QUERY_KERNEL_MAX_TOKENS = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QueryRows:
+    """Queries before ``query_rows`` (the indexer's: wq_b's output or its split's partial sums, c
+    [b, t, h, w], their tokens' positions [b, t], the layer's inv_freq, the rounding), for a
+    consumer kernel that finishes them as it loads them (``index_scores``: ``query_tile``)
+    instead of a launch of their own; ``finish`` gives the queries."""
+
+    c: Array | Partials
+    positions: Array
+    inv_freq: Array
+    quant: str | None = dataclasses.field(metadata=dict(static=True), default=None)
+    dtype: object = dataclasses.field(metadata=dict(static=True), default=jnp.bfloat16)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return _shape(self.c)
+
+    def fit(self) -> bool:
+        """Whether ``query_tile`` takes them (``queries_fit``)."""
+        rope_dim = 2 * self.inv_freq.shape[0]
+        return queries_fit(self.shape, rope_dim, self.quant) and self.positions.shape == self.shape[:2]
+
+    def finish(self, impl: str | None = None) -> Float[Array, "b t h w"]:
+        return query_rows(self.c, self.positions, self.inv_freq, quant=self.quant, dtype=self.dtype, impl=impl)
+
+
+def queries_fit(shape: tuple[int, ...], rope_dim: int, quant: str | None) -> bool:
+    """Whether ``query_tile`` takes a token's queries of ``shape`` [b, t, h, w] (up to
+    ``QUERY_KERNEL_MAX_TOKENS`` tokens): h and w powers of two, w at most 128 and h at least 16
+    (the rotation's dot) with "keys"."""
+    return (len(shape) == 4 and backend.is_power_of_2(shape[3]) and backend.is_power_of_2(shape[2])
+            and rope_dim <= shape[3] and shape[0] * shape[1] <= QUERY_KERNEL_MAX_TOKENS
+            and (quant is None or (quant == "keys" and KEY_BLOCK <= shape[3] <= 128 and shape[2] >= 16)))
 
 
 def query_rows(c: Float[Array, "b t h w"] | Partials, positions: Int[Array, "b t"], inv_freq, *, quant: str | None,
                dtype, impl: str | None = None) -> Float[Array, "b t h w"]:
     """Queries (the indexer's: wq_b's output, at one token its split's partial sums) rotated and
-    rounded as ``queries_reference``, in one launch on the Pallas path (grid (tokens, heads); w a
-    power of two, at most 128 with "keys"; up to ``QUERY_KERNEL_MAX_TOKENS`` tokens)."""
+    rounded as ``queries_reference``, in one launch on the Pallas path (grid (tokens,): a token's
+    heads in one tile, ``query_tile``; where ``queries_fit``)."""
     shape = _shape(c)
     rope_dim = 2 * np.asarray(inv_freq).shape[0]
-    fits = (len(shape) == 4 and backend.is_power_of_2(shape[3]) and rope_dim <= shape[3]
-            and shape[0] * shape[1] <= QUERY_KERNEL_MAX_TOKENS
-            and (quant is None or (quant == "keys" and KEY_BLOCK <= shape[3] <= 128)))
-    if backend.resolve(impl) == "pallas" and fits and positions.shape == shape[:2]:
+    if backend.resolve(impl) == "pallas" and queries_fit(shape, rope_dim, quant) and positions.shape == shape[:2]:
         return _queries_pallas(c, positions, jnp.asarray(inv_freq, jnp.float32), quant=quant, dtype=jnp.dtype(dtype),
                                interpret=backend.interpret_mode(None))
     return queries_reference(c, positions, inv_freq, quant=quant, dtype=dtype)

@@ -79,6 +79,62 @@ def test_flash_scores_lower_for_gpus(arch, platform):
     assert lowering.count_triton_calls(text) == 1 and "index_scores" in text
 
 
+@pytest.mark.parametrize("quant,parts", [("keys", 4), ("keys", 1), (None, 1)])
+def test_queries_finished_in_the_kernel(quant, parts):
+    """Unfinished queries (``kv_rows.QueryRows``: wq_b's partial sums, their positions, the
+    rounding) finished inside the scores' kernel: one launch (``index_scores_queries``), the same
+    scores bit for bit as ``query_rows``' kernel then the scores' kernel, and the reference's (the
+    queries of ``queries_reference``) but where the queries' rotation rounded a value across an
+    e2m1 step; in XLA the queries finished first."""
+    from dspark_jax.config import tiny
+    from dspark_jax.model.norms_rope import layer_inv_freq
+    from pallas_kernels import kv_rows
+
+    rng = np.random.default_rng(7 + parts)
+    _, keys, w_parts = _case(rng, 2, 3, 16, 128, 100, jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((parts, 2, 3, 16, 128)), jnp.float32)
+    raw = kv_rows.QueryRows(Partials(c) if parts > 1 else c[0], jnp.asarray(rng.integers(0, 9000, (2, 3)), jnp.int32),
+                            layer_inv_freq(tiny(), 4), quant=quant, dtype=jnp.bfloat16)
+    limit = jnp.asarray([[0, 37, 100], [64, 65, 1]], jnp.int32)
+    kw = dict(scale=SCALE, dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda r: index_scores.scores(r, keys, Partials(w_parts), limit, impl="pallas", **kw))(raw)
+    assert [n for n, _ in pallas_calls(jaxpr.jaxpr)] == ["index_scores_queries"]
+    got = np.asarray(index_scores.scores_kernel(raw, keys, Partials(w_parts), limit, **kw))
+    q = kv_rows.query_rows(raw.c, raw.positions, raw.inv_freq, quant=quant, dtype=jnp.bfloat16, impl="pallas")
+    two = np.asarray(index_scores.scores_kernel(q, keys, Partials(w_parts), limit, **kw))
+    np.testing.assert_array_equal(got, two)
+    visible = np.arange(100)[None, None] < np.asarray(limit)[..., None]
+    assert (got[~visible] == -np.inf).all() and np.isfinite(got[visible]).all()
+    q_ref = kv_rows.queries_reference(raw.c, raw.positions, raw.inv_freq, quant=quant, dtype=jnp.bfloat16)
+    assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.97
+    want = np.asarray(index_scores.scores_reference(q_ref, keys, Partials(w_parts), limit, **kw))
+    np.testing.assert_array_equal(np.asarray(index_scores.scores(raw, keys, Partials(w_parts), limit, impl="xla",
+                                                                 **kw)), want)
+    rows_equal = np.all(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32), axis=(2, 3))  # [b, t]
+    assert rows_equal.any() or quant is None
+    np.testing.assert_allclose(got[visible & rows_equal[..., None]], want[visible & rows_equal[..., None]],
+                               rtol=1e-5, atol=1e-5 * np.abs(want[visible]).max())
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_flash_scores_of_unfinished_queries_lower_for_gpus(arch, platform):
+    """A Flash C4 layer at one token: the indexer's 64 queries of 128 dims from wq_b's output,
+    finished in the scores' kernel (RoPE, the Hadamard rotation, e2m1) over 672 entries: one
+    Triton call."""
+    from dspark_jax.config import tiny
+    from dspark_jax.model.norms_rope import layer_inv_freq
+    from pallas_kernels import kv_rows
+
+    def fn(c, pos, k, w, lim):
+        raw = kv_rows.QueryRows(c, pos, layer_inv_freq(tiny(), 4), quant="keys", dtype=jnp.bfloat16)
+        return index_scores.scores_kernel(raw, k, Partials(w), lim, scale=SCALE, dtype=jnp.bfloat16,
+                                          interpret=False)
+
+    text = lowering.lower(fn, SD((1, 1, 64, 128), jnp.float32), SD((1, 1), jnp.int32), SD((1, 672, 128), jnp.bfloat16),
+                          SD((8, 1, 1, 64), jnp.float32), SD((1, 1), jnp.int32), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 and "index_scores_queries" in text
+
+
 def test_bad_input_is_named():
     rng = np.random.default_rng(0)
     q, keys, parts = _case(rng, 1, 2, 16, 128, 32, jnp.bfloat16)

@@ -166,7 +166,7 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
     q norm of the split sums, the window's new KV row and the compressors' pooling and entries in
     one (``Attention._new_rows``), the queries' norm + RoPE in one, a C4 layer's wq_b with its
-    indexer's wq_b in one; the logits those of
+    indexer's wq_b in one, the indexer's queries finished in its scores' launch; the logits those of
     the XLA path (fp32 activations, bf16 and FP8 weights: exact products both ways but for fp32
     rows times FP8 weights, rounded alike). With ``quant_sim`` the q norm's launch also gives
     its quantised values, which wq_b and the indexer's wq_b multiply as they are (no ``_q``)."""
@@ -209,7 +209,8 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     assert [n for n in names if n.startswith(alone)] == ["kv_rows_norm"], " ".join(names)
     # the queries' head norm + RoPE inside the attention kernel (``q_rope``): no launch of their own
     assert count("q_norm_rope") == 0 and count("ragged_sink_attention") == layers, names
-    assert (count("query_rows"), count("index_scores"), count("top_k_rank")) == (1, 1, 1), names  # the indexer's
+    # the indexer's: its queries finished inside the scores' kernel (no query_rows launch), the top-k
+    assert (count("query_rows"), count("index_scores_queries"), count("top_k_rank")) == (0, 1, 1), names
     if not quant_sim:
         assert not any(n.startswith("gemv_fp8_bf16_q") for n in names)  # no row quantised
     else:  # rows quantised by the q norm's launch: every wq_b (the C4 layer's with its indexer's wq_b, above);

@@ -72,12 +72,14 @@ class Indexer(nnx.Module):
         queries are unpacked, their picks packed back)."""
         w_raw, *kv_score = projected or (self.weights_proj(x), None, None)
         # queries: wq_b (at one token its split's partial sums), RoPE, the Hadamard rotation and e2m1
-        # (with quant_sim): one launch after wq_b's on the Pallas path (``kv_rows.query_rows``)
+        # (with quant_sim): on the Pallas path finished inside the scores' kernel as it loads them
+        # (``kv_rows.QueryRows``), a packed chunk's in a launch of their own (``kv_rows.query_rows``)
         q = self.wq_b(qr, rounded=rounded, partials=True) if q is None else q
-        q = q.reshape(*x.shape[:2], self.n_heads, self.head_dim)
+        q = kv_rows.QueryRows(q.reshape(*x.shape[:2], self.n_heads, self.head_dim), chunk.positions,
+                              layer_inv_freq(self.cfg, 4), quant="keys" if self.num.quant_sim else None, dtype=x.dtype)
         impl = self.num.kernel_impl() if self.mesh is None else "xla"
-        q = kv_rows.query_rows(q, chunk.positions, layer_inv_freq(self.cfg, 4),
-                               quant="keys" if self.num.quant_sim else None, dtype=x.dtype, impl=impl)
+        if chunk.packing is not None:  # (finished in their own launch; else in the scores' kernel)
+            q = q.finish(impl)
         keys, state = self.compressor(x, chunk, state, None if projected is None else tuple(kv_score),
                                       pooled=pooled)  # [b, n, d_I]
 
