@@ -13,7 +13,10 @@ and scaling fused with relu and the product, the sum over heads and the mask: fo
 each program multiplies the row's H queries by its block of keys ([H, D] x [block_n, D]: bf16
 operands are exact products summed in float32), then relu, the heads' weighted sum and the mask.
 weights_proj(x) may come as the float32 partial sums of its K split (``gemv.Partials``, from the
-attention's shared one-row launch), added in order here.
+attention's shared one-row launch), added in order here. The queries may come unfinished
+(``kv_rows.QueryRows``: wq_b's output before RoPE, the Hadamard rotation and e2m1): each program
+then finishes the row's queries itself (``kv_rows.query_tile``, the code of ``query_rows``), which
+takes the ``query_rows`` launch off a C4 layer's chain.
 
 Numerics: the reference's products, float32 sums in another order (the dot's and the heads').
 Inference only.
