@@ -42,6 +42,12 @@ BLOCK_N = 64  # entries per program
 # batch 32 in the run that also moved the indexer's queries into a kernel) not separated: XLA's
 # batched GEMM beyond.
 KERNEL_MAX_ROWS = 8
+# The most programs (query rows x entry blocks) that finish unfinished queries themselves
+# (``kv_rows.QueryRows``): each re-reads the row's queries and the signs (~64 KiB from the L2), so
+# beyond ~256 programs (16 MiB; e.g. 8 rows at an 8k context) the re-reads would cost about what
+# the ``query_rows`` launch they replace costs (~5 us on an H200); there the queries are finished
+# in their own launch first. Not yet measured.
+QUERIES_MAX_PROGRAMS = 256
 
 
 def head_weights(w_raw: Array | Partials, scale: float, dtype) -> Float[Array, "... h"]:
@@ -154,13 +160,18 @@ def scores_kernel(q: Float[Array, "b t h d"] | kv_rows.QueryRows, keys: Float[Ar
 
 def scores(q: Float[Array, "b t h d"] | kv_rows.QueryRows, keys, w_raw: Array | Partials, limit: Int[Array, "b t"],
            *, scale: float, dtype, impl: str | None = None) -> Float[Array, "b t n"]:
-    """The backend switch: the kernel when ``impl`` resolves to "pallas", it takes the keys (and
-    unfinished queries) and there are at most ``KERNEL_MAX_ROWS`` query rows, else the reference
-    (fp8 keys dequantised to the queries' dtype; unfinished queries finished first)."""
-    if backend.resolve(impl) == "pallas" and kernel_takes(q, keys) and q.shape[0] * q.shape[1] <= KERNEL_MAX_ROWS:
-        return scores_kernel(q, keys, w_raw, limit, scale=scale, dtype=dtype)
+    """The backend switch: the kernel when ``impl`` resolves to "pallas", it takes the keys and
+    there are at most ``KERNEL_MAX_ROWS`` query rows, else the reference (fp8 keys dequantised to
+    the queries' dtype). Unfinished queries are finished in the kernel where it takes them and
+    runs at most ``QUERIES_MAX_PROGRAMS`` programs, else first (``query_rows``)."""
+    kernel = backend.resolve(impl) == "pallas" and kernel_takes(q, keys) and q.shape[0] * q.shape[1] <= KERNEL_MAX_ROWS
     if isinstance(q, kv_rows.QueryRows):
-        q = q.finish(impl)
+        programs = q.shape[0] * q.shape[1] * pl.cdiv(keys.shape[1], BLOCK_N)
+        if not (kernel and programs <= QUERIES_MAX_PROGRAMS):
+            q = q.finish(impl)
+            kernel = kernel and kernel_takes(q, keys)
+    if kernel:
+        return scores_kernel(q, keys, w_raw, limit, scale=scale, dtype=dtype)
     from dspark_jax.cache import read_kv
 
     return scores_reference(q, read_kv(keys, q.dtype), w_raw, limit, scale=scale, dtype=dtype)

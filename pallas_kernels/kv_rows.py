@@ -428,7 +428,7 @@ def queries_reference(c: Float[Array, "b t h w"] | Partials, positions: Int[Arra
 
     if quant not in (None, "keys"):
         raise ValueError(f"query rows take quant None or 'keys', got {quant!r}")
-    q = apply_rope(total(c, dtype), positions, np.asarray(inv_freq))
+    q = apply_rope(total(c, dtype), positions, jnp.asarray(inv_freq))
     return fp4_sim(hadamard(q), KEY_BLOCK) if quant == "keys" else q
 
 
@@ -481,7 +481,7 @@ def query_rows(c: Float[Array, "b t h w"] | Partials, positions: Int[Array, "b t
     rounded as ``queries_reference``, in one launch on the Pallas path (grid (tokens,): a token's
     heads in one tile, ``query_tile``; where ``queries_fit``)."""
     shape = _shape(c)
-    rope_dim = 2 * np.asarray(inv_freq).shape[0]
+    rope_dim = 2 * jnp.asarray(inv_freq).shape[0]
     if backend.resolve(impl) == "pallas" and queries_fit(shape, rope_dim, quant) and positions.shape == shape[:2]:
         return _queries_pallas(c, positions, jnp.asarray(inv_freq, jnp.float32), quant=quant, dtype=jnp.dtype(dtype),
                                interpret=backend.interpret_mode(None))

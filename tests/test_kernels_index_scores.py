@@ -110,6 +110,10 @@ def test_queries_finished_in_the_kernel(quant, parts):
     want = np.asarray(index_scores.scores_reference(q_ref, keys, Partials(w_parts), limit, **kw))
     np.testing.assert_array_equal(np.asarray(index_scores.scores(raw, keys, Partials(w_parts), limit, impl="xla",
                                                                  **kw)), want)
+    # beyond QUERIES_MAX_PROGRAMS programs the queries are finished in their own launch first
+    many = jnp.zeros((2, 64 * index_scores.QUERIES_MAX_PROGRAMS // 6 + 64, 128), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda r: index_scores.scores(r, many, Partials(w_parts), limit, impl="pallas", **kw))(raw)
+    assert [n for n, _ in pallas_calls(jaxpr.jaxpr)] == ["query_rows", "index_scores"]
     rows_equal = np.all(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32), axis=(2, 3))  # [b, t]
     assert rows_equal.any() or quant is None
     np.testing.assert_allclose(got[visible & rows_equal[..., None]], want[visible & rows_equal[..., None]],
