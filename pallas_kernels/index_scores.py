@@ -80,7 +80,7 @@ def _kernel(lim_ref, q_ref, k_ref, w_ref, *refs, t: int, parts: int, scale: floa
         q = pltriton.load(q_ref.at[r, heads[:, None], dims])  # [h, d]
     else:
         (q_parts, rope_dim, quant, q_dt), (pos_ref, freq_ref, *sign_ref, o_ref) = raw, refs
-        q = kv_rows.query_tile(kv_rows.tile_loader(q_ref, r * h, h, q_parts), freq_ref,
+        q = kv_rows.query_tile(kv_rows.rows_loader(q_ref, r * h, h, q_parts), freq_ref,
                                sign_ref[0] if sign_ref else None, pos_ref[r], heads=h, w=d, rope_dim=rope_dim,
                                quant=quant, dt=q_dt)
     j = jb * bn + jnp.arange(bn, dtype=jnp.int32)

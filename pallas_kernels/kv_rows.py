@@ -100,12 +100,16 @@ def _fp4_scale(amax: Array) -> Array:
     return jax.lax.bitcast_convert_type(((bits >> 23) - 2 + up) << 23, jnp.float32)
 
 
-def ref_row(c_ref, row, parts: int):
-    """The loader of ``finished_row`` for row ``row`` of c [parts * rows, w] (its parts added in order)."""
+def rows_loader(c_ref, row0, count: int, parts: int):
+    """The loader of ``finished_row`` (count 1) or ``query_tile`` (count = heads): rows row0 ..
+    row0 + count - 1 of c [parts * rows, w] at columns ``at`` [1, w], each row's parts added in
+    order: [count, w] float32."""
+    rows = jnp.arange(count, dtype=jnp.int32)[:, None] + row0
+
     def load(at: Array) -> Array:
-        x = pltriton.load(c_ref.at[row, at])
+        x = pltriton.load(c_ref.at[rows, at])
         for s in range(1, parts):
-            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + row, at])
+            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + rows, at])
         return x
     return load
 
@@ -184,19 +188,6 @@ def sign_operands(quant: str | None, w: int, dtype) -> tuple:
     return (jnp.asarray(np.sign(hadamard_matrix(w)), dtype),) if quant == "keys" else ()
 
 
-def tile_loader(c_ref, row0, heads: int, parts: int):
-    """The loader of ``query_tile`` for rows row0 .. row0 + heads - 1 of c [parts * rows, w] (each
-    row's parts added in order)."""
-    rows = jnp.arange(heads, dtype=jnp.int32)[:, None] + row0
-
-    def load(at: Array) -> Array:
-        x = pltriton.load(c_ref.at[rows, at])
-        for s in range(1, parts):
-            x = x + pltriton.load(c_ref.at[s * c_ref.shape[0] // parts + rows, at])
-        return x
-    return load
-
-
 def _kernel(ids, a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_dim: int, quant: str | None,
             parts: int, rows_per_request: int, ratio: int, dt, norm_eps: float | None = None):
     """Refs a, b: slots and positions [b k]; or with ``ratio`` (a compressor's candidate windows,
@@ -217,7 +208,7 @@ def _kernel(ids, a_ref, b_ref, c_ref, w_ref, freq_ref, *refs, eps: float, rope_d
         slot, position = a_ref[row], b_ref[row]
 
     def write():
-        e = finished_row(ref_row(c_ref, row, parts), w_ref, freq_ref, h_ref[0] if h_ref else None, position, w=w,
+        e = finished_row(rows_loader(c_ref, row, 1, parts), w_ref, freq_ref, h_ref[0] if h_ref else None, position, w=w,
                          eps=eps, rope_dim=rope_dim, quant=quant, dt=dt)
         ok = (slot >= 0) & (slot < n)
         cols = jnp.arange(w, dtype=jnp.int32)[None, :]
@@ -237,7 +228,7 @@ def _queries_kernel(pos_ref, c_ref, freq_ref, *refs, rope_dim: int, quant: str |
     *sign_ref, o_ref = refs
     t = pl.program_id(0)
     w = o_ref.shape[1]
-    e = query_tile(tile_loader(c_ref, t * heads, heads, parts), freq_ref, sign_ref[0] if sign_ref else None,
+    e = query_tile(rows_loader(c_ref, t * heads, heads, parts), freq_ref, sign_ref[0] if sign_ref else None,
                    pos_ref[t], heads=heads, w=w, rope_dim=rope_dim, quant=quant, dt=dt)
     rows = t * heads + jnp.arange(heads, dtype=jnp.int32)[:, None]
     pltriton.store(o_ref.at[rows, jnp.arange(w, dtype=jnp.int32)[None, :]], e)
