@@ -135,7 +135,7 @@ class Attention(nnx.Module):
             (new["window"], *normed), pooled = self._new_rows(a_q, a_kv, chunk, cache, slots, rounded, projected,
                                                               x.dtype)
             qr = normed[-1].reshape(*x.shape[:-1], -1)
-            if self.ratio == 4:  # wq_b and the indexer's wq_b (its split sums to its query kernel) in one launch
+            if self.ratio == 4:  # wq_b and the indexer's wq_b (as partial sums, for its scores' kernel) in one launch
                 q_b, index_q = shared_input((self.wq_b, self.indexer.wq_b), qr, self.mesh, partials=(False, True),
                                             rounded=rounded)
         else:
@@ -195,6 +195,7 @@ class Attention(nnx.Module):
         if self.ratio:
             pools.append(self.compressor.pool_part(chunk, cache.compressor, tuple(projected[:2])))
         if self.ratio == 4:
+            # (projected[2:]: the indexer's ``x_linears``, weights_proj then its compressor's wkv and wgate)
             pools.append(self.indexer.compressor.pool_part(chunk, cache.indexer, tuple(projected[3:5])))
         if window is None or any(p is None for p in pools):
             return kv_rows.write_rows_and_norm(*args, **rows), (None, None)

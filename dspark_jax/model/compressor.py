@@ -88,6 +88,7 @@ class Compressor(nnx.Module):
 
     def _finish(self, ring_kv: Array, ring_score: Array, entries: KVPool, state: CompressorState
                 ) -> tuple[KVPool, CompressorState]:
+        """(entries, the new state) from the pooling's outputs."""
         return entries, dataclasses.replace(state, kv=ring_kv, score=ring_score, entries=entries)
 
     def pool_part(self, chunk: Chunk, state: CompressorState, projected: tuple[Array, Array]
