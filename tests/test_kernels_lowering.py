@@ -154,8 +154,8 @@ def test_flash_step_lowers_for_gfx950(tokens):
     """A whole target step of a 4-layer Flash slice (two window layers, a C4 layer with the indexer,
     a C128 layer; FP8 weights, 2k context) at batch 1, a decode step and a verify chunk, through
     JAX's Triton lowering for gfx950: every kernel the step launches at Flash's shapes. The
-    dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): the
-    decode step's layer rows in one launch each (``new_rows_x2`` / ``x3``)."""
+    dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): a
+    layer's new rows in one launch each (``new_rows_x2`` / ``x3``), at a decode step and a verify."""
     from benchmarks.launches import abstract_step
 
     fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048)
@@ -163,7 +163,7 @@ def test_flash_step_lowers_for_gfx950(tokens):
     assert lowering.count_triton_calls(text) >= 20
     for name in ("ragged_sink_attention", "hc_pre_norm", "grouped_matmul", "index_scores", "top_k_rank"):
         assert name in text, name
-    assert ("new_rows_x3" in text) == (tokens == 1) and ("compressor_pool_keys" in text) == (tokens == 6)
+    assert "new_rows_x3" in text and "new_rows_x2" in text
 
 
 def test_launch_count_script(tmp_path, monkeypatch):

@@ -128,14 +128,17 @@ class Attention(nnx.Module):
         rounded = False  # qr: the quantised values wq_b (and the indexer's wq_b) take
         pooled = (None, None)  # the compressor's and the indexer's pooling, when launched here
         q_b = index_q = None  # wq_b(qr) and the indexer's, when launched here
-        if isinstance(a_q, Partials) and isinstance(a_kv, Partials) and decode and chunk.packing is None:
-            # one token, from the split sums: the window's new row (kv_norm, RoPE, kv_sim and the write),
-            # q_norm (with the values wq_b takes) and the compressors' pooling and entries in one launch
+        one_row = isinstance(a_q, Partials) and isinstance(a_kv, Partials)
+        if decode and chunk.packing is None and (one_row or (impl == "pallas" and self.mesh is None)):
+            # a decode step or verify chunk (per request) from the split sums (at one token) or the
+            # products: the window's new rows (kv_norm, RoPE, kv_sim and the write), q_norm (with the
+            # values wq_b takes) and the compressors' pooling and entries in one launch
+            a_q, a_kv = (a if isinstance(a, Partials) else Partials(a.astype(jnp.float32)[None]) for a in (a_q, a_kv))
             rounded = self.wq_b.fp8_act and (self.ratio != 4 or self.indexer.wq_b.fp8_act)
             (new["window"], *normed), pooled = self._new_rows(a_q, a_kv, chunk, cache, slots, rounded, projected,
                                                               x.dtype)
             qr = normed[-1].reshape(*x.shape[:-1], -1)
-            if self.ratio == 4:  # wq_b and the indexer's wq_b (as partial sums, for its scores' kernel) in one launch
+            if self.ratio == 4 and one_row:  # wq_b and the indexer's wq_b (partial sums for its scores) in one launch
                 q_b, index_q = shared_input((self.wq_b, self.indexer.wq_b), qr, self.mesh, partials=(False, True),
                                             rounded=rounded)
         else:
