@@ -636,6 +636,9 @@ def main(argv=None):
     ap.add_argument("--compressor-two-launches", action="store_true",
                     help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
                          "one (compressor_pool.WRITE_IN_POOL off)")
+    ap.add_argument("--one-token-swiglu", type=int, default=0,
+                    help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
+                         "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "
                          "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
@@ -650,6 +653,7 @@ def main(argv=None):
         hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
     if args.compressor_two_launches:
         compressor_pool.WRITE_IN_POOL = False
+    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
     args.split_programs = apply_split_option(args)
     args.options = args.options.split(",")
     if not args.options or set(args.options) - set(OPTION_SETS):

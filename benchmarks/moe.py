@@ -97,6 +97,9 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block-m", default="", help="also time the routed experts at these row tiles (e.g. 16,32,64; "
                     "each with its default configuration), against the library's choice")
+    ap.add_argument("--one-token-swiglu", default="",
+                    help="at one token also time the routed experts with grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N = "
+                         "each of these (e.g. 32,64: the SwiGLU unsplit, no swiglu_quantise launch)")
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU: checks the script runs")
     ap.add_argument("--decode", action="store_true",
                     help="decode path vs grouped path of a whole layer (tokens default 1,2; formats fp8,official)")
@@ -163,6 +166,15 @@ def main():
             r["pct_copy_bw"] = 100 * nbytes / r["routed_s"] / (ceil["copy_GBps"] * 1e9)
             r["pct_matmul_peak"] = 100 * flops / r["routed_s"] / (ceil["bf16_matmul_TFLOPs"] * 1e12)
             r["layer_s"] = device_time(layer, x, state, reps=args.reps)
+            for bn in (int(b) for b in args.one_token_swiglu.split(",") if b and tokens == 1):
+                gm.ONE_TOKEN_SWIGLU_BLOCK_N = bn
+                fn = jax.jit(lambda x, w, idx, ws: routed(x, w, idx, ws))  # (a new trace: the constant is read there)
+                tt = device_time(fn, x, w, idx, ws, reps=args.reps)
+                same = bool(jnp.array_equal(fn(x, w, idx, ws), y))
+                gm.ONE_TOKEN_SWIGLU_BLOCK_N = 0
+                r.setdefault("routed_s_by_one_token_swiglu", {0: r["routed_s"]})[bn] = tt
+                print("one-token swiglu", fmt, bn, f"{tt * 1e6:.1f} us (split: {r['routed_s'] * 1e6:.1f} us), "
+                      f"output {'equal' if same else 'differs'}", flush=True)
             for bm in (int(b) for b in args.block_m.split(",") if b):
                 if bm == r["block_m"]:
                     continue

@@ -383,6 +383,14 @@ SPLIT_TARGET_PROGRAMS = 384
 SPLIT_MIN_STEPS = 4
 
 
+# A decode step's routed SwiGLU (``fp8_k128`` weights in 16-row tiles, where ``split_for`` splits
+# K): 0 keeps the split, its halves added, activated and quantised by a second launch
+# (``swiglu_quantise``); N > 0 runs it unsplit in N-column tiles with the SwiGLU in its epilogue,
+# and w2's programs quantise their rows (``QuantRows``): one launch fewer per layer. Read at the
+# call (``benchmarks/moe.py --one-token-swiglu``, ``benchmarks/decode.py --one-token-swiglu``).
+ONE_TOKEN_SWIGLU_BLOCK_N = 0
+
+
 def split_for(programs: int, k_steps: int, target: int | None = None, min_steps: int | None = None) -> int:
     """The smallest power-of-two K split that gives ``target`` programs (default
     ``SPLIT_TARGET_PROGRAMS``, read at the call: 0 turns splitting off), at most ``k_steps /
@@ -698,7 +706,7 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
         return _swiglu_quantised(y, row_weight, m=m, n=n, split=split, limit=limit, dt=jnp.dtype(out_dtype),
                                  interpret=interpret)
     if split == 1:
-        return ActQuant.of(y) if quantised_out else y
+        return QuantRows(y) if quantised_out == "rows" else ActQuant.of(y) if quantised_out else y
     parts = jnp.sum(y.reshape(split, m, len(ws), n), axis=0)  # fp32 [m, weights, n]
     if limit is None:
         return parts[:, 0].astype(out_dtype)
@@ -728,15 +736,20 @@ def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group
 def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
                   row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
                   block_m: int, limit: float, config: GemmConfig | None = None, interpret: bool | None = None,
-                  codes: bool | None = None, quantised_out: bool = False) -> Float[Array, "m n"] | ActQuant:
+                  codes: bool | None = None, quantised_out: bool = False
+                  ) -> Float[Array, "m n"] | ActQuant | QuantRows:
     """The fused Pallas kernel (same contract as ``swiglu_reference``). ``codes``: see ``_kernel_rows``.
     ``quantised_out``: the result quantised as the next GEMM's input (``ActQuant.of``; after a K
-    split, with the partial sums' SwiGLU in one launch: ``_swiglu_quantised``)."""
+    split, with the partial sums' SwiGLU in one launch: ``_swiglu_quantised``; a decode step's
+    SwiGLU unsplit by ``ONE_TOKEN_SWIGLU_BLOCK_N``: ``QuantRows`` for that GEMM to quantise)."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
     x = _kernel_rows(x, w1, block_m, codes)
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0],
                                    weights=2)
+    if config is None and quantised_out and ONE_TOKEN_SWIGLU_BLOCK_N and w1.fmt == "fp8_k128" and cfg.split_k > 1:
+        # a decode step's SwiGLU unsplit, its rows quantised by the next GEMM's programs
+        cfg, quantised_out = dataclasses.replace(cfg, block_n=ONE_TOKEN_SWIGLU_BLOCK_N, split_k=1), "rows"
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
                    out_dtype=x.dtype, quantised_out=quantised_out, interpret=backend.interpret_mode(interpret))
 

@@ -23,6 +23,7 @@ from dspark_jax.model.common import Numerics
 from dspark_jax.model.moe import PAIR_TILES_MAX, MoE, SharedExpert, grouped_experts
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering, pair_experts, routing
+from pallas_kernels.group_metadata import pair_tiles
 from pallas_kernels.gemv import ONE_GROUP, ExpertRows, GemvConfig, Partials, gemv_many, total
 from tests.helpers import pallas_calls
 from tests.test_kernels_grouped_matmul import _random_weights
@@ -344,3 +345,44 @@ def test_fp32_router_and_experts_lower():
     with jax.default_matmul_precision("highest"):
         text = lowering.lower(step, SD((n, d), jnp.float32), SD((e, d), jnp.bfloat16), SD((n, k), jnp.int32), *experts)
     assert lowering.count_triton_calls(text) == 4
+
+
+def test_one_token_swiglu_unsplit_takes_one_launch_fewer(monkeypatch):
+    """``grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N``: a decode step's routed SwiGLU (``fp8_k128``, one
+    16-row tile per pair, K split by default) unsplit in narrow column tiles, w2's programs
+    quantising its rows (``QuantRows``): no ``swiglu_quantise`` launch, w2 as the ``_a8q`` kernel,
+    and the layer's output bit for bit that of the unsplit SwiGLU quantised by ``ActQuant.of``; both
+    paths within the reference's tolerance of the XLA path."""
+    rng = np.random.default_rng(5)
+    e, d, i = 8, 1024, 256
+    w1, w2, w3 = _weights(rng, "fp8_k128", e, d, i)
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+    idx = jnp.asarray([[5, 1, 6, 0, 3, 2]], jnp.int32)
+    w = jnp.asarray(rng.random((1, 6)) + 0.1, jnp.float32)
+    run = lambda: jax.jit(lambda x, w: grouped_experts(x, w, idx, w1, w2, w3, limit=1.0, quant_sim=True,  # noqa: E731
+                                                        impl="pallas", as_rows=False))(x, w)
+    launches = lambda: [o for o in _pallas_calls(jax.make_jaxpr(  # noqa: E731
+        lambda x, w: grouped_experts(x, w, idx, w1, w2, w3, limit=1.0, quant_sim=True, impl="pallas"))(x, w).jaxpr)
+        if o.startswith("pallas:")]
+    assert launches() == ["pallas:grouped_matmul_fp8_k128_a8_swiglu_split2", "pallas:swiglu_quantise",
+                          "pallas:grouped_matmul_fp8_k128_a8"]
+    split = np.asarray(run())
+    monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", 32)
+    assert launches() == ["pallas:grouped_matmul_fp8_k128_a8_swiglu", "pallas:grouped_matmul_fp8_k128_a8q"]
+    got = np.asarray(run())
+    # the same products unsplit, quantised by XLA (ActQuant) instead of by w2's programs
+    tiles = pair_tiles(idx, 16)
+    pair = tiles.pair_of_row
+    rows = gm.quantised_rows(jnp.where(pair[:, None] >= 0, x[jnp.maximum(pair, 0) // 6], 0), 16)
+    rw = jnp.where(pair >= 0, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
+    meta = (tiles.tile_group, tiles.num_tiles)
+    cfg = gm.GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+    h = gm.swiglu_kernel(rows, w1, w3, rw, *meta, block_m=16, limit=1.0, config=cfg, interpret=True)
+    y = gm.kernel(gm.ActQuant.of(h), w2, *meta, block_m=16, interpret=True)
+    want = np.asarray(jnp.sum(y[tiles.row_of_pair].reshape(1, 6, -1).astype(jnp.float32), axis=1))
+    np.testing.assert_array_equal(got, want)
+    ref = np.asarray(grouped_experts(x, w, idx, w1, w2, w3, limit=1.0, quant_sim=True, impl="xla"))
+    scale = np.abs(ref).max()
+    assert np.isfinite(got).all() and scale > 0.1
+    for out in (got, split):
+        np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * scale)
