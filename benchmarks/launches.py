@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import time
 
 import jax
@@ -35,29 +36,36 @@ from dspark_jax.api import forward_step
 from dspark_jax.cache import init_cache
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
-from pallas_kernels import lowering
+from dspark_jax.model.moe import MoE
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import hc_fused, lowering
 
 ARCHS = {"NVIDIA H200": "cuda", "gfx950": "rocm"}
 LAYERS = config.flash().num_hidden_layers  # 43
 
 
-def abstract_step(depth: int, *, batch: int, tokens: int, context: int):
+def abstract_step(depth: int, *, batch: int, tokens: int, context: int, moe_one_row: str = ""):
     """(fn, args): one target step of a ``depth``-layer Flash slice (FP8 weights, the reference's
     activation rounding) on abstract parameters and caches, for ``make_jaxpr`` or
-    ``lowering.lower``."""
+    ``lowering.lower``; ``moe_one_row``: every MoE layer's ``one_row`` (default the model's)."""
     cfg = config.flash_slice(depth, dspark=False)
     num = Numerics(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, quant_sim=True, weight_format="fp8")
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0))))
+    module = nnx.eval_shape(lambda: DeepSeekV4(cfg, num, rngs=nnx.Rngs(0)))
+    for _, mod in nnx.iter_graph(module):
+        if moe_one_row and isinstance(mod, MoE):
+            mod.one_row = moe_one_row
+    graphdef, state = nnx.split(module)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context + 128))
     ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     n_valid = jax.ShapeDtypeStruct((batch,), jnp.int32)
     return (lambda s, i, n, c: forward_step(graphdef, s, i, n, c, logits="last")), (state, ids, n_valid, cache)
 
 
-def step_launches(depth: int, *, batch: int, tokens: int, context: int, arch: str) -> list[str]:
+def step_launches(depth: int, *, batch: int, tokens: int, context: int, arch: str, moe_one_row: str = ""
+                  ) -> list[str]:
     """The names of the Pallas kernels one target step of a ``depth``-layer Flash slice launches,
     in program order, traced for ``arch``."""
-    fn, args = abstract_step(depth, batch=batch, tokens=tokens, context=context)
+    fn, args = abstract_step(depth, batch=batch, tokens=tokens, context=context, moe_one_row=moe_one_row)
     device = jax.sharding.AbstractDevice(arch, 1, ARCHS[arch])
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -71,9 +79,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=1, help="tokens per request (1: a decode step; 6: a verify)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--arch", default="NVIDIA H200", choices=sorted(ARCHS))
+    ap.add_argument("--moe-one-row", default="", help="MoE.one_row in every layer (default: the model's)")
+    ap.add_argument("--one-token-swiglu", type=int, default=0,
+                    help="grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N (0: the K split, then swiglu_quantise)")
+    ap.add_argument("--hc-one-launch", action="store_true", help="hc_fused.HcConfig.one_launch")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    shape = dict(batch=args.batch, tokens=args.tokens, context=args.context, arch=args.arch)
+    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    if args.hc_one_launch:
+        hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
+    shape = dict(batch=args.batch, tokens=args.tokens, context=args.context, arch=args.arch,
+                 moe_one_row=args.moe_one_row)
     two, four = (step_launches(d, **shape) for d in (2, 4))
     pair = collections.Counter(four) - collections.Counter(two)
     if collections.Counter(two) - collections.Counter(four):

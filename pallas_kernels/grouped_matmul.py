@@ -175,6 +175,49 @@ class QuantRows:
         return self.rows.dtype
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Route:
+    """A decode step's routing left for the routed SwiGLU's programs to decide
+    (``routing.select_rows``, each program its own pair's) instead of a launch of their own: the
+    router's logits as float32 partial sums ``logits`` [S n, e] (S = 1: the logits themselves),
+    ``sel`` the selection bias [e] (learned routing) or the given experts [n, k] (hash routing),
+    and the routing's constants (``routing.select``'s). For pairs in their own tiles
+    (``group_metadata.pair_tiles``): tile t holds pair t = (token t // k, slot t % k) in its first
+    row, so ``shape`` is that of the tiles' experts it stands for, [n k]."""
+
+    logits: Array
+    sel: Array
+    n: int = dataclasses.field(metadata=dict(static=True), default=1)
+    k: int = dataclasses.field(metadata=dict(static=True), default=1)
+    func: str = dataclasses.field(metadata=dict(static=True), default="sqrtsoftplus")
+    norm: bool = dataclasses.field(metadata=dict(static=True), default=True)
+    scale: float = dataclasses.field(metadata=dict(static=True), default=1.0)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.n * self.k,)
+
+    def constants(self) -> tuple:
+        """What the kernel's programs need besides the refs (hashable)."""
+        return (self.n, self.logits.shape[-1], self.k, self.func, self.norm, self.scale, self.sel.ndim == 1,
+                self.logits.shape[0] // self.n)
+
+
+def _routed_pair(l_ref, sel_ref, t, bm: int, route: tuple) -> tuple[Array, Array]:
+    """(expert, the tile's row weights [bm]) of pair tile t, decided in the program (``Route``)."""
+    from pallas_kernels.routing import select_rows  # (it imports this module through gemv)
+
+    n, e, k, func, norm, scale, learned, parts = route
+    rows = (jnp.arange(1, dtype=jnp.int32) + t // k)[:, None]
+    w, idx, slots = select_rows(l_ref, sel_ref, rows, n=n, e=e, k=k, func=func, norm=norm, scale=scale,
+                                learned=learned, parts=parts)
+    mine = slots == t % k
+    g = jnp.sum(jnp.sum(jnp.where(mine, idx, 0), axis=1))  # (a [1, kp] tile: one term each)
+    w_pair = jnp.sum(jnp.sum(jnp.where(mine, w, 0.0), axis=1))
+    return g, jnp.where(jnp.arange(bm, dtype=jnp.int32) == 0, w_pair, 0.0)
+
+
 def _values(x: Array | ActQuant | QuantRows) -> Array:
     """The values rows of any kind stand for (quantised rows: their rounded values)."""
     if isinstance(x, QuantRows):
@@ -582,15 +625,20 @@ def _swiglu_rows(gate: Array, up: Array, row_weight: Array, limit: float, dt) ->
 
 
 def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n_weights: int,
-            limit: float | None, code_dots: bool, quantise: bool, dt):
-    tile_group_ref, num_tiles_ref = refs[:2]
-    refs = refs[2:]
+            limit: float | None, code_dots: bool, quantise: bool, dt, route: tuple | None = None):
+    if route is None:
+        tile_group_ref, num_tiles_ref = refs[:2]
+        refs = refs[2:]
+    else:  # the logits (their partial sums) and the selection instead of the tiles' experts (``Route``)
+        l_ref, sel_ref, num_tiles_ref = refs[:3]
+        refs = refs[3:]
+        *refs, group_out_ref, rw_out_ref = refs  # (the decided experts and row weights, for what follows)
     n_x = 2 if fmt == "fp4" or (code_dots and not quantise) else 1
     x_refs, refs = refs[:n_x], refs[n_x:]
     per_w = 1 if fmt == "dense" else 2
     w_sets = [refs[i * per_w:(i + 1) * per_w] for i in range(n_weights)]
     refs = refs[n_weights * per_w:]
-    rw_ref = refs[0] if limit is not None and cfg.split_k == 1 else None
+    rw_ref = refs[0] if limit is not None and cfg.split_k == 1 and route is None else None
     o_ref = refs[-1]
 
     bn, bk, split = cfg.block_n, cfg.block_k, cfg.split_k
@@ -608,9 +656,20 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
             for i, out in enumerate(outs):
                 o_ref[pl.ds(s0, bm), pl.ds(i * n + n0, bn)] = out
 
+    first = (nb == 0) & (s_id == 0)  # (the program that stores a routed tile's decisions)
+
     @pl.when(t < num_tiles_ref[0])
     def _compute():
-        g = tile_group_ref[t]
+        if route is None:
+            g = tile_group_ref[t]
+            rw = None if rw_ref is None else rw_ref[pl.ds(r0, bm)]
+        else:
+            g, rw = _routed_pair(l_ref, sel_ref, t, bm, route)
+
+            @pl.when(first)
+            def _decided():
+                group_out_ref[pl.ds(t, 1)] = jnp.full((1,), g, jnp.int32)
+                rw_out_ref[pl.ds(r0, bm)] = rw
 
         def body(step, accs):
             k0 = k_base + step * bk
@@ -619,13 +678,18 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         accs = lax.fori_loop(0, steps, body, (zero,) * n_weights)
-        if rw_ref is not None:
-            accs = (_swiglu_rows(accs[0], accs[1], rw_ref[pl.ds(r0, bm)], limit, dt),)
+        if limit is not None and split == 1:
+            accs = (_swiglu_rows(accs[0], accs[1], rw, limit, dt),)
         store(accs)
 
     @pl.when(t >= num_tiles_ref[0])
     def _unused():
         store((jnp.zeros((bm, bn), jnp.float32),) * (n_weights if split > 1 else 1))
+        if route is not None:
+            @pl.when(first)
+            def _none():
+                group_out_ref[pl.ds(t, 1)] = jnp.zeros((1,), jnp.int32)
+                rw_out_ref[pl.ds(r0, bm)] = jnp.zeros((bm,), jnp.float32)
 
 
 def flat_operands(w: Weights) -> tuple[Array, ...]:
@@ -681,16 +745,21 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
     cfg = cfg.fit(n, k, fmt, code_dots)
     m, split = x.shape[0], cfg.split_k
     dt = jnp.dtype(x.dtype)
-    args = [tile_group, num_tiles, *_x_operands(x, fmt)]
+    route = tile_group if isinstance(tile_group, Route) else None
+    args = [tile_group] if route is None else [route.logits, route.sel]
+    args += [num_tiles, *_x_operands(x, fmt)]
     for w in ws:
         args += flat_operands(w)
-    if limit is not None and split == 1:
+    if limit is not None and split == 1 and route is None:
         args.append(row_weight.astype(jnp.float32))
     kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, m=m, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit,
-                               code_dots=code_dots, quantise=quantise, dt=dt)
+                               code_dots=code_dots, quantise=quantise, dt=dt,
+                               route=None if route is None else route.constants())
     grid = (tile_group.shape[0], n // cfg.block_n) + ((split,) if split > 1 else ())
     out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if split == 1
                  else jax.ShapeDtypeStruct((split * m, len(ws) * n), jnp.float32))
+    if route is not None:  # (the decided experts and row weights)
+        out_shape = (out_shape, jax.ShapeDtypeStruct(route.shape, jnp.int32), jax.ShapeDtypeStruct((m,), jnp.float32))
     with backend.quiet_triton_deprecation():
         y = pl.pallas_call(
             kernel,
@@ -700,14 +769,26 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
             interpret=interpret,
             name=f"grouped_matmul_{fmt}" + ("_a8q" if quantise else "_a8" if code_dots else "")
                  + ("_swiglu" if limit is not None else "")
-                 + (f"_split{split}" if split > 1 else ""),
+                 + (f"_split{split}" if split > 1 else "") + ("_routed" if route is not None else ""),
         )(*args)
+    if route is not None:
+        y, group, row_weight = y
+        return _finish(y, row_weight, m=m, n=n, split=split, n_weights=len(ws), limit=limit, dt=dt,
+                       out_dtype=out_dtype, quantised_out=quantised_out, interpret=interpret), group
+    return _finish(y, row_weight, m=m, n=n, split=split, n_weights=len(ws), limit=limit, dt=dt, out_dtype=out_dtype,
+                   quantised_out=quantised_out, interpret=interpret)
+
+
+def _finish(y, row_weight, *, m: int, n: int, split: int, n_weights: int, limit, dt, out_dtype, quantised_out,
+            interpret: bool):
+    """The kernel's output ``y`` as the call's result: a split's partial sums added (and activated,
+    and quantised, as ``quantised_out`` says)."""
     if quantised_out and split > 1 and n % FP8_BLOCK == 0:
         return _swiglu_quantised(y, row_weight, m=m, n=n, split=split, limit=limit, dt=jnp.dtype(out_dtype),
                                  interpret=interpret)
     if split == 1:
         return QuantRows(y) if quantised_out == "rows" else ActQuant.of(y) if quantised_out else y
-    parts = jnp.sum(y.reshape(split, m, len(ws), n), axis=0)  # fp32 [m, weights, n]
+    parts = jnp.sum(y.reshape(split, m, n_weights, n), axis=0)  # fp32 [m, weights, n]
     if limit is None:
         return parts[:, 0].astype(out_dtype)
     h = _swiglu_rows(parts[:, 0], parts[:, 1], row_weight.astype(jnp.float32), limit, dt).astype(out_dtype)
@@ -741,7 +822,9 @@ def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3
     """The fused Pallas kernel (same contract as ``swiglu_reference``). ``codes``: see ``_kernel_rows``.
     ``quantised_out``: the result quantised as the next GEMM's input (``ActQuant.of``; after a K
     split, with the partial sums' SwiGLU in one launch: ``_swiglu_quantised``; a decode step's
-    SwiGLU unsplit by ``ONE_TOKEN_SWIGLU_BLOCK_N``: ``QuantRows`` for that GEMM to quantise)."""
+    SwiGLU unsplit by ``ONE_TOKEN_SWIGLU_BLOCK_N``: ``QuantRows`` for that GEMM to quantise).
+    ``tile_group`` a ``Route`` (pair tiles; ``row_weight`` unused): each program decides its tile's
+    expert and routing weight, and the result comes with the tiles' experts [t] for w2."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
     x = _kernel_rows(x, w1, block_m, codes)
@@ -767,6 +850,8 @@ def grouped_swiglu(x, w1: Weights, w3: Weights, row_weight, tile_group, num_tile
     """Fused SwiGLU half of the experts through the backend switch (``quantised_out``: its result
     quantised as the next GEMM's input, ``ActQuant``)."""
     if backend.resolve(impl) == "xla":
+        if isinstance(tile_group, Route):
+            raise ValueError("a Route is decided inside the Pallas kernel only; decide it first on the XLA path")
         h = swiglu_reference(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit)
         return ActQuant.of(h) if quantised_out else h
     return swiglu_kernel(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit,

@@ -144,14 +144,16 @@ def _logits_kernel(x_ref, w_ref, o_ref, *, n: int, e: int, d: int, be: int, bk: 
     pltriton.store(o_ref.at[rows, experts.T], y, mask=row_ok & expert_ok.T)
 
 
-def _select_kernel(*refs, n: int, e: int, k: int, func: str, norm: bool, scale: float, learned: bool, parts: int,
-                   bt: int):
-    l_ref, sel_ref, w_ref, idx_ref = refs
+def select_rows(l_ref, sel_ref, rows: Array, *, n: int, e: int, k: int, func: str, norm: bool, scale: float,
+                learned: bool, parts: int) -> tuple[Array, Array, Array]:
+    """The selection of the tokens ``rows`` [bt, 1] (inside a kernel): (w [bt, kp] times ``scale``,
+    idx [bt, kp], the slots [1, kp]; kp = k to a power of two, slots >= k unused) from the logits
+    ``l_ref`` (or, ``parts`` > 1, their K split's partial sums [parts n, e], added in order) and
+    ``sel_ref``: the selection bias [e] (``learned``) or the given experts [n, k]."""
+    bt = rows.shape[0]
     ep, kp = backend.next_power_of_2(e), backend.next_power_of_2(k)
-    rows = _iota(bt, pl.program_id(0) * bt)[:, None]
     cols, slots = _iota(ep)[None, :], _iota(kp)[None, :]
     row_ok, col_ok = rows < n, cols < e
-    # the logits, or (parts > 1) their K split's partial sums [parts n, e] added in order
     logits = pltriton.load(l_ref.at[rows, cols], mask=row_ok & col_ok, other=0.0)
     for s in range(1, parts):
         logits = logits + pltriton.load(l_ref.at[s * n + rows, cols], mask=row_ok & col_ok, other=0.0)
@@ -177,8 +179,17 @@ def _select_kernel(*refs, n: int, e: int, k: int, func: str, norm: bool, scale: 
         total = total + wj
     if func != "softmax" and norm:
         w = w / total
-    out_ok = row_ok & (slots < k)
-    pltriton.store(w_ref.at[rows, slots], w * scale, mask=out_ok)
+    return w * scale, idx, slots
+
+
+def _select_kernel(*refs, n: int, e: int, k: int, func: str, norm: bool, scale: float, learned: bool, parts: int,
+                   bt: int):
+    l_ref, sel_ref, w_ref, idx_ref = refs
+    rows = _iota(bt, pl.program_id(0) * bt)[:, None]
+    w, idx, slots = select_rows(l_ref, sel_ref, rows, n=n, e=e, k=k, func=func, norm=norm, scale=scale,
+                                learned=learned, parts=parts)
+    out_ok = (rows < n) & (slots < k)
+    pltriton.store(w_ref.at[rows, slots], w, mask=out_ok)
     pltriton.store(idx_ref.at[rows, slots], idx, mask=out_ok)
 
 

@@ -635,6 +635,23 @@ def test_flash_shapes_lower_for_gfx950(fmt, pairs):
         assert lowering.count_triton_calls(text) == 1 + (split > 1) and ("swiglu_quantise" in text) == (split > 1)
 
 
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+@pytest.mark.parametrize("learned", [True, False])
+@pytest.mark.parametrize("unsplit", [0, 32])
+def test_routed_swiglu_lowers_for_gpus(monkeypatch, arch, platform, learned, unsplit):
+    """A Flash decode step's routed SwiGLU deciding its pairs' routing (``Route``: the router's
+    8 partial sums, the bias or the hashed experts): K split with ``swiglu_quantise``, or unsplit."""
+    monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", unsplit)
+    e, k, bm = FLASH["e"], 6, 16
+    rows = gm.ActQuant(SD((k * bm, FLASH["d"]), jnp.float8_e4m3fn), SD((k * bm, FLASH["d"] // 128), jnp.float32))
+    route = gm.Route(SD((8, e), jnp.float32), SD((e,), jnp.float32) if learned else SD((1, k), jnp.int32), n=1, k=k)
+    w13 = _flash_weights("fp8_k128", FLASH["i"], FLASH["d"])
+    text = lowering.lower(lambda r, w, route, nt: gm.swiglu_kernel(r, w, w, None, route, nt, block_m=bm, limit=10.0,
+                                                                   interpret=False, quantised_out=True),
+                          rows, w13, route, SD((1,), jnp.int32), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 1 + (unsplit == 0) and "_routed" in text
+
+
 @pytest.mark.parametrize("bm", [32, 64])
 def test_verify_sized_linears_lower_codes_in_larger_tiles_for_gfx950(bm):
     """A Flash linear (wo_b: 4096 x 8192, fp8 weights) on quantised rows as codes in 32- and 64-row

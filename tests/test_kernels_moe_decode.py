@@ -139,6 +139,18 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
         np.testing.assert_array_equal(i, want_i)
         np.testing.assert_allclose(w, want_w, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(y, want_y, rtol=1e-2, atol=1e-3 * scale)
+    # "experts": the selection inside the routed SwiGLU's programs (no router_select), bit for bit "shared"
+    moe.one_row = "experts"
+    graphdef, state = nnx.split(moe)
+    kernels = [o[len("pallas:"):] for o in _pallas_calls(jax.make_jaxpr(
+        lambda s, x: nnx.merge(graphdef, s)(x, ids))(state, x).jaxpr) if o.startswith("pallas:")]
+    routed = [k for k in kernels if k.endswith("_routed")]
+    assert "router_select" not in kernels and len(routed) == 1 and "swiglu" in routed[0], kernels
+    assert len(kernels) == len(got["shared"][0]) - 1, kernels
+    assert isinstance(moe._route(x.reshape(1, -1), ids.reshape(-1))[0], gm.Route)
+    y = moe(x, ids)
+    assert isinstance(y, ExpertRows)
+    np.testing.assert_array_equal(np.asarray(total(y), np.float32), got["shared"][3])
     moe.one_row = "fused"
     with pytest.raises(ValueError, match="MoE.one_row must be one of"):
         moe(x, ids)
@@ -386,3 +398,35 @@ def test_one_token_swiglu_unsplit_takes_one_launch_fewer(monkeypatch):
     assert np.isfinite(got).all() and scale > 0.1
     for out in (got, split):
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("learned", [True, False])
+@pytest.mark.parametrize("unsplit", [0, 32])
+def test_routing_decided_in_the_swiglu_programs(monkeypatch, learned, unsplit):
+    """``grouped_matmul.Route``: a decode step's selection decided by each routed SwiGLU program for
+    its own pair (``routing.select_rows``) gives bit for bit the experts' output of the selection's
+    own launch (``routing.select``), with the K split's ``swiglu_quantise`` taking the row weights
+    the programs decided, and unsplit (``ONE_TOKEN_SWIGLU_BLOCK_N``); the XLA path refuses it."""
+    monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", unsplit)
+    rng = np.random.default_rng(11)
+    e, d, i, k = 64, 1024, 256, 6
+    w1, w2, w3 = _weights(rng, "fp8_k128", e, d, i)
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+    logits = Partials(jnp.asarray(rng.standard_normal((4, 1, e)), jnp.float32))
+    bias = jnp.asarray(rng.standard_normal(e) * 0.1, jnp.float32)
+    given = jnp.asarray([[9, 2, 63, 2, 40, 17]], jnp.int32)  # (hash routing may pick an expert twice)
+    opts = dict(top_k=k, func="sqrtsoftplus", norm=True, scale=1.5)
+    sel_w, sel_i = routing.select(logits, bias if learned else None, None if learned else given, **opts,
+                                  interpret=True)
+    route = gm.Route(logits.parts.reshape(4, e), bias if learned else given, n=1, k=k, func="sqrtsoftplus",
+                     norm=True, scale=1.5)
+    run = lambda w, idx: grouped_experts(x, w, idx, w1, w2, w3, limit=1.0, quant_sim=True,  # noqa: E731
+                                         impl="pallas", as_rows=True)
+    want, bm = run(sel_w, sel_i)
+    got, bm2 = run(route, None)
+    assert bm == bm2 == 16 and np.abs(np.asarray(want, np.float32)).max() > 0.1
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    names = [o for o in _pallas_calls(jax.make_jaxpr(lambda: run(route, None)[0])().jaxpr) if o.startswith("pallas:")]
+    assert names[0].endswith("_routed") and ("pallas:swiglu_quantise" in names) == (unsplit == 0), names
+    with pytest.raises(ValueError, match="Route"):
+        grouped_experts(x, route, None, w1, w2, w3, limit=1.0, quant_sim=True, impl="xla")

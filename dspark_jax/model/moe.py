@@ -24,7 +24,7 @@ from pallas_kernels.routing import gate_weights, route_scores
 # (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6); on the
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
-ONE_ROW = ("xla", "select", "shared")  # MoE.one_row
+ONE_ROW = ("xla", "select", "shared", "experts")  # MoE.one_row
 
 
 class Gate(nnx.Module):
@@ -62,6 +62,15 @@ class Gate(nnx.Module):
         ``partials``) in one launch (``routing.select``), where XLA takes two fusions."""
         bias, idx = self._selection(ids)
         return routing.select(logits, bias, idx, top_k=self.cfg.num_experts_per_tok, **self._opts())
+
+    def route(self, logits: gemv.Partials, ids: Int[Array, " n"]) -> gm.Route:
+        """The selection left to the routed experts' SwiGLU programs (``grouped_matmul.Route``), from
+        the product's float32 partial sums: no launch of its own."""
+        bias, idx = self._selection(ids)
+        parts = logits.parts
+        sel = bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
+        return gm.Route(parts.reshape(-1, parts.shape[-1]), sel, n=parts.shape[1], k=self.cfg.num_experts_per_tok,
+                        **self._opts())
 
     def __call__(self, x: Float[Array, "n d"], ids: Int[Array, " n"], *, kernel: bool = False
                  ) -> tuple[Array, Int[Array, "n k"]]:
@@ -193,11 +202,19 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     ``dropped``: pairs with ``idx`` = the number of experts contribute nothing and are not computed
     (sorted tiles: ``group_tiles(dropped=True)``). ``as_rows``: where the pairs got their own tiles,
     (w2's output rows [pairs x row tile, d], the row tile) instead of the sum, for a consumer that
-    adds them (``gemv.ExpertRows``)."""
-    n, k = idx.shape
+    adds them (``gemv.ExpertRows``). ``w`` a ``grouped_matmul.Route`` (``idx`` None): the routing
+    decided inside the SwiGLU's programs (pairs in their own tiles, rows taken as fp8 codes, the
+    Pallas path)."""
+    route = w if isinstance(w, gm.Route) else None
+    n, k = (route.n, route.k) if route is not None else idx.shape
     bm = block_m or gm.block_m_for(n * k, w1.shape[0])
     own_tiles = n * k <= PAIR_TILES_MAX and not dropped
-    if own_tiles:
+    if route is not None and not (own_tiles and quant_sim and gm.takes_codes(w1.fmt, bm) and impl != "xla"):
+        raise ValueError("a Route needs pairs in their own tiles, quantised rows taken as fp8 codes and the "
+                         "Pallas path")
+    if route is not None:  # (the tiles' layout only: their experts come from the SwiGLU's programs)
+        tiles = pair_tiles(jnp.zeros((n, k), jnp.int32), bm)
+    elif own_tiles:
         tiles = pair_tiles(idx, bm)
     else:
         tiles = group_tiles(idx, w1.shape[0], bm, dropped=dropped, impl=impl)
@@ -214,8 +231,13 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     else:
         act_in = (lambda a: fp8_sim(a, 128)) if quant_sim else (lambda a: a)
         rows = gathered(act_in(x))
-    row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
     meta = dict(tile_group=tiles.tile_group, num_tiles=tiles.num_tiles, block_m=bm, impl=impl, **kernel_options)
+    if route is not None:  # each program decides its pair's expert and weight; w2 takes the experts decided
+        h, group = gm.grouped_swiglu(rows, w1, w3, None, limit=limit, quantised_out=True,
+                                     **{**meta, "tile_group": route})
+        y = gm.grouped_matmul(h, w2, **{**meta, "tile_group": group})
+        return (y, bm) if as_rows else jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
+    row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
     if codes and tiles.pair_of_row.shape[0] > bm:  # w2's input quantised by XLA: with the SwiGLU instead
         y = gm.grouped_matmul(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, quantised_out=True, **meta), w2,
                               **meta)
@@ -286,7 +308,10 @@ class MoE(nnx.Module):
         # ``gemv_many`` launch, their partial sums to ``Gate.select`` and ``SharedExpert.down``, the
         # layer's sum left to mHC's next launch): three launches fewer per layer than "xla"; on an
         # H200 a 4-layer batch-1 step ran 125 kernels against 136 and a 0.2-0.3 ms shorter device
-        # span, its 43-layer wall-time estimate within the runs' spread (docs/benchmarks.md, 2026-12-05).
+        # span, its 43-layer wall-time estimate within the runs' spread (docs/benchmarks.md, 2026-12-05);
+        # "experts" (as "shared", the selection decided in the routed SwiGLU's programs,
+        # ``Gate.route``, where the pairs take their own tiles as fp8 codes: one launch fewer, not yet
+        # timed on a GPU).
         self.one_row = "shared"
         # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
         # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
@@ -326,9 +351,17 @@ class MoE(nnx.Module):
             shared = self.shared_experts(xf)
         if isinstance(routed, tuple):  # mHC's next launch adds the terms (``gemv.ExpertRows``)
             rows, stride = routed
-            return gemv.ExpertRows(rows, shared, k=idx.shape[1], stride=stride, shape=shape)
+            return gemv.ExpertRows(rows, shared, k=self.gate.cfg.num_experts_per_tok, stride=stride, shape=shape)
         y = routed + gemv.total(shared, x.dtype).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
+
+    def _routes_in_experts(self, tokens: int) -> bool:
+        """Whether the routed SwiGLU can decide the routing (``grouped_experts`` with a Route): grouped
+        experts without a mesh on the Pallas path, the pairs in their own tiles, taken as fp8 codes."""
+        ex, cfg = self.experts, self.gate.cfg
+        pairs = tokens * cfg.num_experts_per_tok
+        return (self.impl == "grouped" and ex.mesh is None and ex.num.kernel_impl() == "pallas" and ex.num.quant_sim
+                and pairs <= PAIR_TILES_MAX and gm.takes_codes(ex.fmt, gm.block_m_for(pairs, cfg.n_routed_experts)))
 
     def _route(self, xf: Float[Array, "n d"], ids: Int[Array, " n"]
                ) -> tuple[Array, Array, Array | gemv.Partials | None]:
@@ -339,10 +372,12 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE.one_row must be one of {ONE_ROW}, got {self.one_row!r}")
         if self.one_row == "xla" or not gate.one_row(xf):
             return *gate(xf, ids), None
-        if self.one_row == "shared" and se.w1.takes_gemv(xf) and se.w3.takes_gemv(xf):
+        if self.one_row in ("shared", "experts") and se.w1.takes_gemv(xf) and se.w3.takes_gemv(xf):
             logits, g, u = gemv.gemv_many(xf, (gate.weights(), se.w1.grouped_weights(), se.w3.grouped_weights()),
                                           gemv.ONE_GROUP, quantise=(False, se.w1.fp8_act, se.w3.fp8_act),
                                           out_dtype=jnp.float32, partials=(True, True, True))
+            if self.one_row == "experts" and self._routes_in_experts(xf.shape[0]):
+                return gate.route(logits, ids), None, se.down(g, u)
             return *gate.select(logits, ids), se.down(g, u)
         logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
         return *gate.select(logits, ids), None
