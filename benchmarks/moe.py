@@ -46,7 +46,7 @@ from dspark_jax import config as config_lib
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.moe import MoE, grouped_experts
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import pair_experts
+from pallas_kernels import gemv, pair_experts
 
 TUNE = {  # row tile -> configurations tried
     16: [gm.GemmConfig(64, 256, 4, 4), gm.GemmConfig(32, 256, 4, 4), gm.GemmConfig(128, 128, 4, 3),
@@ -138,8 +138,9 @@ def main():
         def routed(x, w, idx, ws, **kw):
             return grouped_experts(x, w, idx, *ws, limit=cfg.swiglu_limit, quant_sim=True, impl=impl, **kw)
 
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x[None], jnp.zeros((1, x.shape[0]), jnp.int32))[0]
+        def layer(x, state):  # (a one-token step returns its terms for mHC to add: gemv.ExpertRows)
+            y = nnx.merge(graphdef, state)(x[None], jnp.zeros((1, x.shape[0]), jnp.int32))
+            return gemv.total(y)[0]
 
         for tokens in (int(t) for t in args.tokens.split(",")):
             if over_budget():

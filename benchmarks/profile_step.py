@@ -708,12 +708,18 @@ def main():
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn; fused: the hc_fused kernels)")
     ap.add_argument("--moe-one-row", default="",
-                    help="comma list of MoE.one_row values (xla, select, shared) to profile one after the other in "
+                    help="comma list of MoE.one_row values (xla, select, shared, experts) to profile one after the other in "
                          "this process (default: the model's); results named mode[value]")
+    ap.add_argument("--one-token-swiglu", type=int, default=0,
+                    help="a decode step's routed SwiGLU unsplit in this many columns per program "
+                         "(grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
     args.split_programs = apply_split_option(args)
+    from pallas_kernels import grouped_matmul as gm
+
+    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
     if args.smoke:
         args.context, args.rounds, args.warmup = min(args.context, 64), min(args.rounds, 2), 1
 
@@ -733,7 +739,7 @@ def main():
             "experts": cfg.n_routed_experts,
             "batch": args.batch, "context": args.context, "rounds": args.rounds, "weights": args.weights,
             "kv_layout": args.kv_layout, "prefill": args.prefill, "smoke": args.smoke,
-            "moe_one_row": args.moe_one_row,
+            "moe_one_row": args.moe_one_row, "one_token_swiglu": args.one_token_swiglu,
             "weight_bytes": model.weight_bytes, "init_s": time.time() - t0}
     print(info, flush=True)
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="dspark_profile_")

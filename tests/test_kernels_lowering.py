@@ -4,12 +4,15 @@ This runs JAX's Triton lowering (the legality rules that interpret mode does not
 GPU; it does not compile the Triton IR for the hardware. gfx950 is verified this way only.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import attention_configs, backend, kv_fp8, lowering
+from pallas_kernels import attention_configs, backend, hc_fused, kv_fp8, lowering
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels.attention_metadata import RaggedMeta
 
@@ -149,21 +152,29 @@ def test_float32_queries_lower_for_gfx950(precision):
     _assert_attention_calls(text, None)
 
 
-@pytest.mark.parametrize("tokens", [1, 6])
-def test_flash_step_lowers_for_gfx950(tokens):
+@pytest.mark.parametrize("tokens,opt_ins", [(1, False), (6, False), (1, True)])
+def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
     """A whole target step of a 4-layer Flash slice (two window layers, a C4 layer with the indexer,
     a C128 layer; FP8 weights, 2k context) at batch 1, a decode step and a verify chunk, through
     JAX's Triton lowering for gfx950: every kernel the step launches at Flash's shapes. The
     dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): a
-    layer's new rows in one launch each (``new_rows_x2`` / ``x3``), at a decode step and a verify."""
+    layer's new rows in one launch each (``new_rows_x2`` / ``x3``), at a decode step and a verify.
+    ``opt_ins``: the decode step with the launch merges not yet timed on a GPU (mHC units in one
+    launch, the routing in the routed SwiGLU, that SwiGLU unsplit)."""
     from benchmarks.launches import abstract_step
 
-    fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048)
+    if opt_ins:
+        monkeypatch.setattr(hc_fused, "CONFIG", dataclasses.replace(hc_fused.CONFIG, one_launch=True))
+        monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", 32)
+    fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048, moe_one_row="experts" if opt_ins else "")
     text = lowering.lower(fn, *args, arch="gfx950", platform="rocm")
     assert lowering.count_triton_calls(text) >= 20
-    for name in ("ragged_sink_attention", "hc_pre_norm", "grouped_matmul", "index_scores", "top_k_rank"):
+    for name in ("ragged_sink_attention", "grouped_matmul", "index_scores", "top_k_rank"):
         assert name in text, name
     assert "new_rows_x3" in text and "new_rows_x2" in text
+    if tokens == 1:
+        assert ("hc_pre_norm_one_launch" in text) == opt_ins and ("router_select" in text) != opt_ins
+        assert ("swiglu_quantise" in text) != opt_ins and ("_routed" in text) == opt_ins
 
 
 def test_launch_count_script(tmp_path, monkeypatch):
