@@ -109,7 +109,8 @@ from benchmarks.common import (add_split_option, apply_split_option, ceilings, e
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import ROUNDS_PER_CALL
-from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, kv_fp8
+from dspark_jax.model import attention
+from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, index_scores, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
 # A measured round whose calls alone took this share of its time or more is marked host-bound
@@ -636,6 +637,12 @@ def main(argv=None):
     ap.add_argument("--compressor-two-launches", action="store_true",
                     help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
                          "one (compressor_pool.WRITE_IN_POOL off)")
+    ap.add_argument("--new-rows-separate", action="store_true",
+                    help="a step's new rows (window row + q_norm, compressors' pooling) one launch per kernel "
+                         "(attention.NEW_ROWS_ONE_LAUNCH off)")
+    ap.add_argument("--queries-max-programs", type=int, default=-1,
+                    help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
+                         "-1: the library's)")
     ap.add_argument("--one-token-swiglu", type=int, default=0,
                     help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
                          "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
@@ -654,6 +661,10 @@ def main(argv=None):
     if args.compressor_two_launches:
         compressor_pool.WRITE_IN_POOL = False
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    if args.new_rows_separate:
+        attention.NEW_ROWS_ONE_LAUNCH = False
+    if args.queries_max_programs >= 0:
+        index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
     args.split_programs = apply_split_option(args)
     args.options = args.options.split(",")
     if not args.options or set(args.options) - set(OPTION_SETS):

@@ -33,6 +33,11 @@ from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 from pallas_kernels.rope import q_norm_rope
 
+# Whether a one-token step's new rows (the window's row with q_norm, the compressors' pooling) go
+# in one launch per layer (``horizontal.launch``) or one per kernel: a switch for benchmarks
+# (``benchmarks/decode.py --new-rows-separate``), as ``compressor_pool.WRITE_IN_POOL``.
+NEW_ROWS_ONE_LAUNCH = True
+
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
     kp, qp = key_pos[:, None, :], q_pos[:, :, None]
@@ -200,7 +205,7 @@ class Attention(nnx.Module):
         if self.ratio == 4:
             # (projected[2:]: the indexer's ``x_linears``, weights_proj then its compressor's wkv and wgate)
             pools.append(self.indexer.compressor.pool_part(chunk, cache.indexer, tuple(projected[3:5])))
-        if window is None or any(p is None for p in pools):
+        if window is None or any(p is None for p in pools) or not NEW_ROWS_ONE_LAUNCH:
             return kv_rows.write_rows_and_norm(*args, **rows), (None, None)
         name = f"new_rows_x{1 + len(pools)}" if pools else None  # (the window's alone: kv_rows_norm)
         outs = horizontal.launch([window, *pools], name=name, interpret=backend.interpret_mode(None))
