@@ -637,9 +637,9 @@ def main(argv=None):
     ap.add_argument("--compressor-two-launches", action="store_true",
                     help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
                          "one (compressor_pool.WRITE_IN_POOL off)")
-    ap.add_argument("--new-rows-separate", action="store_true",
-                    help="a step's new rows (window row + q_norm, compressors' pooling) one launch per kernel "
-                         "(attention.NEW_ROWS_ONE_LAUNCH off)")
+    ap.add_argument("--new-rows", default="one", choices=attention.NEW_ROWS_MODES,
+                    help="how a step's new rows launch (attention.NEW_ROWS): one (window row + q_norm and the "
+                         "compressors' pooling in one launch), apart (q_norm on its own), separate")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
@@ -661,8 +661,7 @@ def main(argv=None):
     if args.compressor_two_launches:
         compressor_pool.WRITE_IN_POOL = False
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
-    if args.new_rows_separate:
-        attention.NEW_ROWS_ONE_LAUNCH = False
+    attention.NEW_ROWS = args.new_rows
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
     args.split_programs = apply_split_option(args)

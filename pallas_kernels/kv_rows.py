@@ -349,11 +349,13 @@ def write_rows(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"], c: 
 def rows_and_norm_part(pool, slots: Int[Array, "b k"], positions: Int[Array, "b k"],
                        c: Float[Array, "b k w"] | Partials, weight: Float[Array, " w"], inv_freq, *, eps: float,
                        quant: str | None, dtype, norm_x: Partials, norm_weight: Float[Array, " n"], norm_eps: float,
-                       rounded: bool = False, impl: str | None = None, mesh=None) -> horizontal.Part | None:
+                       rounded: bool = False, impl: str | None = None, mesh=None, with_norm: bool = True
+                       ) -> horizontal.Part | None:
     """``write_rows_and_norm``'s kernel as a launch's part (grid (b, k, 2), the programs of axis 2
     = 1 normalising), or None where it does not take it: ``write_rows`` would not take the kernel,
     or norm_x's parts [S, R, n] do not have a row per written row (R = b k; n a power of two, a
-    multiple of 128 when ``rounded``)."""
+    multiple of 128 when ``rounded``). ``with_norm`` False: the rows' write alone (grid (b, k);
+    outputs the pool), where the same kernels take the norm."""
     rope_dim = 2 * np.asarray(inv_freq).shape[0]
     n = norm_x.parts.shape[-1]
     fits = (norm_x.parts.ndim == 3 and norm_x.parts.shape[1] == int(np.prod(_shape(c)[:2]))
@@ -364,6 +366,9 @@ def rows_and_norm_part(pool, slots: Int[Array, "b k"], positions: Int[Array, "b 
     if slots.shape != shape[:2] or positions.shape != shape[:2] or weight.shape != shape[2:]:
         raise ValueError(f"slots and positions must be {shape[:2]} and the weight [{shape[2]}], got "
                          f"{slots.shape}, {positions.shape} and {weight.shape}")
+    if not with_norm:
+        return rows_part(pool, slots, positions, c, weight, jnp.asarray(inv_freq, jnp.float32), eps=float(eps),
+                         quant=quant, ratio=0, dtype=jnp.dtype(dtype))
     return rows_part(pool, slots, positions, c, weight, jnp.asarray(inv_freq, jnp.float32), norm_x, norm_weight,
                      eps=float(eps), quant=quant, ratio=0, dtype=jnp.dtype(dtype), norm_eps=float(norm_eps),
                      norm_rounded=bool(rounded))

@@ -12,6 +12,7 @@ from flax import nnx
 import dspark_jax
 from dspark_jax.api import forward_step
 from dspark_jax.cache import Fp8Keys, commit, init_cache, read_kv
+from dspark_jax.model import attention
 from dspark_jax.model.quant import kv_sim
 from tests.helpers import pallas_calls, perturb
 
@@ -156,6 +157,33 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     (tokens, logits), (ref_tokens, ref_logits) = drafts["pallas"], drafts["xla"]
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["apart", "separate"])
+def test_new_rows_launch_modes_agree(monkeypatch, mode):
+    """``attention.NEW_ROWS``: a one-token step's new rows with q_norm in a launch of its own
+    ("apart": ``rms_norms`` beside the window's row and the compressors' pooling) or one launch per
+    kernel give the logits and caches of the one launch bit for bit (the same row code)."""
+    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
+                        param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
+    for _, mod in nnx.iter_modules(m.module):
+        if hasattr(mod, "num"):
+            mod.num = dataclasses.replace(mod.num, kernels="pallas")
+    m = dspark_jax.Model(m.module)
+    ids = np.random.default_rng(6).integers(2, 500, (1, 48)).astype(np.int32)
+    jax.clear_caches()
+    want, want_cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
+    monkeypatch.setattr(attention, "NEW_ROWS", mode)
+    jax.clear_caches()
+    got, got_cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    one = jnp.ones((1,), jnp.int32)
+    names = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, got_cache))(
+        m.state, ids[:, :1]).jaxpr)]
+    assert ("rms_norms_x1" in names) == (mode == "apart") and ("new_rows_x3" in names) == (mode == "apart"), names
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("quant_sim", [False, True])

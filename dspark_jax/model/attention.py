@@ -31,12 +31,16 @@ from dspark_jax.sharding import activation_spec, batch_axes
 from pallas_kernels import attention_metadata, backend, horizontal, kv_rows
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
+from pallas_kernels.rms_norms import rms_norms
 from pallas_kernels.rope import q_norm_rope
 
-# Whether a one-token step's new rows (the window's row with q_norm, the compressors' pooling) go
-# in one launch per layer (``horizontal.launch``) or one per kernel: a switch for benchmarks
-# (``benchmarks/decode.py --new-rows-separate``), as ``compressor_pool.WRITE_IN_POOL``.
-NEW_ROWS_ONE_LAUNCH = True
+# How a one-token step launches its new rows (``Attention._new_rows``): "one" (the window's row
+# with q_norm and the compressors' pooling in one launch per layer, ``horizontal.launch``),
+# "apart" (q_norm in a launch of its own, so that wq_b waits for it alone, and the window's row
+# with the pooling in one launch beside it), "separate" (one launch per kernel). A switch for
+# benchmarks (``benchmarks/decode.py --new-rows``), as ``compressor_pool.WRITE_IN_POOL``.
+NEW_ROWS = "one"
+NEW_ROWS_MODES = ("one", "apart", "separate")
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
@@ -190,26 +194,34 @@ class Attention(nnx.Module):
         """A one-token step's new rows from the shared launch's partial sums: (the window's pool with
         its new row, q_norm's rows[, their quantised values]) and the compressor's and indexer's
         pooling outputs (``Compressor.pool_part``; None: not pooled here). One launch on the Pallas
-        path (``horizontal.launch``: ``kv_rows.rows_and_norm_part`` and the compressors' parts),
-        else the window's row and q_norm in one (``kv_rows.write_rows_and_norm``) and the
-        compressors' on their own."""
+        path (``horizontal.launch``: ``kv_rows.rows_and_norm_part`` and the compressors' parts;
+        ``NEW_ROWS`` "apart": q_norm in a launch of its own beside it), else the window's row and
+        q_norm in one (``kv_rows.write_rows_and_norm``) and the compressors' on their own."""
         impl = self.num.kernel_impl()
         rows = dict(eps=self.kv_norm.eps, quant="kv" if self.num.quant_sim else None, dtype=dtype,
                     norm_x=a_q.reshape(-1, a_q.parts.shape[-1]), norm_weight=self.q_norm.weight[...],
                     norm_eps=self.q_norm.eps, rounded=rounded, impl=impl, mesh=self.mesh)
         args = (cache.window, slots, chunk.positions, a_kv, self.kv_norm.weight[...], self.inv_freq)
-        window = kv_rows.rows_and_norm_part(*args, **rows)
+        if NEW_ROWS not in NEW_ROWS_MODES:
+            raise ValueError(f"attention.NEW_ROWS must be one of {NEW_ROWS_MODES}, got {NEW_ROWS!r}")
+        apart = NEW_ROWS == "apart"
+        window = kv_rows.rows_and_norm_part(*args, **rows, with_norm=not apart)
         pools = []
         if self.ratio:
             pools.append(self.compressor.pool_part(chunk, cache.compressor, tuple(projected[:2])))
         if self.ratio == 4:
             # (projected[2:]: the indexer's ``x_linears``, weights_proj then its compressor's wkv and wgate)
             pools.append(self.indexer.compressor.pool_part(chunk, cache.indexer, tuple(projected[3:5])))
-        if window is None or any(p is None for p in pools) or not NEW_ROWS_ONE_LAUNCH:
+        if window is None or any(p is None for p in pools) or NEW_ROWS == "separate":
             return kv_rows.write_rows_and_norm(*args, **rows), (None, None)
         name = f"new_rows_x{1 + len(pools)}" if pools else None  # (the window's alone: kv_rows_norm)
         outs = horizontal.launch([window, *pools], name=name, interpret=backend.interpret_mode(None))
-        return outs[0], tuple(outs[1:]) + (None,) * (3 - len(outs))
+        pooled = tuple(outs[1:]) + (None,) * (3 - len(outs))
+        if apart:
+            normed = rms_norms((rows["norm_x"],), (rows["norm_weight"],), rows["norm_eps"], dtype,
+                               rounded=(rounded,), impl=impl)
+            return (outs[0][0], *normed), pooled
+        return outs[0], pooled
 
     def per_device(self, fn, q: Float[Array, "b t h d"], requests: dict) -> Float[Array, "b t h d"]:
         """``fn(q, sink, requests)`` for the queries, this layer's sinks [h] and a dict of
