@@ -131,6 +131,21 @@ def apply_split_option(args) -> int:
     return gm.SPLIT_TARGET_PROGRAMS
 
 
+def add_one_token_swiglu_option(ap) -> None:
+    """``--one-token-swiglu``: a decode step's routed SwiGLU unsplit in that many columns per program
+    (``grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N``; 0: the library's K split, then swiglu_quantise)."""
+    ap.add_argument("--one-token-swiglu", type=int, default=0,
+                    help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
+                         "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
+
+
+def apply_one_token_swiglu_option(args) -> int:
+    from pallas_kernels import grouped_matmul as gm
+
+    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    return gm.ONE_TOKEN_SWIGLU_BLOCK_N
+
+
 def with_moe_one_row(model, value: str):
     """The same model (the same arrays) with ``MoE.one_row = value`` in every MoE layer (how a
     one-token step starts its router and shared expert; ``dspark_jax.model.moe.ONE_ROW``): a new

@@ -104,7 +104,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax
-from benchmarks.common import (add_split_option, apply_split_option, ceilings, environment, out_dir, with_moe_one_row,
+from benchmarks.common import (add_one_token_swiglu_option, add_split_option, apply_one_token_swiglu_option,
+                               apply_split_option, ceilings, environment, out_dir, with_moe_one_row,
                                write_json)
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
@@ -643,9 +644,7 @@ def main(argv=None):
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
-    ap.add_argument("--one-token-swiglu", type=int, default=0,
-                    help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
-                         "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
+    add_one_token_swiglu_option(ap)
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "
                          "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
@@ -660,7 +659,7 @@ def main(argv=None):
         hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
     if args.compressor_two_launches:
         compressor_pool.WRITE_IN_POOL = False
-    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    apply_one_token_swiglu_option(args)
     attention.NEW_ROWS = args.new_rows
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs

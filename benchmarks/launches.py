@@ -30,14 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import source_commit, write_json
+from benchmarks.common import add_one_token_swiglu_option, apply_one_token_swiglu_option, source_commit, write_json
 from dspark_jax import config
 from dspark_jax.api import forward_step
 from dspark_jax.cache import init_cache
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.moe import MoE
-from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import hc_fused, lowering
 
 ARCHS = {"NVIDIA H200": "cuda", "gfx950": "rocm"}
@@ -80,12 +79,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--arch", default="NVIDIA H200", choices=sorted(ARCHS))
     ap.add_argument("--moe-one-row", default="", help="MoE.one_row in every layer (default: the model's)")
-    ap.add_argument("--one-token-swiglu", type=int, default=0,
-                    help="grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N (0: the K split, then swiglu_quantise)")
+    add_one_token_swiglu_option(ap)
     ap.add_argument("--hc-one-launch", action="store_true", help="hc_fused.HcConfig.one_launch")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    apply_one_token_swiglu_option(args)
     if args.hc_one_launch:
         hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
     shape = dict(batch=args.batch, tokens=args.tokens, context=args.context, arch=args.arch,

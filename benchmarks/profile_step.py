@@ -685,7 +685,8 @@ def plot(results: list[dict], path: str, title: str):
 
 
 def main():
-    from benchmarks.common import (add_split_option, apply_split_option, ceilings, environment, out_dir,
+    from benchmarks.common import (add_one_token_swiglu_option, add_split_option, apply_one_token_swiglu_option,
+                                   apply_split_option, ceilings, environment, out_dir,
                                    with_moe_one_row, write_json)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -710,16 +711,12 @@ def main():
     ap.add_argument("--moe-one-row", default="",
                     help="comma list of MoE.one_row values (xla, select, shared, experts) to profile one after the other in "
                          "this process (default: the model's); results named mode[value]")
-    ap.add_argument("--one-token-swiglu", type=int, default=0,
-                    help="a decode step's routed SwiGLU unsplit in this many columns per program "
-                         "(grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
+    add_one_token_swiglu_option(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
     args.split_programs = apply_split_option(args)
-    from pallas_kernels import grouped_matmul as gm
-
-    gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    apply_one_token_swiglu_option(args)
     if args.smoke:
         args.context, args.rounds, args.warmup = min(args.context, 64), min(args.rounds, 2), 1
 
