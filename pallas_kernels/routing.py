@@ -228,6 +228,18 @@ def _select_pallas(logits, sel, *, k: int, func: str, norm: bool, scale: float, 
         )(logits, sel)
 
 
+def selection_operands(logits: Float[Array, "n e"] | Partials, bias: Float[Array, " e"] | None,
+                       idx: Int[Array, "n k"] | None, *, top_k: int, func: str) -> tuple[Array, Array]:
+    """The selection kernels' operands, checked: the logits' parts [S, n, e] (S = 1: the logits) and
+    the selection (the bias [e] as float32, or the given experts [n, k] as int32)."""
+    parts = logits.parts if isinstance(logits, Partials) else logits
+    if parts.dtype != jnp.float32 or parts.ndim != (3 if isinstance(logits, Partials) else 2):
+        raise ValueError(f"router logits must be float32 [n, e] (or partial sums [S, n, e]), got {parts.dtype} "
+                         f"{parts.shape}")
+    _check_selection(*parts.shape[-2:], bias, idx, top_k, func)
+    return parts, bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
+
+
 def select(logits: Float[Array, "n e"] | Partials, bias: Float[Array, " e"] | None, idx: Int[Array, "n k"] | None, *,
            top_k: int, func: str, norm: bool, scale: float, interpret: bool | None = None
            ) -> tuple[Float[Array, "n k"], Int[Array, "n k"]]:
@@ -235,12 +247,7 @@ def select(logits: Float[Array, "n e"] | Partials, bias: Float[Array, " e"] | No
     the float32 partial sums of their K split (``gemv.Partials`` [S, n, e], e.g. ``gemv_many``'s
     with ``partials``), added in order in the kernel. Same contract as ``reference`` from the
     logits on."""
-    parts = logits.parts if isinstance(logits, Partials) else logits
-    if parts.dtype != jnp.float32 or parts.ndim != (3 if isinstance(logits, Partials) else 2):
-        raise ValueError(f"router logits must be float32 [n, e] (or partial sums [S, n, e]), got {parts.dtype} "
-                         f"{parts.shape}")
-    _check_selection(*parts.shape[-2:], bias, idx, top_k, func)
-    sel = bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
+    parts, sel = selection_operands(logits, bias, idx, top_k=top_k, func=func)
     return _select_pallas(parts, sel, k=top_k, func=func, norm=bool(norm), scale=float(scale),
                           interpret=backend.interpret_mode(interpret))
 

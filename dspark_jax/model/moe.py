@@ -67,8 +67,8 @@ class Gate(nnx.Module):
         """The selection left to the routed experts' SwiGLU programs (``grouped_matmul.Route``), from
         the product's float32 partial sums: no launch of its own."""
         bias, idx = self._selection(ids)
-        parts = logits.parts
-        sel = bias.astype(jnp.float32) if idx is None else idx.astype(jnp.int32)
+        parts, sel = routing.selection_operands(logits, bias, idx, top_k=self.cfg.num_experts_per_tok,
+                                                func=self.cfg.scoring_func)
         return gm.Route(parts.reshape(-1, parts.shape[-1]), sel, n=parts.shape[1], k=self.cfg.num_experts_per_tok,
                         **self._opts())
 
