@@ -131,19 +131,43 @@ def apply_split_option(args) -> int:
     return gm.SPLIT_TARGET_PROGRAMS
 
 
-def add_one_token_swiglu_option(ap) -> None:
-    """``--one-token-swiglu``: a decode step's routed SwiGLU unsplit in that many columns per program
-    (``grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N``; 0: the library's K split, then swiglu_quantise)."""
+def add_launch_options(ap) -> None:
+    """The switches that change how a decode step's small kernels launch (module-level settings read
+    when a step is traced), for an A/B of one against the other in the same process or run."""
+    from dspark_jax.model import attention
+
     ap.add_argument("--one-token-swiglu", type=int, default=0,
                     help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
                          "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
+    ap.add_argument("--hc-one-launch", action="store_true",
+                    help="mHC units of few tokens in one launch each (hc_fused.HcConfig.one_launch)")
+    ap.add_argument("--compressor-two-launches", action="store_true",
+                    help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
+                         "one (compressor_pool.WRITE_IN_POOL off)")
+    ap.add_argument("--new-rows", default=attention.NEW_ROWS, choices=attention.NEW_ROWS_MODES,
+                    help="how a step's new rows launch (attention.NEW_ROWS): one (window row + q_norm and the "
+                         "compressors' pooling in one launch), apart (q_norm on its own), separate")
+    ap.add_argument("--queries-max-programs", type=int, default=-1,
+                    help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
+                         "-1: the library's)")
 
 
-def apply_one_token_swiglu_option(args) -> int:
-    from pallas_kernels import grouped_matmul as gm
+def apply_launch_options(args) -> dict:
+    """Sets the switches of ``add_launch_options``; returns them as set (for the results' config)."""
+    import dataclasses
+
+    from dspark_jax.model import attention
+    from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
-    return gm.ONE_TOKEN_SWIGLU_BLOCK_N
+    hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=args.hc_one_launch)
+    compressor_pool.WRITE_IN_POOL = not args.compressor_two_launches
+    attention.NEW_ROWS = args.new_rows
+    if args.queries_max_programs >= 0:
+        index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
+    return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "hc_one_launch": hc_fused.CONFIG.one_launch,
+            "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL, "new_rows": attention.NEW_ROWS,
+            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
 
 
 def with_moe_one_row(model, value: str):

@@ -104,14 +104,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import dspark_jax
-from benchmarks.common import (add_one_token_swiglu_option, add_split_option, apply_one_token_swiglu_option,
+from benchmarks.common import (add_launch_options, add_split_option, apply_launch_options,
                                apply_split_option, ceilings, environment, out_dir, with_moe_one_row,
                                write_json)
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import ROUNDS_PER_CALL
-from dspark_jax.model import attention
-from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, index_scores, kv_fp8
+from pallas_kernels import grouped_matmul as gm, kv_fp8
 
 DEFAULT_PROFILE = (0.896, 0.776, 0.656, 0.552, 0.450)
 # A measured round whose calls alone took this share of its time or more is marked host-bound
@@ -633,18 +632,7 @@ def main(argv=None):
                     help="after the timing, each program's rounds once more under the profiler: each round's device "
                          "span and busy time, extrapolated like the wall times (span_step_ms, ...)")
     ap.add_argument("--moe-one-row", default="", help="MoE.one_row (xla, select, shared; default: the model's)")
-    ap.add_argument("--hc-one-launch", action="store_true",
-                    help="mHC units of few tokens in one launch each (hc_fused.HcConfig.one_launch)")
-    ap.add_argument("--compressor-two-launches", action="store_true",
-                    help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
-                         "one (compressor_pool.WRITE_IN_POOL off)")
-    ap.add_argument("--new-rows", default="one", choices=attention.NEW_ROWS_MODES,
-                    help="how a step's new rows launch (attention.NEW_ROWS): one (window row + q_norm and the "
-                         "compressors' pooling in one launch), apart (q_norm on its own), separate")
-    ap.add_argument("--queries-max-programs", type=int, default=-1,
-                    help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
-                         "-1: the library's)")
-    add_one_token_swiglu_option(ap)
+    add_launch_options(ap)
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "
                          "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
@@ -655,14 +643,7 @@ def main(argv=None):
         gm.VALUES_MAX_BLOCK_M = args.values_max_block_m
     if args.codes_max_block_m:
         gm.LINEAR_CODES_MAX_BLOCK_M = args.codes_max_block_m
-    if args.hc_one_launch:
-        hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
-    if args.compressor_two_launches:
-        compressor_pool.WRITE_IN_POOL = False
-    apply_one_token_swiglu_option(args)
-    attention.NEW_ROWS = args.new_rows
-    if args.queries_max_programs >= 0:
-        index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
+    args.launch_options = apply_launch_options(args)
     args.split_programs = apply_split_option(args)
     args.options = args.options.split(",")
     if not args.options or set(args.options) - set(OPTION_SETS):

@@ -23,21 +23,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import add_one_token_swiglu_option, apply_one_token_swiglu_option, source_commit, write_json
+from benchmarks.common import add_launch_options, apply_launch_options, source_commit, write_json
 from dspark_jax import config
 from dspark_jax.api import forward_step
 from dspark_jax.cache import init_cache
 from dspark_jax.model.common import Numerics
 from dspark_jax.model.deepseek_v4 import DeepSeekV4
 from dspark_jax.model.moe import MoE
-from pallas_kernels import hc_fused, lowering
+from pallas_kernels import lowering
 
 ARCHS = {"NVIDIA H200": "cuda", "gfx950": "rocm"}
 LAYERS = config.flash().num_hidden_layers  # 43
@@ -79,13 +78,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--arch", default="NVIDIA H200", choices=sorted(ARCHS))
     ap.add_argument("--moe-one-row", default="", help="MoE.one_row in every layer (default: the model's)")
-    add_one_token_swiglu_option(ap)
-    ap.add_argument("--hc-one-launch", action="store_true", help="hc_fused.HcConfig.one_launch")
+    add_launch_options(ap)
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    apply_one_token_swiglu_option(args)
-    if args.hc_one_launch:
-        hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch=True)
+    launch_options = apply_launch_options(args)
     shape = dict(batch=args.batch, tokens=args.tokens, context=args.context, arch=args.arch,
                  moe_one_row=args.moe_one_row)
     two, four = (step_launches(d, **shape) for d in (2, 4))
@@ -94,6 +90,7 @@ def main(argv=None) -> dict:
         raise RuntimeError("the 4-layer slice lacks launches of the 2-layer one: the slices do not nest")
     n_pair = sum(pair.values())
     out = {"args": vars(args), "commit": source_commit(), "date": time.strftime("%Y-%m-%d"),
+           "launch_options": launch_options,
            "launches_2_layers": len(two), "launches_4_layers": len(four), "launches_c4_c128_pair": n_pair,
            "launches_per_layer": n_pair / 2, "launches_43_layers": len(four) + (LAYERS - 4) / 2 * n_pair,
            "pair_by_name": dict(sorted(pair.items())), "four_layers_in_order": four}

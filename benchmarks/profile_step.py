@@ -685,7 +685,7 @@ def plot(results: list[dict], path: str, title: str):
 
 
 def main():
-    from benchmarks.common import (add_one_token_swiglu_option, add_split_option, apply_one_token_swiglu_option,
+    from benchmarks.common import (add_launch_options, add_split_option, apply_launch_options,
                                    apply_split_option, ceilings, environment, out_dir,
                                    with_moe_one_row, write_json)
 
@@ -711,12 +711,12 @@ def main():
     ap.add_argument("--moe-one-row", default="",
                     help="comma list of MoE.one_row values (xla, select, shared, experts) to profile one after the other in "
                          "this process (default: the model's); results named mode[value]")
-    add_one_token_swiglu_option(ap)
+    add_launch_options(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
     args.split_programs = apply_split_option(args)
-    apply_one_token_swiglu_option(args)
+    launch_options = apply_launch_options(args)
     if args.smoke:
         args.context, args.rounds, args.warmup = min(args.context, 64), min(args.rounds, 2), 1
 
@@ -736,7 +736,7 @@ def main():
             "experts": cfg.n_routed_experts,
             "batch": args.batch, "context": args.context, "rounds": args.rounds, "weights": args.weights,
             "kv_layout": args.kv_layout, "prefill": args.prefill, "smoke": args.smoke,
-            "moe_one_row": args.moe_one_row, "one_token_swiglu": args.one_token_swiglu,
+            "moe_one_row": args.moe_one_row, **launch_options,
             "weight_bytes": model.weight_bytes, "init_s": time.time() - t0}
     print(info, flush=True)
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="dspark_profile_")
