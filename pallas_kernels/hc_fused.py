@@ -35,8 +35,11 @@ Why the mixes take a launch of their own: at decode (T = 1 to a few hundred toke
 hc_pre are fn [M, K] float32 (1.5 MiB per unit at Flash dims); one program per token tile would
 stream all of it through one SM. Split over d it streams through S SMs at once, and adding the S
 partial sums up needs a second launch (float atomics would make the result depend on timing), or,
-with ``HcConfig.one_launch``, an integer count of the finished programs: the last to finish adds
-the partials in the same order and collapses (``_unit_kernel``; not yet timed on a GPU). S
+with ``HcConfig.one_launch_tokens``, an integer count of the finished programs: the last to finish
+adds the partials in the same order and collapses (``_unit_kernel``). On an H200 that made the
+DSpark round 40 % slower with every few-token call in one launch (the last program collapses a
+verify's tokens one after the other, docs/benchmarks.md), so it is off, and may be limited to
+one-token calls (a decode step), where there is nothing to collapse one after the other. S
 depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse
 holds a token's n whole streams in registers (one token per program: 16 Ki values at Flash dims),
 so the norm's statistic and its output take one pass.
@@ -88,8 +91,9 @@ class HcConfig:
     Calls of at most ``fma_tokens`` tokens (0: none) take the mixes as float32 multiply-adds
     instead of dots (``_mixes_fma``): all T tokens in one tile, each program over at most
     ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns).
-    ``one_launch`` (those calls only; not yet timed on a GPU, so off): a unit in one launch, the
-    collapse run by the mixes program that finishes last (``_unit_kernel``)."""
+    Calls of at most ``one_launch_tokens`` tokens (0: none; only calls taking the multiply-adds) run
+    a unit in one launch, the collapse run by the mixes program that finishes last
+    (``_unit_kernel``); off: slower for a verify's tokens on an H200."""
 
     # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens;
     # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192
@@ -103,7 +107,7 @@ class HcConfig:
     fma_tokens: int = 8
     fma_split_k: int = 128
     fma_block: int = 4096
-    one_launch: bool = False
+    one_launch_tokens: int = 0
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_k", "block_d", "fma_split_k", "fma_block"):
@@ -111,8 +115,9 @@ class HcConfig:
                 raise ValueError(f"HcConfig.{name} must be a power of two, got {getattr(self, name)}")
         if self.block_t < 16 or self.block_k < 16:
             raise ValueError(f"HcConfig needs block_t >= 16 and block_k >= 16 (dot tiles), got {self}")
-        if not 0 <= self.fma_tokens <= 64:
-            raise ValueError(f"HcConfig.fma_tokens must be in [0, 64], got {self.fma_tokens}")
+        for name in ("fma_tokens", "one_launch_tokens"):
+            if not 0 <= getattr(self, name) <= 64:
+                raise ValueError(f"HcConfig.{name} must be in [0, 64], got {getattr(self, name)}")
 
 
 # The tiles of calls given no ``config`` (the model's): a benchmark may set another before tracing
@@ -383,7 +388,7 @@ def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_r
 
 def _unit_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, iters: int, hc_eps: float, norm_eps: float,
                  out_eps: float | None, n_prev: int, f_parts: int, f_pairs: tuple[int, int], interpret: bool):
-    """A whole unit in one launch (``HcConfig.one_launch``; calls taking the multiply-adds: one
+    """A whole unit in one launch (``HcConfig.one_launch_tokens``; calls taking the multiply-adds: one
     token tile, grid (1, S)). Refs: x_flat, fn, the previous unit's ``n_prev`` refs, scale, base,
     [norm weight], the zeroed count (aliased to the last output); outputs partials, [X'], y,
     [post, comb], the count. Each program runs ``_mixes_kernel``, then counts itself done: a
@@ -438,8 +443,8 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
     (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
     result (``f_parts``: f given as that many partial sums [S T, d]; ``f_pairs``: as expert rows,
-    prev = (rows, extra, post, comb): ``_f_columns``). With ``config.one_launch`` a call taking the
-    multiply-adds runs as one launch (``_unit_kernel``) with the same results."""
+    prev = (rows, extra, post, comb): ``_f_columns``). A call of at most ``config.one_launch_tokens``
+    tokens that takes the multiply-adds runs as one launch (``_unit_kernel``) with the same results."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
@@ -449,7 +454,7 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     if m != n:
         outs += [jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n * n), jnp.float32)]
     name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
-    if config.one_launch and t.fma:
+    if tokens <= config.one_launch_tokens and t.fma:
         kernel = functools.partial(_unit_kernel, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                                    out_eps=out_eps, n_prev=len(prev or ()), f_parts=f_parts, f_pairs=f_pairs,
                                    interpret=interpret)

@@ -164,7 +164,7 @@ def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
     from benchmarks.launches import abstract_step
 
     if opt_ins:
-        monkeypatch.setattr(hc_fused, "CONFIG", dataclasses.replace(hc_fused.CONFIG, one_launch=True))
+        monkeypatch.setattr(hc_fused, "CONFIG", dataclasses.replace(hc_fused.CONFIG, one_launch_tokens=1))
         monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", 32)
     fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048, moe_one_row="experts" if opt_ins else "")
     text = lowering.lower(fn, *args, arch="gfx950", platform="rocm")
