@@ -429,8 +429,9 @@ SPLIT_MIN_STEPS = 4
 # A decode step's routed SwiGLU (``fp8_k128`` weights in 16-row tiles, where ``split_for`` splits
 # K): 0 keeps the split, its halves added, activated and quantised by a second launch
 # (``swiglu_quantise``); N > 0 runs it unsplit in N-column tiles with the SwiGLU in its epilogue,
-# and w2's programs quantise their rows (``QuantRows``): one launch fewer per layer. Read at the
-# call (``benchmarks/moe.py --one-token-swiglu``, ``benchmarks/decode.py --one-token-swiglu``).
+# and w2's programs quantise their rows (``QuantRows``): one launch fewer per layer, but w2 took
+# 4-5 us longer on an H200 (with ``MoE.one_row`` "experts", docs/benchmarks.md), so 0. Read at
+# the call (``benchmarks/moe.py --one-token-swiglu``, ``benchmarks/decode.py --one-token-swiglu``).
 ONE_TOKEN_SWIGLU_BLOCK_N = 0
 
 

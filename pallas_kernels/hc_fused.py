@@ -38,8 +38,8 @@ partial sums up needs a second launch (float atomics would make the result depen
 with ``HcConfig.one_launch_tokens``, an integer count of the finished programs: the last to finish
 adds the partials in the same order and collapses (``_unit_kernel``). On an H200 that made the
 DSpark round 40 % slower with every few-token call in one launch (the last program collapses a
-verify's tokens one after the other, docs/benchmarks.md), so it is off, and may be limited to
-one-token calls (a decode step), where there is nothing to collapse one after the other. S
+verify's tokens one after the other, docs/benchmarks.md), and limited to one-token calls (a
+decode step) it took 11.2-11.6 us per unit against 9.9-10.0 for the two launches, so it is off. S
 depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse
 holds a token's n whole streams in registers (one token per program: 16 Ki values at Flash dims),
 so the norm's statistic and its output take one pass.
@@ -93,7 +93,7 @@ class HcConfig:
     ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns).
     Calls of at most ``one_launch_tokens`` tokens (0: none; only calls taking the multiply-adds) run
     a unit in one launch, the collapse run by the mixes program that finishes last
-    (``_unit_kernel``); off: slower for a verify's tokens on an H200."""
+    (``_unit_kernel``); off: slower on an H200, at one token and at a verify's six."""
 
     # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens;
     # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192

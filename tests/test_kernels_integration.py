@@ -162,8 +162,9 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
 @pytest.mark.parametrize("mode", ["apart", "separate"])
 def test_new_rows_launch_modes_agree(monkeypatch, mode):
     """``attention.NEW_ROWS``: a one-token step's new rows with q_norm in a launch of its own
-    ("apart": ``rms_norms`` beside the window's row and the compressors' pooling) or one launch per
-    kernel give the logits and caches of the one launch bit for bit (the same row code)."""
+    ("apart", the default: ``rms_norms`` beside the window's row and the compressors' pooling) or
+    one launch per kernel give the logits and caches of the one launch ("one") bit for bit (the
+    same row code)."""
     m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
                         param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
     for _, mod in nnx.iter_modules(m.module):
@@ -171,6 +172,7 @@ def test_new_rows_launch_modes_agree(monkeypatch, mode):
             mod.num = dataclasses.replace(mod.num, kernels="pallas")
     m = dspark_jax.Model(m.module)
     ids = np.random.default_rng(6).integers(2, 500, (1, 48)).astype(np.int32)
+    monkeypatch.setattr(attention, "NEW_ROWS", "one")
     jax.clear_caches()
     want, want_cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
     monkeypatch.setattr(attention, "NEW_ROWS", mode)
@@ -192,8 +194,8 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
     layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
-    q norm of the split sums, the window's new KV row and the compressors' pooling and entries in
-    one (``Attention._new_rows``), the queries' norm + RoPE in one, a C4 layer's wq_b with its
+    q norm of the split sums in one, the window's new KV row and the compressors' pooling and
+    entries in one (``Attention._new_rows``), the queries' norm + RoPE in one, a C4 layer's wq_b with its
     indexer's wq_b in one, the indexer's queries finished in its scores' launch; the logits those of
     the XLA path (fp32 activations, bf16 and FP8 weights: exact products both ways but for fp32
     rows times FP8 weights, rounded alike). With ``quant_sim`` the q norm's launch also gives
@@ -228,13 +230,13 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     assert routers == (len(SMALL.compress_ratios),) * 3, names
     assert count("gemv_fp8_q_swiglu") == 0, names
     layers = len(SMALL.compress_ratios)
-    # q_norm of the partial sums, the window's new row (kv_norm + RoPE + kv_sim + the write) and the C4 and
-    # C128 layers' compressors' pooling and entries (the indexer's keys with their Hadamard + e2m1 rounding;
-    # without quant_sim, plain rows) in one launch per layer (``Attention._new_rows``)
-    rows = (count("kv_rows_norm"), count("new_rows_x2"), count("new_rows_x3"))
-    assert rows == (1, 1, 1) and SMALL.compress_ratios == (0, 4, 128), " ".join(names)
-    alone = ("rms_norms", "kv_rows", "key_rows", "compressor_pool")  # (launches of their own)
-    assert [n for n in names if n.startswith(alone)] == ["kv_rows_norm"], " ".join(names)
+    # the window's new row (kv_norm + RoPE + kv_sim + the write) and the C4 and C128 layers' compressors'
+    # pooling and entries (the indexer's keys with their Hadamard + e2m1 rounding; without quant_sim, plain
+    # rows) in one launch per layer, q_norm of the partial sums in one beside it (``Attention._new_rows``)
+    rows = (count("kv_rows"), count("new_rows_x2"), count("new_rows_x3"), count("rms_norms_x1"))
+    assert rows == (1, 1, 1, layers) and SMALL.compress_ratios == (0, 4, 128), " ".join(names)
+    alone = ("kv_rows", "key_rows", "compressor_pool")  # (launches of their own)
+    assert [n for n in names if n.startswith(alone)] == ["kv_rows"], " ".join(names)
     # the queries' head norm + RoPE inside the attention kernel (``q_rope``): no launch of their own
     assert count("q_norm_rope") == 0 and count("ragged_sink_attention") == layers, names
     # the indexer's: its queries finished inside the scores' kernel (no query_rows launch), the top-k

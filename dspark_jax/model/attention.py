@@ -34,12 +34,13 @@ from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # 
 from pallas_kernels.rms_norms import rms_norms
 from pallas_kernels.rope import q_norm_rope
 
-# How a one-token step launches its new rows (``Attention._new_rows``): "one" (the window's row
-# with q_norm and the compressors' pooling in one launch per layer, ``horizontal.launch``),
-# "apart" (q_norm in a launch of its own, so that wq_b waits for it alone, and the window's row
-# with the pooling in one launch beside it), "separate" (one launch per kernel). A switch for
+# How a one-token step launches its new rows (``Attention._new_rows``): "apart" (q_norm in a
+# launch of its own, so that wq_b waits for it alone, and the window's row with the compressors'
+# pooling in one launch beside it), "one" (q_norm in that launch too: wq_b then waits for the
+# pooling, ~20 us in a C4 layer on an H200; the 43-layer batch-1 step 8.57 / 8.74 ms against
+# 8.02 / 8.32 for "apart", docs/benchmarks.md), "separate" (one launch per kernel). A switch for
 # benchmarks (``benchmarks/decode.py --new-rows``), as ``compressor_pool.WRITE_IN_POOL``.
-NEW_ROWS = "one"
+NEW_ROWS = "apart"
 NEW_ROWS_MODES = ("one", "apart", "separate")
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
@@ -193,10 +194,11 @@ class Attention(nnx.Module):
                   projected: list, dtype) -> tuple[tuple[Array, ...], tuple]:
         """A one-token step's new rows from the shared launch's partial sums: (the window's pool with
         its new row, q_norm's rows[, their quantised values]) and the compressor's and indexer's
-        pooling outputs (``Compressor.pool_part``; None: not pooled here). One launch on the Pallas
-        path (``horizontal.launch``: ``kv_rows.rows_and_norm_part`` and the compressors' parts;
-        ``NEW_ROWS`` "apart": q_norm in a launch of its own beside it), else the window's row and
-        q_norm in one (``kv_rows.write_rows_and_norm``) and the compressors' on their own."""
+        pooling outputs (``Compressor.pool_part``; None: not pooled here). On the Pallas path the
+        window's row and the compressors' parts in one launch (``horizontal.launch``) and q_norm in
+        one of its own beside it (``NEW_ROWS`` "apart"; "one": q_norm in the first launch too,
+        ``kv_rows.rows_and_norm_part``), else the window's row and q_norm in one
+        (``kv_rows.write_rows_and_norm``) and the compressors' on their own."""
         impl = self.num.kernel_impl()
         rows = dict(eps=self.kv_norm.eps, quant="kv" if self.num.quant_sim else None, dtype=dtype,
                     norm_x=a_q.reshape(-1, a_q.parts.shape[-1]), norm_weight=self.q_norm.weight[...],

@@ -310,8 +310,8 @@ class MoE(nnx.Module):
         # H200 a 4-layer batch-1 step ran 125 kernels against 136 and a 0.2-0.3 ms shorter device
         # span, its 43-layer wall-time estimate within the runs' spread (docs/benchmarks.md, 2026-12-05);
         # "experts" (as "shared", the selection decided in the routed SwiGLU's programs,
-        # ``Gate.route``, where the pairs take their own tiles as fp8 codes: one launch fewer, not yet
-        # timed on a GPU).
+        # ``Gate.route``, where the pairs take their own tiles as fp8 codes: one launch fewer; with the
+        # one-token SwiGLU unsplit the layer's kernels took 4 us more on an H200, docs/benchmarks.md).
         self.one_row = "shared"
         # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
         # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
