@@ -139,9 +139,6 @@ def add_launch_options(ap) -> None:
     ap.add_argument("--one-token-swiglu", type=int, default=0,
                     help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
                          "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
-    ap.add_argument("--hc-one-launch", type=int, default=0,
-                    help="mHC units of at most this many tokens in one launch each (hc_fused.HcConfig."
-                         "one_launch_tokens; 1: a decode step's only; 0: none)")
     ap.add_argument("--compressor-two-launches", action="store_true",
                     help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
                          "one (compressor_pool.WRITE_IN_POOL off)")
@@ -155,20 +152,16 @@ def add_launch_options(ap) -> None:
 
 def apply_launch_options(args) -> dict:
     """Sets the switches of ``add_launch_options``; returns them as set (for the results' config)."""
-    import dataclasses
-
     from dspark_jax.model import attention
-    from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, index_scores
+    from pallas_kernels import compressor_pool, grouped_matmul as gm, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
-    hc_fused.CONFIG = dataclasses.replace(hc_fused.CONFIG, one_launch_tokens=args.hc_one_launch)
     compressor_pool.WRITE_IN_POOL = not args.compressor_two_launches
     attention.NEW_ROWS = args.new_rows
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
-    return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "hc_one_launch_tokens": hc_fused.CONFIG.one_launch_tokens,
-            "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL, "new_rows": attention.NEW_ROWS,
-            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
+    return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
+            "new_rows": attention.NEW_ROWS, "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
 
 
 def with_moe_one_row(model, value: str):

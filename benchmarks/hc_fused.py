@@ -205,7 +205,7 @@ SWEEP = (_DOTS, dataclasses.replace(_DOTS, split_k=128), dataclasses.replace(_DO
          *(dataclasses.replace(_FMA, fma_block=b) for b in (2048, 8192)),
          *(dataclasses.replace(_FMA, fma_split_k=256, num_warps=w) for w in (2, 8)),
          *(dataclasses.replace(hc_fused.HcConfig(), collapse_warps=w) for w in (1, 2, 4, 8)),
-         hc_fused.HcConfig(), dataclasses.replace(hc_fused.HcConfig(), one_launch_tokens=8))
+         hc_fused.HcConfig())
 
 
 def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:

@@ -34,12 +34,11 @@ expansion, the sub-block's norm): about 10 launches per unit on a GPU for almost
 Why the mixes take a launch of their own: at decode (T = 1 to a few hundred tokens) the bytes of
 hc_pre are fn [M, K] float32 (1.5 MiB per unit at Flash dims); one program per token tile would
 stream all of it through one SM. Split over d it streams through S SMs at once, and adding the S
-partial sums up needs a second launch (float atomics would make the result depend on timing), or,
-with ``HcConfig.one_launch_tokens``, an integer count of the finished programs: the last to finish
-adds the partials in the same order and collapses (``_unit_kernel``). On an H200 that made the
-DSpark round 40 % slower with every few-token call in one launch (the last program collapses a
-verify's tokens one after the other, docs/benchmarks.md), and limited to one-token calls (a
-decode step) it took 11.2-11.6 us per unit against 9.9-10.0 for the two launches, so it is off. S
+partial sums up needs a second launch (float atomics would make the result depend on timing).
+A unit in one launch, the collapse run by the mixes program that counted itself done last (an
+integer atomic count), was slower on an H200: 11.2-11.6 us per unit at one token against
+9.9-10.0 for the two launches, and the DSpark round 40 % slower with a verify's six tokens
+collapsed one after the other (docs/benchmarks.md, 2026-12-05); it was removed. S
 depends on d (and on whether the call takes the multiply-adds), not otherwise on T. The collapse
 holds a token's n whole streams in registers (one token per program: 16 Ki values at Flash dims),
 so the norm's statistic and its output take one pass.
@@ -90,10 +89,7 @@ class HcConfig:
 
     Calls of at most ``fma_tokens`` tokens (0: none) take the mixes as float32 multiply-adds
     instead of dots (``_mixes_fma``): all T tokens in one tile, each program over at most
-    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns).
-    Calls of at most ``one_launch_tokens`` tokens (0: none; only calls taking the multiply-adds) run
-    a unit in one launch, the collapse run by the mixes program that finishes last
-    (``_unit_kernel``); off: slower on an H200, at one token and at a verify's six."""
+    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns)."""
 
     # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens;
     # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192
@@ -107,7 +103,6 @@ class HcConfig:
     fma_tokens: int = 8
     fma_split_k: int = 128
     fma_block: int = 4096
-    one_launch_tokens: int = 0
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_k", "block_d", "fma_split_k", "fma_block"):
@@ -115,9 +110,8 @@ class HcConfig:
                 raise ValueError(f"HcConfig.{name} must be a power of two, got {getattr(self, name)}")
         if self.block_t < 16 or self.block_k < 16:
             raise ValueError(f"HcConfig needs block_t >= 16 and block_k >= 16 (dot tiles), got {self}")
-        for name in ("fma_tokens", "one_launch_tokens"):
-            if not 0 <= getattr(self, name) <= 64:
-                raise ValueError(f"HcConfig.{name} must be in [0, 64], got {getattr(self, name)}")
+        if not 0 <= self.fma_tokens <= 64:
+            raise ValueError(f"HcConfig.fma_tokens must be in [0, 64], got {self.fma_tokens}")
 
 
 # The tiles of calls given no ``config`` (the model's): a benchmark may set another before tracing
@@ -326,14 +320,6 @@ def _collapse_kernel(part_ref, scale_ref, base_ref, x_ref, *refs, n: int, m: int
                     norm_eps=norm_eps, out_eps=out_eps)
 
 
-def _when(cond, body) -> None:
-    """``body()`` where ``cond`` holds (a traced predicate, or True: always)."""
-    if cond is True:
-        body()
-    else:
-        pl.when(cond)(body)
-
-
 def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_refs, token, collapse, weights, *,
                     n: int, m: int, t: _Tiles, iters: int, hc_eps: float, norm_eps: float, out_eps: float | None):
     """Token ``token``'s gates from the S partials, then where ``collapse`` holds y (through the
@@ -372,7 +358,7 @@ def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_r
             w = pltriton.load(w_ref.at[dcols], mask=dok, other=0).astype(jnp.float32)
             _store(y_ref, rows, ok, dcols, w[None, :] * (yr * inv[:, None]), dok)
 
-    _when(collapse, _collapse)
+    pl.when(collapse)(_collapse)
     if weight_refs:  # post and the Sinkhorn iterations (hc_pre)
         post_ref, comb_ref = weight_refs
 
@@ -383,36 +369,7 @@ def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_r
             for c, v in enumerate(x for row in comb for x in row):
                 _store(comb_ref, rows, ok, jnp.full((1,), c, jnp.int32), v[:, None])
 
-        _when(weights, _weights)
-
-
-def _unit_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, iters: int, hc_eps: float, norm_eps: float,
-                 out_eps: float | None, n_prev: int, f_parts: int, f_pairs: tuple[int, int], interpret: bool):
-    """A whole unit in one launch (``HcConfig.one_launch_tokens``; calls taking the multiply-adds: one
-    token tile, grid (1, S)). Refs: x_flat, fn, the previous unit's ``n_prev`` refs, scale, base,
-    [norm weight], the zeroed count (aliased to the last output); outputs partials, [X'], y,
-    [post, comb], the count. Each program runs ``_mixes_kernel``, then counts itself done: a
-    barrier (every warp's stores before it), then an atomic add (acquire-release at device
-    scope). The program that counts S - 1 has every program's partials and X' columns in memory
-    and runs each token's collapse and Sinkhorn, as ``_collapse_kernel``'s two programs would."""
-    prev, (scale_ref, base_ref), rest = refs[:n_prev], refs[n_prev:n_prev + 2], refs[n_prev + 2:]
-    w_ref, rest = (rest[0], rest[1:]) if out_eps is not None else (None, rest)
-    _, part_ref, *outs, count_ref = rest  # (the count's input: the same buffer as count_ref)
-    xo = outs[:1] if n_prev else []
-    y_ref, *weight_refs = outs[len(xo):]
-    _mixes_kernel(x_ref, fn_ref, *prev, part_ref, *xo, n=n, m=m, t=t, expand=bool(n_prev), f_parts=f_parts,
-                  f_pairs=f_pairs)
-    if not interpret:  # (interpret mode runs the programs one after the other)
-        pltriton.debug_barrier()
-    done = pltriton.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
-
-    @pl.when(done == t.splits - 1)
-    def _last():
-        if not interpret:
-            pltriton.debug_barrier()
-        for token in range(x_ref.shape[0]):
-            _collapse_token(part_ref, scale_ref, base_ref, xo[0] if xo else x_ref, w_ref, y_ref, weight_refs, token,
-                            True, True, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, out_eps=out_eps)
+        pl.when(weights)(_weights)
 
 
 def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
@@ -428,10 +385,9 @@ def _post_kernel(f_ref, x_ref, post_ref, comb_ref, o_ref, *, n: int, t: _Tiles):
 
 
 # ------------------------------------------------------------------------------ pallas calls
-def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool, name: str, *args, aliases=None):
+def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool, name: str, *args):
     with backend.quiet_triton_deprecation():
         return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-                              input_output_aliases=aliases or {},
                               compiler_params=backend.compiler_params(warps, config.num_stages))(*args)
 
 
@@ -443,8 +399,7 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
     (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
     result (``f_parts``: f given as that many partial sums [S T, d]; ``f_pairs``: as expert rows,
-    prev = (rows, extra, post, comb): ``_f_columns``). A call of at most ``config.one_launch_tokens``
-    tokens that takes the multiply-adds runs as one launch (``_unit_kernel``) with the same results."""
+    prev = (rows, extra, post, comb): ``_f_columns``)."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
@@ -454,18 +409,6 @@ def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: 
     if m != n:
         outs += [jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n * n), jnp.float32)]
     name = ("hc_pre" if m != n else "hc_head") + ("" if out_eps is None else "_norm")
-    if tokens <= config.one_launch_tokens and t.fma:
-        kernel = functools.partial(_unit_kernel, n=n, m=m, t=t, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                                   out_eps=out_eps, n_prev=len(prev or ()), f_parts=f_parts, f_pairs=f_pairs,
-                                   interpret=interpret)
-        xo = [] if prev is None else [jax.ShapeDtypeStruct(x_flat.shape, x_flat.dtype)]
-        args = (x_flat, fn, *(prev or ()), scale, base) + (() if out_eps is None else (norm_w,))
-        args += (jnp.zeros((1,), jnp.int32),)
-        out_shape = (part_shape, *xo, *outs, jax.ShapeDtypeStruct((1,), jnp.int32))
-        _, *result, _ = _call(kernel, grid, out_shape, config.num_warps, config, interpret,
-                              ("hc_post_" if prev is not None else "") + name + "_one_launch", *args,
-                              aliases={len(args) - 1: len(out_shape) - 1})
-        return tuple(result)
     mixes = functools.partial(_mixes_kernel, n=n, m=m, t=t, expand=prev is not None, f_parts=f_parts,
                               f_pairs=f_pairs)
     if prev is None:

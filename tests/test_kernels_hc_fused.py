@@ -294,68 +294,6 @@ def test_lowers_for_gpus(arch, platform, tokens, d, dtype):
     assert lowering.count_triton_calls(_lower_unit(tokens, d, dtype, arch, platform)) == 9
 
 
-@pytest.mark.parametrize("tokens,d,dtype", [(1, 256, jnp.bfloat16), (3, 96, jnp.float32)])
-def test_one_launch_units_equal_two_launches(tokens, d, dtype):
-    """``HcConfig(one_launch_tokens=...)``: hc_pre, hc_post + hc_pre + norm (f as partial sums and as
-    expert rows) and hc_head + norm in one launch each, the collapse run by the mixes program that
-    counts itself done last: the two-launch kernels' results (the same sums in the same order, within
-    the rounding of XLA's CPU code for the interpret mode's programs: 1 float32 ulp seen on post),
-    every output written. Interpret mode runs the programs one after the other, so the count's
-    ordering across programs is checked only on a GPU."""
-    rng = np.random.default_rng(5)
-    x, f, (fn, base, scale), (hfn, hbase, hscale) = _unit(rng, (tokens,), d, dtype)
-    w = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
-    one, two = hc_fused.HcConfig(one_launch_tokens=tokens), hc_fused.HcConfig()
-    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    normed = dict(norm_weight=w, out_eps=1e-5)
-    parts = Partials(jnp.asarray(rng.standard_normal((4, tokens, d)), jnp.float32))
-    rows = ExpertRows(jnp.asarray(rng.standard_normal((tokens * 2 * 16, d)), dtype), parts, k=2, stride=16,
-                      shape=(tokens, d))
-    _, post, comb = hc_fused.pre_kernel(x, fn, base, scale, **kw)
-    calls = {
-        "hc_pre": lambda cfg: hc_fused.pre_kernel(x, fn, base, scale, config=cfg, **kw),
-        "hc_pre + norm": lambda cfg: hc_fused.pre_kernel(x, fn, base, scale, config=cfg, **kw, **normed),
-        "hc_post + hc_pre + norm": lambda cfg: hc_fused.post_pre_kernel(f, x, post, comb, fn, base, scale,
-                                                                        config=cfg, **kw, **normed),
-        "... of partial sums": lambda cfg: hc_fused.post_pre_kernel(parts, x, post, comb, fn, base, scale,
-                                                                    config=cfg, **kw),
-        "... of expert rows": lambda cfg: hc_fused.post_pre_kernel(rows, x, post, comb, fn, base, scale,
-                                                                   config=cfg, **kw, **normed),
-        "hc_head + norm": lambda cfg: hc_fused.head_kernel(x, hfn, hbase, hscale, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                                                           config=cfg, **normed),
-    }
-    for name, call in calls.items():
-        got, want = jax.tree.leaves(call(one)), jax.tree.leaves(call(two))
-        assert len(got) == len(want), name
-        for g, v in zip(got, want):
-            assert g.dtype == v.dtype and g.shape == v.shape, name
-            _close(g, v, g.dtype, name)
-    def launches(cfg):
-        return [name for name, _ in pallas_calls(jax.make_jaxpr(lambda: calls["hc_post + hc_pre + norm"](cfg))())]
-
-    assert launches(one) == ["hc_post_hc_pre_norm_one_launch"], launches(one)
-    # more tokens than one_launch_tokens: the two launches
-    fewer = hc_fused.HcConfig(one_launch_tokens=tokens - 1)
-    assert len(launches(fewer)) == 2 and not any("one_launch" in n for n in launches(fewer)), launches(fewer)
-
-
-@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
-def test_one_launch_unit_lowers_for_gpus(arch, platform):
-    """A Flash decode step's hc_post + hc_pre + norm in one launch (``HcConfig.one_launch_tokens``), with
-    its barrier and atomic count, through JAX's Triton lowering for gfx950 (ROCm) and H200 (CUDA)."""
-    d, m, f32 = 4096, (2 + N) * N, jnp.float32
-
-    def unit(x, f, post, comb, fn, base, scale, w):
-        return hc_fused.post_pre_kernel(f, x, post, comb, fn, base, scale, iters=ITERS, hc_eps=HC_EPS,
-                                        norm_eps=NORM_EPS, norm_weight=w, out_eps=1e-5, interpret=False,
-                                        config=hc_fused.HcConfig(one_launch_tokens=1))
-
-    args = (SD((1, N, d), jnp.bfloat16), SD((1, d), jnp.bfloat16), SD((1, N), f32), SD((1, N, N), f32),
-            SD((m, N * d), f32), SD((m,), f32), SD((3,), f32), SD((d,), f32))
-    text = lowering.lower(unit, *args, arch=arch, platform=platform)
-    assert lowering.count_triton_calls(text) == 1
-
-
 @pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
 def test_expansion_of_expert_rows_lowers_for_gpus(arch, platform):
     """hc_post + hc_pre + norm of a Flash decode step's MoE terms (``gemv.ExpertRows``: 6 routed rows

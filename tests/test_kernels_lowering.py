@@ -4,14 +4,12 @@ This runs JAX's Triton lowering (the legality rules that interpret mode does not
 GPU; it does not compile the Triton IR for the hardware. gfx950 is verified this way only.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import attention_configs, backend, hc_fused, kv_fp8, lowering
+from pallas_kernels import attention_configs, backend, kv_fp8, lowering
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels.attention_metadata import RaggedMeta
@@ -159,12 +157,11 @@ def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
     JAX's Triton lowering for gfx950: every kernel the step launches at Flash's shapes. The
     dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): a
     layer's new rows in one launch each (``new_rows_x2`` / ``x3``), at a decode step and a verify.
-    ``opt_ins``: the decode step with the launch merges that are off (not faster on an H200: mHC
-    units in one launch, the routing in the routed SwiGLU, that SwiGLU unsplit)."""
+    ``opt_ins``: the decode step with the launch merges that are off (not faster on an H200: the
+    routing in the routed SwiGLU, that SwiGLU unsplit)."""
     from benchmarks.launches import abstract_step
 
     if opt_ins:
-        monkeypatch.setattr(hc_fused, "CONFIG", dataclasses.replace(hc_fused.CONFIG, one_launch_tokens=1))
         monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", 32)
     fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048, moe_one_row="experts" if opt_ins else "")
     text = lowering.lower(fn, *args, arch="gfx950", platform="rocm")
@@ -173,7 +170,7 @@ def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
         assert name in text, name
     assert "new_rows_x3" in text and "new_rows_x2" in text
     if tokens == 1:
-        assert ("hc_pre_norm_one_launch" in text) == opt_ins and ("router_select" in text) != opt_ins
+        assert ("router_select" in text) != opt_ins
         assert ("swiglu_quantise" in text) != opt_ins and ("_routed" in text) == opt_ins
 
 
