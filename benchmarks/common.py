@@ -145,6 +145,8 @@ def add_launch_options(ap) -> None:
     ap.add_argument("--new-rows", default=attention.NEW_ROWS, choices=attention.NEW_ROWS_MODES,
                     help="how a step's new rows launch (attention.NEW_ROWS): one (window row + q_norm and the "
                          "compressors' pooling in one launch), apart (q_norm on its own), separate")
+    ap.add_argument("--wq-b-apart", action="store_true",
+                    help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
@@ -158,10 +160,12 @@ def apply_launch_options(args) -> dict:
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
     compressor_pool.WRITE_IN_POOL = not args.compressor_two_launches
     attention.NEW_ROWS = args.new_rows
+    attention.WQ_B_TOGETHER = not args.wq_b_apart
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
-            "new_rows": attention.NEW_ROWS, "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
+            "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
+            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
 
 
 def with_moe_one_row(model, value: str):

@@ -188,6 +188,34 @@ def test_new_rows_launch_modes_agree(monkeypatch, mode):
     jax.clear_caches()
 
 
+def test_wq_b_launched_apart_agrees(monkeypatch):
+    """``attention.WQ_B_TOGETHER`` off: a C4 layer's wq_b and its indexer's wq_b in a launch each
+    give the logits and caches of the shared launch bit for bit (the same products and sums),
+    with one launch more per C4 layer."""
+    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
+                        param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
+    for _, mod in nnx.iter_modules(m.module):
+        if hasattr(mod, "num"):
+            mod.num = dataclasses.replace(mod.num, kernels="pallas")
+    m = dspark_jax.Model(m.module)
+    ids = np.random.default_rng(7).integers(2, 500, (1, 48)).astype(np.int32)
+    one = jnp.ones((1,), jnp.int32)
+    results = {}
+    for together in (True, False):
+        monkeypatch.setattr(attention, "WQ_B_TOGETHER", together)
+        jax.clear_caches()
+        logits, cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
+        names = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, cache))(
+            m.state, ids[:, :1]).jaxpr)]
+        results[together] = logits, cache, names
+    (want, want_cache, merged), (got, got_cache, apart) = results[True], results[False]
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert len(apart) == len(merged) + 1 and SMALL.compress_ratios.count(4) == 1, (merged, apart)
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("quant_sim", [False, True])
 def test_one_token_steps_share_the_linears_launches(quant_sim):
     """Linears at one token through ``gemv`` (interpret mode here): per layer every linear of the

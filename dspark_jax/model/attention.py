@@ -42,6 +42,10 @@ from pallas_kernels.rope import q_norm_rope
 # benchmarks (``benchmarks/decode.py --new-rows``), as ``compressor_pool.WRITE_IN_POOL``.
 NEW_ROWS = "apart"
 NEW_ROWS_MODES = ("one", "apart", "separate")
+# Whether a C4 layer's one-token step launches wq_b and its indexer's wq_b together (one read of
+# qr, one launch) or each on its own (the indexer's scores and top-k may then run beside the
+# larger wq_b). A switch for benchmarks (``benchmarks/decode.py --wq-b-apart``).
+WQ_B_TOGETHER = True
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
@@ -148,7 +152,7 @@ class Attention(nnx.Module):
             (new["window"], *normed), pooled = self._new_rows(a_q, a_kv, chunk, cache, slots, rounded, projected,
                                                               x.dtype)
             qr = normed[-1].reshape(*x.shape[:-1], -1)
-            if self.ratio == 4 and one_row:  # wq_b and the indexer's wq_b (partial sums for its scores) in one launch
+            if self.ratio == 4 and one_row and WQ_B_TOGETHER:  # wq_b and the indexer's (partial sums) in one launch
                 q_b, index_q = shared_input((self.wq_b, self.indexer.wq_b), qr, self.mesh, partials=(False, True),
                                             rounded=rounded)
         else:
