@@ -159,61 +159,53 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
 
 
+def _under_switch(monkeypatch, name: str, values, seed: int) -> list:
+    """(logits, cache, one-token step's Pallas launches) of a small Pallas-path model's decode
+    steps with ``attention.<name>`` set to each value in turn (switches read at trace time)."""
+    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
+                        param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
+    for _, mod in nnx.iter_modules(m.module):
+        if hasattr(mod, "num"):
+            mod.num = dataclasses.replace(mod.num, kernels="pallas")
+    m = dspark_jax.Model(m.module)
+    ids = np.random.default_rng(seed).integers(2, 500, (1, 48)).astype(np.int32)
+    one, runs = jnp.ones((1,), jnp.int32), []
+    for value in values:
+        monkeypatch.setattr(attention, name, value)
+        jax.clear_caches()
+        logits, cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
+        jaxpr = jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, cache))(m.state, ids[:, :1])
+        runs.append((logits, cache, [n for n, _ in pallas_calls(jaxpr.jaxpr)]))
+    jax.clear_caches()
+    return runs
+
+
+def _assert_same_steps(got, want) -> None:
+    """Logits and caches equal bit for bit."""
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("mode", ["apart", "separate"])
 def test_new_rows_launch_modes_agree(monkeypatch, mode):
     """``attention.NEW_ROWS``: a one-token step's new rows with q_norm in a launch of its own
     ("apart", the default: ``rms_norms`` beside the window's row and the compressors' pooling) or
     one launch per kernel give the logits and caches of the one launch ("one") bit for bit (the
     same row code)."""
-    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
-                        param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
-    for _, mod in nnx.iter_modules(m.module):
-        if hasattr(mod, "num"):
-            mod.num = dataclasses.replace(mod.num, kernels="pallas")
-    m = dspark_jax.Model(m.module)
-    ids = np.random.default_rng(6).integers(2, 500, (1, 48)).astype(np.int32)
-    monkeypatch.setattr(attention, "NEW_ROWS", "one")
-    jax.clear_caches()
-    want, want_cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
-    monkeypatch.setattr(attention, "NEW_ROWS", mode)
-    jax.clear_caches()
-    got, got_cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
-    np.testing.assert_array_equal(got, want)
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    one = jnp.ones((1,), jnp.int32)
-    names = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, got_cache))(
-        m.state, ids[:, :1]).jaxpr)]
+    want, got = _under_switch(monkeypatch, "NEW_ROWS", ("one", mode), seed=6)
+    _assert_same_steps(got, want)
+    names = got[2]
     assert ("rms_norms_x1" in names) == (mode == "apart") and ("new_rows_x3" in names) == (mode == "apart"), names
-    jax.clear_caches()
 
 
 def test_wq_b_launched_apart_agrees(monkeypatch):
     """``attention.WQ_B_TOGETHER`` off: a C4 layer's wq_b and its indexer's wq_b in a launch each
     give the logits and caches of the shared launch bit for bit (the same products and sums),
     with one launch more per C4 layer."""
-    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
-                        param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
-    for _, mod in nnx.iter_modules(m.module):
-        if hasattr(mod, "num"):
-            mod.num = dataclasses.replace(mod.num, kernels="pallas")
-    m = dspark_jax.Model(m.module)
-    ids = np.random.default_rng(7).integers(2, 500, (1, 48)).astype(np.int32)
-    one = jnp.ones((1,), jnp.int32)
-    results = {}
-    for together in (True, False):
-        monkeypatch.setattr(attention, "WQ_B_TOGETHER", together)
-        jax.clear_caches()
-        logits, cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
-        names = [n for n, _ in pallas_calls(jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, cache))(
-            m.state, ids[:, :1]).jaxpr)]
-        results[together] = logits, cache, names
-    (want, want_cache, merged), (got, got_cache, apart) = results[True], results[False]
-    np.testing.assert_array_equal(got, want)
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    assert len(apart) == len(merged) + 1 and SMALL.compress_ratios.count(4) == 1, (merged, apart)
-    jax.clear_caches()
+    merged, apart = _under_switch(monkeypatch, "WQ_B_TOGETHER", (True, False), seed=7)
+    _assert_same_steps(apart, merged)
+    assert len(apart[2]) == len(merged[2]) + 1 and SMALL.compress_ratios.count(4) == 1, (merged[2], apart[2])
 
 
 @pytest.mark.parametrize("quant_sim", [False, True])
