@@ -168,6 +168,30 @@ def apply_launch_options(args) -> dict:
             "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
 
 
+def launch_variants(text: str, args) -> list[tuple[str, object]]:
+    """``--variants``: launch switch sets timed side by side in one process, separated by "|", each
+    the flags of ``add_launch_options`` (and ``--moe-one-row``) on top of the command's own (an
+    empty set: the command's): e.g. ``"|--wq-b-apart|--compressor-two-launches --wq-b-apart"``.
+    Returns (label, namespace) per set, the label its flags ("base" for none)."""
+    import argparse
+    import copy
+    import shlex
+
+    parser = argparse.ArgumentParser(prog="--variants", exit_on_error=False)
+    add_launch_options(parser)
+    parser.add_argument("--moe-one-row", default="")
+    out = []
+    for flags in text.split("|"):
+        try:
+            ns = parser.parse_args(shlex.split(flags), namespace=copy.copy(args))
+        except (argparse.ArgumentError, SystemExit) as err:
+            raise ValueError(f"--variants: cannot parse {flags!r}: {err}") from err
+        out.append((flags.strip() or "base", ns))
+    if len({label for label, _ in out}) < len(out):
+        raise ValueError(f"--variants names a set twice: {text!r}")
+    return out
+
+
 def with_moe_one_row(model, value: str):
     """The same model (the same arrays) with ``MoE.one_row = value`` in every MoE layer (how a
     one-token step starts its router and shared expert; ``dspark_jax.model.moe.ONE_ROW``): a new

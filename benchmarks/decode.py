@@ -79,6 +79,11 @@ and 6 and move it between runs. Where the host bounds the rounds the spans hold 
 a call (an H200's 2-layer batch-1 step at one round per call: span 0.735 ms, wall 0.705, busy
 0.560); at four rounds per call they agreed with the wall times within 1 %.
 
+``--variants`` times launch switch sets side by side in the same way (``benchmarks.common.
+launch_variants``: each set's programs traced under its switches, every set's rounds interleaved
+with the others'), e.g. ``--modes target --variants "|--wq-b-apart"``: an A/B of a switch whose
+difference is not swamped by the drift between processes.
+
 ``--options engine,xla`` times every round under the engine's compiler options
 (``compile_cache.COMPILER_OPTIONS``) and under XLA's defaults side by side, interleaved as the
 depths and modes are, each with its own extrapolation (and records each program's temporary
@@ -105,8 +110,8 @@ import numpy as np
 
 import dspark_jax
 from benchmarks.common import (add_launch_options, add_split_option, apply_launch_options,
-                               apply_split_option, ceilings, environment, out_dir, with_moe_one_row,
-                               write_json)
+                               apply_split_option, ceilings, environment, launch_variants, out_dir,
+                               with_moe_one_row, write_json)
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import ROUNDS_PER_CALL
@@ -373,13 +378,27 @@ def temp_bytes(program) -> int | None:
         return None
 
 
-def compile_group(jobs: dict, threads: int, per_call: int = 1) -> dict:
+def custom_calls(program) -> int | None:
+    """The compiled program's custom calls (its Pallas kernels, library GEMMs...), counted in its
+    HLO text: programs of two launch variants should differ in them."""
+    try:
+        return program.as_text().count(" custom-call(")
+    except Exception:  # noqa: BLE001  (a backend without the text)
+        return None
+
+
+def compile_group(jobs: dict, threads: int, per_call: int = 1, prepare=None) -> dict:
     """Lower every (key -> (engine, state)) program of ``per_call`` greedy rounds (``Engine.round``
-    or ``Engine.rounds``) in this thread, compile them in ``threads`` threads (XLA compiles without
-    the interpreter lock); returns key -> (compiled, seconds)."""
+    or ``Engine.rounds``) in this thread, each after ``prepare(key)`` where given (a variant's
+    switches: jax's trace caches are cleared first, so nothing traced under another's is reused),
+    compile them in ``threads`` threads (XLA compiles without the interpreter lock); returns key ->
+    (compiled, seconds)."""
     lowered = {}
     flags = dict(sampled=False, top_k=False, top_p=False)
     for key, (eng, bs) in jobs.items():
+        if prepare is not None:
+            prepare(key)
+            jax.clear_caches()
         t0 = time.perf_counter()
         program = (eng._round.lower(eng.params, bs, **flags) if per_call == 1
                    else eng._rounds.lower(eng.params, bs, count=per_call, **flags))
@@ -402,9 +421,9 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
     byte rooflines are given where it has an entry."""
     bw, peak = ceil["copy_GBps"] * 1e9, ceil["bf16_matmul_TFLOPs"] * 1e12
     rows = []
-    key = lambda r: (r["weights"], r.get("options", "engine"), r["batch"], r["context"])  # noqa: E731
-    for w, opt, b, c in sorted({key(r) for r in results}):
-        sel = [r for r in results if key(r) == (w, opt, b, c)]
+    key = lambda r: (r["weights"], r.get("options", "engine"), r.get("variant", ""), r["batch"], r["context"])  # noqa: E731
+    for w, opt, var, b, c in sorted({key(r) for r in results}):
+        sel = [r for r in results if key(r) == (w, opt, var, b, c)]
         t = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "target"}
         d = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "dspark"}
         tau = {r["depth"]: r["tokens_per_round"] for r in sel if r["mode"] == "dspark"}
@@ -412,103 +431,103 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
         dispatch = min((r["host_s"] for r in sel if r.get("host_s")), default=0.0)
         host_bound = {(r["depth"], r["mode"]) for r in sel if r.get("host_s", 0.0) >= HOST_BOUND * r["round_s"]
                       and r["round_s"] <= HOST_SLACK * dispatch}
-        row = {"weights": w, "options": opt, "batch": b, "context": c, "measured": {}}
-        for depth in sorted(set(t) & set(d)):
-            row["measured"][str(depth)] = {
-                "step_ms": 1e3 * t[depth], "round_ms": 1e3 * d[depth], "tau": tau[depth],
-                "round_over_step": d[depth] / t[depth], "speedup": tau[depth] * t[depth] / d[depth],
-                "host_bound": sorted(m for dd, m in host_bound if dd == depth)}
+        row = {"weights": w, "options": opt, "variant": var, "batch": b, "context": c, "measured": {}}
+        for depth in sorted(t):  # a depth without a DSpark round (``--modes target``): the step's values only
+            m = row["measured"][str(depth)] = {"step_ms": 1e3 * t[depth],
+                                               "host_bound": sorted(m for dd, m in host_bound if dd == depth)}
+            if depth in d:
+                m.update({"round_ms": 1e3 * d[depth], "tau": tau[depth], "round_over_step": d[depth] / t[depth],
+                          "speedup": tau[depth] * t[depth] / d[depth]})
             if (w, depth) in parts:
                 roof = roofline(sliced(full, depth), parts[(w, depth)], b, c, kv_layout)
-                row["measured"][str(depth)].update({
-                    "step_bytes": roof["step_bytes"], "round_bytes": roof["round_bytes"],
-                    "step_over_byte_roofline": t[depth] / (roof["step_bytes"] / bw),
-                    "round_over_byte_roofline": d[depth] / (roof["round_bytes"] / bw)})
+                m.update({"step_bytes": roof["step_bytes"], "step_over_byte_roofline": t[depth] / (roof["step_bytes"] / bw)})
+                if depth in d:
+                    m.update({"round_bytes": roof["round_bytes"],
+                              "round_over_byte_roofline": d[depth] / (roof["round_bytes"] / bw)})
         et, ed = extrapolate(t, full.num_hidden_layers), extrapolate(d, full.num_hidden_layers)
-        if et and ed:
-            tau_full = tau[max(tau)]
-            step, rnd = et["full_s"], ed["full_s"]
+        if et:
+            step = et["full_s"]
             roof = roofline(full, parts[(w, full.num_hidden_layers)], b, c, kv_layout)
             step_roof = max(roof["step_bytes"] / bw, roof["step_flops"] / peak)
-            round_roof = max(roof["round_bytes"] / bw, roof["round_flops"] / peak)
-            roof_ratio = round_roof / step_roof
-            row["full"] = {
-                "layers": full.num_hidden_layers, "step_ms": 1e3 * step, "round_ms": 1e3 * rnd, "tau": tau_full,
-                "step_per_layer_ms": 1e3 * et["per_layer_s"], "round_per_layer_ms": 1e3 * ed["per_layer_s"],
-                "step_fixed_ms": 1e3 * et["fixed_s"], "round_fixed_ms": 1e3 * ed["fixed_s"],
-                "round_over_step": rnd / step, "speedup": tau_full * step / rnd,
-                "target_tok_s_per_user": 1 / step, "dspark_tok_s_per_user": tau_full / rnd,
-                "step_bytes": roof["step_bytes"], "step_flops": roof["step_flops"],
-                "round_bytes": roof["round_bytes"], "round_flops": roof["round_flops"],
-                "step_byte_roofline_ms": 1e3 * roof["step_bytes"] / bw,
-                "step_roofline_ms": 1e3 * step_roof, "round_roofline_ms": 1e3 * round_roof,
+            f = row["full"] = {
+                "layers": full.num_hidden_layers, "step_ms": 1e3 * step,
+                "step_per_layer_ms": 1e3 * et["per_layer_s"], "step_fixed_ms": 1e3 * et["fixed_s"],
+                "target_tok_s_per_user": 1 / step, "step_bytes": roof["step_bytes"], "step_flops": roof["step_flops"],
+                "step_byte_roofline_ms": 1e3 * roof["step_bytes"] / bw, "step_roofline_ms": 1e3 * step_roof,
                 "step_over_byte_roofline": step / (roof["step_bytes"] / bw),
                 # against the rate of a large read (the copy's ceiling counts its writes too)
                 "step_over_read_roofline": step / (roof["step_bytes"] / (ceil.get("read_GBps", math.nan) * 1e9)),
-                "step_over_roofline": step / step_roof, "round_over_roofline": rnd / round_roof,
-                "roofline_round_over_step": roof_ratio, "roofline_speedup": tau_full / roof_ratio}
+                "step_over_roofline": step / step_roof}
+            if ed:
+                tau_full = tau[max(tau)]
+                rnd = ed["full_s"]
+                round_roof = max(roof["round_bytes"] / bw, roof["round_flops"] / peak)
+                roof_ratio = round_roof / step_roof
+                f.update({
+                    "round_ms": 1e3 * rnd, "tau": tau_full, "round_per_layer_ms": 1e3 * ed["per_layer_s"],
+                    "round_fixed_ms": 1e3 * ed["fixed_s"], "round_over_step": rnd / step,
+                    "speedup": tau_full * step / rnd, "dspark_tok_s_per_user": tau_full / rnd,
+                    "round_bytes": roof["round_bytes"], "round_flops": roof["round_flops"],
+                    "round_roofline_ms": 1e3 * round_roof, "round_over_roofline": rnd / round_roof,
+                    "roofline_round_over_step": roof_ratio, "roofline_speedup": tau_full / roof_ratio})
             # the same extrapolation of the rounds' device spans (``--spans``), without the host's share
             spans = [extrapolate({r["depth"]: r["span_s"] for r in sel if r["mode"] == m and "span_s" in r},
                                  full.num_hidden_layers) for m in ("target", "dspark")]
-            if spans[0] and spans[1]:
-                s_step, s_round = spans[0]["full_s"], spans[1]["full_s"]
-                row["full"].update({"span_step_ms": 1e3 * s_step, "span_round_ms": 1e3 * s_round,
-                                    "span_step_over_byte_roofline": s_step / (roof["step_bytes"] / bw),
-                                    "span_speedup": tau_full * s_step / s_round})
+            if spans[0]:
+                s_step = spans[0]["full_s"]
+                f.update({"span_step_ms": 1e3 * s_step, "span_step_over_byte_roofline": s_step / (roof["step_bytes"] / bw)})
+                if spans[1] and ed:
+                    f.update({"span_round_ms": 1e3 * spans[1]["full_s"],
+                              "span_speedup": tau_full * s_step / spans[1]["full_s"]})
         rows.append(row)
     return rows
 
 
 def label(row: dict) -> str:
-    """The weights of a row, and its compiler options unless the engine's."""
-    opt = row.get("options", "engine")
-    return row["weights"] + ("" if opt == "engine" else f" ({opt} options)")
+    """The weights of a row, its compiler options unless the engine's, its launch variant if any."""
+    opt, var = row.get("options", "engine"), row.get("variant", "")
+    return row["weights"] + ("" if opt == "engine" else f" ({opt} options)") + (f" [{var}]" if var else "")
 
 
 def table(rows: list[dict]) -> str:
     head = ("| weights | batch | context | depth | step ms | round ms | round / step | tau | speed-up "
             "| target tok/s/user | DSpark tok/s/user | step / roofline | speed-up at the roofline |")
     lines = [head, "|" + "---|" * 13]
+    num = lambda m, k, fmt=".2f": format(m[k], fmt) if k in m else "-"  # noqa: E731  (step-only rows: no round)
     for r in rows:
         for depth, m in r["measured"].items():
             bound = f"; {' and '.join(m['host_bound'])} host-bound" if m.get("host_bound") else ""
+            dspark = f"{1e3 * m['tau'] / m['round_ms']:.0f}" if "round_ms" in m else "-"
             lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | {depth} (measured{bound}) | "
-                         f"{m['step_ms']:.2f} | {m['round_ms']:.2f} | {m['round_over_step']:.2f} | {m['tau']:.2f} "
-                         f"| {m['speedup']:.2f} | {1e3 / m['step_ms']:.0f} | {1e3 * m['tau'] / m['round_ms']:.0f} | "
+                         f"{m['step_ms']:.2f} | {num(m, 'round_ms')} | {num(m, 'round_over_step')} | {num(m, 'tau')} "
+                         f"| {num(m, 'speedup')} | {1e3 / m['step_ms']:.0f} | {dspark} | "
                          f"{m.get('step_over_byte_roofline', math.nan):.1f} (bytes) | |")
         if "full" in r:
             f = r["full"]
             lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | **{f['layers']} (extrapolated)** | "
-                         f"{f['step_ms']:.2f} | {f['round_ms']:.2f} | {f['round_over_step']:.2f} | {f['tau']:.2f} | "
-                         f"**{f['speedup']:.2f}** | {f['target_tok_s_per_user']:.0f} | "
-                         f"{f['dspark_tok_s_per_user']:.0f} | {f['step_over_roofline']:.1f} | "
-                         f"{f['roofline_speedup']:.2f} |")
+                         f"{f['step_ms']:.2f} | {num(f, 'round_ms')} | {num(f, 'round_over_step')} | {num(f, 'tau')} | "
+                         f"**{num(f, 'speedup')}** | {f['target_tok_s_per_user']:.0f} | "
+                         f"{num(f, 'dspark_tok_s_per_user', '.0f')} | {f['step_over_roofline']:.1f} | "
+                         f"{num(f, 'roofline_speedup')} |")
             if "span_step_ms" in f:
+                ratio = f"{f['span_round_ms'] / f['span_step_ms']:.2f}" if "span_round_ms" in f else "-"
                 lines.append(f"| {label(r)} | {r['batch']} | {r['context']} | {f['layers']} (device spans, "
-                             f"extrapolated) | {f['span_step_ms']:.2f} | {f['span_round_ms']:.2f} | "
-                             f"{f['span_round_ms'] / f['span_step_ms']:.2f} | {f['tau']:.2f} | {f['span_speedup']:.2f} "
+                             f"extrapolated) | {f['span_step_ms']:.2f} | {num(f, 'span_round_ms')} | "
+                             f"{ratio} | {num(f, 'tau')} | {num(f, 'span_speedup')} "
                              f"| | | {f['span_step_over_byte_roofline']:.2f} (bytes) | |")
     return "\n".join(lines)
 
 
 def goals(rows: list[dict]) -> dict:
-    """The ratios the goals name, per weights and context (full-model extrapolation)."""
-    out = {}
-    for r in rows:
-        f = r.get("full")
-        if not f:
-            continue
-        key = f"{label(r)} batch {r['batch']} context {r['context']}"
-        out[key] = {"step_over_byte_roofline": f["step_over_byte_roofline"],
-                    "step_over_read_roofline": f["step_over_read_roofline"],
-                    "step_over_roofline": f["step_over_roofline"],
-                    "round_over_step": f["round_over_step"], "speedup_with_profile": f["speedup"],
-                    "roofline_round_over_step": f["roofline_round_over_step"],
-                    "roofline_speedup_with_profile": f["roofline_speedup"]}
-        if "span_step_ms" in f:
-            out[key].update({"span_step_over_byte_roofline": f["span_step_over_byte_roofline"],
-                             "span_speedup_with_profile": f["span_speedup"]})
-    return out
+    """The ratios the goals name, per weights and context (full-model extrapolation; the round's where
+    it was timed)."""
+    names = {"step_over_byte_roofline": "step_over_byte_roofline", "step_over_read_roofline": "step_over_read_roofline",
+             "step_over_roofline": "step_over_roofline", "round_over_step": "round_over_step",
+             "speedup_with_profile": "speedup", "roofline_round_over_step": "roofline_round_over_step",
+             "roofline_speedup_with_profile": "roofline_speedup",
+             "span_step_over_byte_roofline": "span_step_over_byte_roofline", "span_speedup_with_profile": "span_speedup"}
+    return {f"{label(r)} batch {r['batch']} context {r['context']}":
+            {goal: r["full"][k] for goal, k in names.items() if k in r["full"]} for r in rows if r.get("full")}
 
 
 def plot(rows: list[dict], title: str, path: str) -> None:
@@ -520,7 +539,7 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     series = sorted({(label(r), r["context"]) for r in rows})
     for w, c in series:
         sel = sorted((r for r in rows if (label(r), r["context"]) == (w, c)), key=lambda r: r["batch"])
-        full = [r for r in sel if "full" in r]
+        full = [r for r in sel if "speedup" in r.get("full", {})]  # (rows with a DSpark round)
         if full:
             bs_ = [r["batch"] for r in full]
             line, = ax1.plot(bs_, [r["full"]["speedup"] for r in full], marker="o", label=f"{w} ctx {c}: full")
@@ -529,7 +548,7 @@ def plot(rows: list[dict], title: str, path: str) -> None:
             ax2.plot(bs_, [r["full"]["target_tok_s_per_user"] for r in full], marker="s", ls=":",
                      color=line.get_color(), label=f"{w} ctx {c}: target, full")
         deepest = [(r["batch"], r["measured"][max(r["measured"], key=int)], max(r["measured"], key=int))
-                   for r in sel if r["measured"]]
+                   for r in sel if r["measured"] and "speedup" in r["measured"][max(r["measured"], key=int)]]
         if deepest:
             ax1.plot([b for b, _, _ in deepest], [m["speedup"] for _, m, _ in deepest], marker="x", ls="--",
                      alpha=0.6, label=f"{w} ctx {c}: {deepest[0][2]}-layer slice")
@@ -553,34 +572,47 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
     """Compile the target and DSpark rounds of every depth for one batch and cache allocation, then
     time them at every context; each result is appended to ``meta`` and saved at once."""
     g0 = time.perf_counter()
-    jobs = {}
+    jobs, switches = {}, {}
     for depth in depths:
-        for mode in ("target", "dspark"):
-            for opt in args.options:
-                eng = Engine(models[depth], gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
-                             accept_profile=profile if mode == "dspark" else None,
-                             compiler_options=OPTION_SETS[opt])
-                jobs[(depth, mode, opt)] = (eng, random_state(eng, b, alloc, seed=depth))
-    compiled = compile_group(jobs, args.compile_threads, args.rounds_per_call)
+        for label_, ns in args.variants:
+            own = ns.moe_one_row and ns.moe_one_row != args.moe_one_row  # (the slice has the command's)
+            model = with_moe_one_row(models[depth], ns.moe_one_row) if own else models[depth]
+            for mode in args.modes:
+                for opt in args.options:
+                    eng = Engine(model, gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
+                                 accept_profile=profile if mode == "dspark" else None,
+                                 compiler_options=OPTION_SETS[opt])
+                    jobs[(depth, mode, opt, label_)] = (eng, random_state(eng, b, alloc, seed=depth))
+                    switches[(depth, mode, opt, label_)] = ns
+    try:  # each program traced under its variant's switches (read when a step is traced)
+        compiled = compile_group(jobs, args.compile_threads, args.rounds_per_call,
+                                 prepare=(lambda key: apply_launch_options(switches[key])) if len(args.variants) > 1
+                                 else None)
+    finally:
+        apply_launch_options(args)
     group_compile_s = time.perf_counter() - g0
-    for (depth, mode, opt), (program, secs) in compiled.items():
+    for (depth, mode, opt, var), (program, secs) in compiled.items():
         meta["compiles"].append({"weights": w, "batch": b, "alloc": alloc, "depth": depth, "mode": mode,
-                                 "options": opt, "lower_compile_s": secs, "threads": args.compile_threads,
-                                 "temp_bytes": temp_bytes(program)})
+                                 "options": opt, "variant": var, "lower_compile_s": secs,
+                                 "threads": args.compile_threads, "temp_bytes": temp_bytes(program),
+                                 "custom_calls": custom_calls(program)})
     print(f"{w} batch {b} alloc {alloc}: {len(compiled)} programs compiled in {group_compile_s:.1f} s "
-          f"({', '.join(f'{k[0]}L {k[1]} {k[2]} {v[1]:.0f} s' for k, v in compiled.items())})", flush=True)
-    for c in ctxs:  # every depth and mode of one context timed in turn (``time_rounds``)
+          f"({', '.join(f'{k[0]}L {k[1]} {k[2]} {k[3]} {v[1]:.0f} s' for k, v in compiled.items())}); custom calls "
+          f"{[c['custom_calls'] for c in meta['compiles'][-len(compiled):]]}", flush=True)
+    for c in ctxs:  # every depth, mode and variant of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
                             args.rounds, args.repeats, per_call=args.rounds_per_call)
         traced = (trace_spans({key: (compiled[key][0], jobs[key][0].params, timed[key][2]) for key in timed},
                               args.rounds, args.rounds_per_call) if args.spans else {})
-        for (depth, mode, opt), (sec, tau, bs, each, host) in timed.items():
+        for key, (sec, tau, bs, each, host) in timed.items():
+            depth, mode, opt, var = key
             r = {"weights": w, "depth": depth, "batch": b, "context": c, "alloc": alloc, "mode": mode, "options": opt,
+                 "variant": "" if var == "base" and len(args.variants) == 1 else var,
                  "round_s": sec, "tokens_per_round": tau, "tok_s_per_user": tau / sec, "round_s_passes": each,
                  "host_s": host, "rounds_per_call": args.rounds_per_call}
-            if (depth, mode, opt) in traced:
-                r["span_s"], r["busy_s"], bs = traced[(depth, mode, opt)]
-            jobs[(depth, mode, opt)] = (jobs[(depth, mode, opt)][0], bs)
+            if key in traced:
+                r["span_s"], r["busy_s"], bs = traced[key]
+            jobs[key] = (jobs[key][0], bs)
             meta["results"].append(r)
             print(r, flush=True)
         save()
@@ -633,6 +665,12 @@ def main(argv=None):
                          "span and busy time, extrapolated like the wall times (span_step_ms, ...)")
     ap.add_argument("--moe-one-row", default="", help="MoE.one_row (xla, select, shared; default: the model's)")
     add_launch_options(ap)
+    ap.add_argument("--variants", default="",
+                    help="launch switch sets timed side by side, '|'-separated flags of the launch options and "
+                         "--moe-one-row on top of this command's (an empty set: the command's own), e.g. "
+                         "'|--wq-b-apart|--moe-one-row select'; each row of the results names its set")
+    ap.add_argument("--modes", default="target,dspark",
+                    help="target (the target-only step), dspark (the DSpark round) or both")
     ap.add_argument("--options", default="engine",
                     help="compiler options of the rounds, timed side by side: engine (the engine's, "
                          "compile_cache.COMPILER_OPTIONS), xla (XLA's defaults); e.g. engine,xla")
@@ -646,6 +684,13 @@ def main(argv=None):
     args.launch_options = apply_launch_options(args)
     args.split_programs = apply_split_option(args)
     args.options = args.options.split(",")
+    try:
+        args.variants = launch_variants(args.variants, args)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
+    args.modes = args.modes.split(",")
+    if not args.modes or set(args.modes) - {"target", "dspark"}:
+        raise SystemExit(f"--modes takes target and / or dspark, got {args.modes}")
     if not args.options or set(args.options) - set(OPTION_SETS):
         raise SystemExit(f"--options takes a list of {sorted(OPTION_SETS)}, got {args.options}")
     start = time.perf_counter()
@@ -672,7 +717,8 @@ def main(argv=None):
     parts = {(w, n): weight_parts(full if n == full.num_hidden_layers else sliced(full, n), w)
              for w in formats for n in {*depths, full.num_hidden_layers}}
     meta = {
-        "env": env, "ceilings": ceil, "method": METHOD, "args": vars(args),
+        "env": env, "ceilings": ceil, "method": METHOD,
+        "args": {**vars(args), "variants": [label_ for label_, _ in args.variants]},
         "acceptance": ("real acceptance" if profile is None else
                        f"ACCEPTANCE PROFILE (benchmark only, not lossless): {profile}, expected accept length "
                        f"{1 + sum(profile[:gamma]):.3f}"),

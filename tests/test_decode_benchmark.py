@@ -244,3 +244,72 @@ def test_ceilings_take_the_fastest_call_after_warming_up():
     assert 0.002 <= fastest <= median < 0.0075
     ceil = common.ceilings(copy_gib=1 / 4096, matmul_n=64)
     assert all(ceil[k] > 0 and ceil[k] >= ceil[f"{k}_median"] for k in ("copy_GBps", "read_GBps", "bf16_matmul_TFLOPs"))
+
+
+def test_launch_variants_and_step_only_rows(flash_fp8_parts):
+    """``--variants``: each set parsed on top of the command's switches, labelled by its flags; a
+    target-only run (``--modes target``) gives one row per variant with the step's values only."""
+    import argparse
+
+    from benchmarks.common import add_launch_options, launch_variants
+
+    ap = argparse.ArgumentParser()
+    add_launch_options(ap)
+    ap.add_argument("--moe-one-row", default="")
+    args = ap.parse_args(["--compressor-two-launches"])
+    (base, a), (apart, b), (select, c) = launch_variants("|--wq-b-apart| --moe-one-row select", args)
+    assert (base, apart, select) == ("base", "--wq-b-apart", "--moe-one-row select")
+    assert not a.wq_b_apart and b.wq_b_apart and not c.wq_b_apart and c.moe_one_row == "select"
+    assert a.compressor_two_launches and b.compressor_two_launches and c.compressor_two_launches  # the command's
+    assert not args.wq_b_apart  # the command's own switches untouched
+    with pytest.raises(ValueError, match="--no-such-switch"):
+        launch_variants("|--no-such-switch", args)
+    with pytest.raises(ValueError, match="twice"):
+        launch_variants("--wq-b-apart|--wq-b-apart", args)
+
+    full = config.flash()
+    results = [{"weights": "fp8", "batch": 1, "context": 2048, "depth": d, "mode": "target", "variant": v,
+                "round_s": 1e-3 * (1 + s * d), "tokens_per_round": 1.0}
+               for v, s in (("base", 0.5), ("--wq-b-apart", 0.25)) for d in (2, 4)]
+    rows = decode.summarize(results, full, {("fp8", 43): flash_fp8_parts}, {"copy_GBps": 2000.0,
+                            "read_GBps": 3200.0, "bf16_matmul_TFLOPs": 600.0}, "bf16")
+    steps = {r["variant"]: r["full"]["step_ms"] for r in rows}
+    assert steps == {"base": pytest.approx(22.5), "--wq-b-apart": pytest.approx(11.75)}
+    assert all("round_ms" not in r["full"] and "round_ms" not in r["measured"]["4"] for r in rows)
+    text = decode.table(rows)
+    assert "| fp8 [--wq-b-apart] | 1 | 2048 | **43 (extrapolated)** | 11.75 | - |" in text
+    assert set(decode.goals(rows)["fp8 [base] batch 1 context 2048"]) == {
+        "step_over_byte_roofline", "step_over_read_roofline", "step_over_roofline"}
+
+
+def test_compile_group_traces_each_program_under_its_switches():
+    """``compile_group(prepare=...)`` lowers each program after its variant's switches are set (the
+    model reads them when it is traced): the value each lowering saw is the one its key set."""
+    from dspark_jax.model import attention
+
+    seen = {}
+
+    class Program:
+        def compile(self):
+            return "compiled"
+
+    class Round:
+        def __init__(self, key):
+            self.key = key
+
+        def lower(self, *args, **kwargs):
+            seen[self.key] = attention.WQ_B_TOGETHER
+            return Program()
+
+    class FakeEngine:
+        def __init__(self, key):
+            self._round, self.params = Round(key), None
+
+    before = attention.WQ_B_TOGETHER
+    jobs = {k: (FakeEngine(k), None) for k in ("a", "b", "c")}
+    together = {"a": True, "b": False, "c": True}
+    try:
+        out = decode.compile_group(jobs, 2, prepare=lambda k: setattr(attention, "WQ_B_TOGETHER", together[k]))
+    finally:
+        attention.WQ_B_TOGETHER = before
+    assert seen == together and {k: v[0] for k, v in out.items()} == dict.fromkeys(jobs, "compiled")
