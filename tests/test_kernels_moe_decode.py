@@ -101,9 +101,10 @@ def test_select_on_gemv_partials_matches_reference(xdt, func, learned):
 def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
     """A one-token MoE step on the Pallas path under each ``MoE.one_row``: "xla" (the router's
     ``gemv``, the selection in XLA, the shared expert's ``gemv_swiglu``), "select" (the selection
-    from ``gemv``'s partial sums in one launch) and "shared" (the router and the shared expert's
-    w1 / w3 in one ``gemv_many`` launch): their launches, the same experts, and outputs within the
-    bf16 tolerance of the "xla" path (only the float32 sums' order differs)."""
+    from ``gemv``'s partial sums in one launch), "shared" (the router and the shared expert's
+    w1 / w3 in one ``gemv_many`` launch) and "apart" (the router's ``gemv`` alone, the shared
+    expert's w1 / w3 in one launch of their own): their launches, the same experts, and outputs
+    within the bf16 tolerance of the "xla" path (only the float32 sums' order differs)."""
     cfg = dataclasses.replace(config.tiny(), hidden_size=256, n_routed_experts=64, num_experts_per_tok=6,
                               moe_intermediate_size=128)
     num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
@@ -114,14 +115,14 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
     ids = jnp.asarray([[7]], jnp.int32)
     assert moe.one_row == "shared"  # the default
     got = {}
-    for path in ("xla", "select", "shared"):
+    for path in ("xla", "select", "shared", "apart"):
         moe.one_row = path
         graphdef, state = nnx.split(moe)
         jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, ids))(state, x)
         kernels = [o[len("pallas:"):] for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
         routing_w, experts, _ = moe._route(x.reshape(1, -1), ids.reshape(-1))
         y = moe(x, ids)  # "shared" leaves the sum to mHC's next launch
-        assert isinstance(y, ExpertRows) == (path == "shared") and y.shape == x.shape and y.dtype == x.dtype
+        assert isinstance(y, ExpertRows) == (path in ("shared", "apart")) and y.shape == x.shape and y.dtype == x.dtype
         got[path] = (kernels, np.asarray(routing_w), np.asarray(experts), np.asarray(total(y), np.float32))
     kernels = {path: got[path][0] for path in got}
     assert kernels["xla"][0].startswith("gemv_bf16") and "router_select" not in kernels["xla"], kernels
@@ -131,10 +132,13 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
     assert len(swiglu) == 1, kernels
     assert kernels["shared"][0].startswith("gemv_bf16_fp8_q_x3") and kernels["shared"][1] == "router_select", kernels
     assert swiglu[0] not in kernels["shared"] and len(kernels["shared"]) == len(kernels["xla"]), kernels
+    assert kernels["apart"][0] == kernels["select"][0], kernels  # the router's product alone
+    assert kernels["apart"][1].startswith("gemv_fp8_q_x2") and kernels["apart"][2] == "router_select", kernels
+    assert kernels["apart"][3:] == kernels["shared"][2:], kernels  # the shared w2 and the routed experts as "shared"
     want_w, want_i, want_y = got["xla"][1:]
     scale = np.abs(want_y).max()
     assert scale > 0 and np.isfinite(want_y).all()
-    for path in ("select", "shared"):
+    for path in ("select", "shared", "apart"):
         _, w, i, y = got[path]
         np.testing.assert_array_equal(i, want_i)
         np.testing.assert_allclose(w, want_w, rtol=1e-6, atol=1e-7)

@@ -24,7 +24,7 @@ from pallas_kernels.routing import gate_weights, route_scores
 # (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6); on the
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
-ONE_ROW = ("xla", "select", "shared", "experts")  # MoE.one_row
+ONE_ROW = ("xla", "select", "shared", "apart", "experts")  # MoE.one_row
 
 
 class Gate(nnx.Module):
@@ -309,6 +309,9 @@ class MoE(nnx.Module):
         # layer's sum left to mHC's next launch): three launches fewer per layer than "xla"; on an
         # H200 a 4-layer batch-1 step ran 125 kernels against 136 and a 0.2-0.3 ms shorter device
         # span, its 43-layer wall-time estimate within the runs' spread (docs/benchmarks.md, 2026-12-05);
+        # "apart" (as "shared", but the router's product in a launch of its own and the shared expert's
+        # w1 / w3 in another: the routing waits for the router's 2 MB only, the shared expert's 17 MB
+        # read runs beside the selection and the routed experts);
         # "experts" (as "shared", the selection decided in the routed SwiGLU's programs,
         # ``Gate.route``, where the pairs take their own tiles as fp8 codes: one launch fewer; with the
         # one-token SwiGLU unsplit the layer's kernels took 4 us more on an H200, docs/benchmarks.md).
@@ -372,7 +375,13 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE.one_row must be one of {ONE_ROW}, got {self.one_row!r}")
         if self.one_row == "xla" or not gate.one_row(xf):
             return *gate(xf, ids), None
-        if self.one_row in ("shared", "experts") and se.w1.takes_gemv(xf) and se.w3.takes_gemv(xf):
+        shared_gemv = se.w1.takes_gemv(xf) and se.w3.takes_gemv(xf)
+        if self.one_row == "apart" and shared_gemv:
+            logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
+            g, u = gemv.gemv_many(xf, (se.w1.grouped_weights(), se.w3.grouped_weights()), gemv.ONE_GROUP,
+                                  quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True))
+            return *gate.select(logits, ids), se.down(g, u)
+        if self.one_row in ("shared", "experts") and shared_gemv:
             logits, g, u = gemv.gemv_many(xf, (gate.weights(), se.w1.grouped_weights(), se.w3.grouped_weights()),
                                           gemv.ONE_GROUP, quantise=(False, se.w1.fp8_act, se.w3.fp8_act),
                                           out_dtype=jnp.float32, partials=(True, True, True))
