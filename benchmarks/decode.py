@@ -421,7 +421,9 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
     byte rooflines are given where it has an entry."""
     bw, peak = ceil["copy_GBps"] * 1e9, ceil["bf16_matmul_TFLOPs"] * 1e12
     rows = []
-    key = lambda r: (r["weights"], r.get("options", "engine"), r.get("variant", ""), r["batch"], r["context"])  # noqa: E731
+    def key(r):
+        return r["weights"], r.get("options", "engine"), r.get("variant", ""), r["batch"], r["context"]
+
     for w, opt, var, b, c in sorted({key(r) for r in results}):
         sel = [r for r in results if key(r) == (w, opt, var, b, c)]
         t = {r["depth"]: r["round_s"] for r in sel if r["mode"] == "target"}
@@ -440,7 +442,8 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
                           "speedup": tau[depth] * t[depth] / d[depth]})
             if (w, depth) in parts:
                 roof = roofline(sliced(full, depth), parts[(w, depth)], b, c, kv_layout)
-                m.update({"step_bytes": roof["step_bytes"], "step_over_byte_roofline": t[depth] / (roof["step_bytes"] / bw)})
+                m.update({"step_bytes": roof["step_bytes"],
+                          "step_over_byte_roofline": t[depth] / (roof["step_bytes"] / bw)})
                 if depth in d:
                     m.update({"round_bytes": roof["round_bytes"],
                               "round_over_byte_roofline": d[depth] / (roof["round_bytes"] / bw)})
@@ -475,7 +478,8 @@ def summarize(results: list[dict], full: config.ModelConfig, parts: dict, ceil: 
                                  full.num_hidden_layers) for m in ("target", "dspark")]
             if spans[0]:
                 s_step = spans[0]["full_s"]
-                f.update({"span_step_ms": 1e3 * s_step, "span_step_over_byte_roofline": s_step / (roof["step_bytes"] / bw)})
+                f.update({"span_step_ms": 1e3 * s_step,
+                          "span_step_over_byte_roofline": s_step / (roof["step_bytes"] / bw)})
                 if spans[1] and ed:
                     f.update({"span_round_ms": 1e3 * spans[1]["full_s"],
                               "span_speedup": tau_full * s_step / spans[1]["full_s"]})
@@ -525,7 +529,8 @@ def goals(rows: list[dict]) -> dict:
              "step_over_roofline": "step_over_roofline", "round_over_step": "round_over_step",
              "speedup_with_profile": "speedup", "roofline_round_over_step": "roofline_round_over_step",
              "roofline_speedup_with_profile": "roofline_speedup",
-             "span_step_over_byte_roofline": "span_step_over_byte_roofline", "span_speedup_with_profile": "span_speedup"}
+             "span_step_over_byte_roofline": "span_step_over_byte_roofline",
+             "span_speedup_with_profile": "span_speedup"}
     return {f"{label(r)} batch {r['batch']} context {r['context']}":
             {goal: r["full"][k] for goal, k in names.items() if k in r["full"]} for r in rows if r.get("full")}
 
@@ -663,7 +668,8 @@ def main(argv=None):
     ap.add_argument("--spans", action="store_true",
                     help="after the timing, each program's rounds once more under the profiler: each round's device "
                          "span and busy time, extrapolated like the wall times (span_step_ms, ...)")
-    ap.add_argument("--moe-one-row", default="", help="MoE.one_row (xla, select, shared, apart, experts; default: the model's)")
+    ap.add_argument("--moe-one-row", default="",
+                    help="MoE.one_row (xla, select, shared, apart, experts; default: the model's)")
     add_launch_options(ap)
     ap.add_argument("--variants", default="",
                     help="launch switch sets timed side by side, '|'-separated flags of the launch options and "

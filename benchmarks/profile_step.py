@@ -709,8 +709,8 @@ def main():
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn; fused: the hc_fused kernels)")
     ap.add_argument("--moe-one-row", default="",
-                    help="comma list of MoE.one_row values (xla, select, shared, apart, experts) to profile one after the other in "
-                         "this process (default: the model's); results named mode[value]")
+                    help="comma list of MoE.one_row values (xla, select, shared, apart, experts) to profile one after "
+                         "the other in this process (default: the model's); results named mode[value]")
     add_launch_options(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
