@@ -135,13 +135,15 @@ def add_launch_options(ap) -> None:
     """The switches that change how a decode step's small kernels launch (module-level settings read
     when a step is traced), for an A/B of one against the other in the same process or run."""
     from dspark_jax.model import attention
+    from pallas_kernels import compressor_pool
 
     ap.add_argument("--one-token-swiglu", type=int, default=0,
                     help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
                          "its rows (grouped_matmul.ONE_TOKEN_SWIGLU_BLOCK_N; 0: K split, then swiglu_quantise)")
-    ap.add_argument("--compressor-two-launches", action="store_true",
-                    help="each compressor's step as two launches (the pooling, then the entries' write) instead of "
-                         "one (compressor_pool.WRITE_IN_POOL off)")
+    ap.add_argument("--compressor-launches", type=int, choices=(1, 2),
+                    default=1 if compressor_pool.WRITE_IN_POOL else 2,
+                    help="each compressor's step as one launch (pooling and the entries' write) or two (the pooling "
+                         "over channel blocks, then the write): compressor_pool.WRITE_IN_POOL on / off")
     ap.add_argument("--new-rows", default=attention.NEW_ROWS, choices=attention.NEW_ROWS_MODES,
                     help="how a step's new rows launch (attention.NEW_ROWS): one (window row + q_norm and the "
                          "compressors' pooling in one launch), apart (q_norm on its own), separate")
@@ -158,7 +160,7 @@ def apply_launch_options(args) -> dict:
     from pallas_kernels import compressor_pool, grouped_matmul as gm, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
-    compressor_pool.WRITE_IN_POOL = not args.compressor_two_launches
+    compressor_pool.WRITE_IN_POOL = args.compressor_launches == 1
     attention.NEW_ROWS = args.new_rows
     attention.WQ_B_TOGETHER = not args.wq_b_apart
     if args.queries_max_programs >= 0:
@@ -171,7 +173,7 @@ def apply_launch_options(args) -> dict:
 def launch_variants(text: str, args) -> list[tuple[str, object]]:
     """``--variants``: launch switch sets timed side by side in one process, separated by "|", each
     the flags of ``add_launch_options`` (and ``--moe-one-row``) on top of the command's own (an
-    empty set: the command's): e.g. ``"|--wq-b-apart|--compressor-two-launches --wq-b-apart"``.
+    empty set: the command's): e.g. ``"|--wq-b-apart|--compressor-launches 1 --wq-b-apart"``.
     Returns (label, namespace) per set, the label its flags ("base" for none)."""
     import argparse
     import copy

@@ -270,9 +270,12 @@ def pool(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"], kv_n
 
 # ------------------------------------------------------------------------------ pooling and the entries' write
 # Whether ``pool_write`` takes ``pool_write_kernel`` (one launch) where it can, or the two launches
-# (``pool_kernel``, then ``kv_rows.write_window_rows``): a switch for benchmarks, as
-# ``hc_fused.CONFIG``.
-WRITE_IN_POOL = True
+# (``pool_kernel``, its channels over programs, then ``kv_rows.write_window_rows``). Two: the one
+# launch pools a closed window's whole rows in one program per request, and a layer's next kernels
+# wait for it; on an H100 the 6-layer Flash slice's batch-1 step took 17 us less with two launches
+# per compressor (34 us less with ``MoE.one_row`` "apart" too), docs/benchmarks.md (2026-12-05, last).
+# A switch for benchmarks (``benchmarks/decode.py --compressor-launches``).
+WRITE_IN_POOL = False
 
 
 def pool_write_reference(ring_kv: Float[Array, "b r c"], ring_score: Float[Array, "b r c"],

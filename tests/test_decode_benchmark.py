@@ -256,11 +256,11 @@ def test_launch_variants_and_step_only_rows(flash_fp8_parts):
     ap = argparse.ArgumentParser()
     add_launch_options(ap)
     ap.add_argument("--moe-one-row", default="")
-    args = ap.parse_args(["--compressor-two-launches"])
+    args = ap.parse_args(["--compressor-launches", "1"])
     (base, a), (apart, b), (select, c) = launch_variants("|--wq-b-apart| --moe-one-row select", args)
     assert (base, apart, select) == ("base", "--wq-b-apart", "--moe-one-row select")
     assert not a.wq_b_apart and b.wq_b_apart and not c.wq_b_apart and c.moe_one_row == "select"
-    assert a.compressor_two_launches and b.compressor_two_launches and c.compressor_two_launches  # the command's
+    assert a.compressor_launches == b.compressor_launches == c.compressor_launches == 1  # the command's
     assert not args.wq_b_apart  # the command's own switches untouched
     with pytest.raises(ValueError, match="--no-such-switch"):
         launch_variants("|--no-such-switch", args)

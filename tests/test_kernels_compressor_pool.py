@@ -206,10 +206,10 @@ def test_pool_write_matches_two_launches_and_reference(ratio, overlap, w, t, sta
     assert np.mean(e[written] == r[written]) > 0.97
 
 
-def test_pool_write_switch():
-    """``pool_write`` takes the one launch on the Pallas path, the two launches with
-    ``WRITE_IN_POOL`` off (both alike), the references for XLA, and for chunks longer than R - span
-    (prefill) the pooling's reference and the rows' kernel."""
+def test_pool_write_switch(monkeypatch):
+    """``pool_write`` takes the two launches on the Pallas path (``WRITE_IN_POOL`` off, the default),
+    the one launch with it on (both alike), the references for XLA, and for chunks longer than R -
+    span (prefill) the pooling's reference and the rows' kernel."""
     from tests.helpers import pallas_calls
 
     rng = np.random.default_rng(5)
@@ -220,13 +220,11 @@ def test_pool_write_switch():
         jaxpr = jax.make_jaxpr(lambda *a: compressor_pool.pool_write(*a, INV_FREQ, impl=impl, **kw))(*args)
         return [n for n, _ in pallas_calls(jaxpr.jaxpr)]
 
-    assert launches("pallas") == ["compressor_pool_write"] and launches("xla") == []
-    compressor_pool.WRITE_IN_POOL = False
-    try:
-        assert launches("pallas") == ["compressor_pool", "kv_rows"]
-        two = compressor_pool.pool_write(*args, INV_FREQ, impl="pallas", **kw)
-    finally:
-        compressor_pool.WRITE_IN_POOL = True
+    assert not compressor_pool.WRITE_IN_POOL  # the default
+    assert launches("pallas") == ["compressor_pool", "kv_rows"] and launches("xla") == []
+    two = compressor_pool.pool_write(*args, INV_FREQ, impl="pallas", **kw)
+    monkeypatch.setattr(compressor_pool, "WRITE_IN_POOL", True)
+    assert launches("pallas") == ["compressor_pool_write"]
     one = compressor_pool.pool_write(*args, INV_FREQ, impl="pallas", **kw)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

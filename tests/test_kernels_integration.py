@@ -14,6 +14,7 @@ from dspark_jax.api import forward_step
 from dspark_jax.cache import Fp8Keys, commit, init_cache, read_kv
 from dspark_jax.model import attention
 from dspark_jax.model.quant import kv_sim
+from pallas_kernels import compressor_pool
 from tests.helpers import pallas_calls, perturb
 
 # The tiny target's mechanisms in 3 layers instead of 6 (window-only, C4 + indexer, C128; hash
@@ -192,7 +193,9 @@ def test_new_rows_launch_modes_agree(monkeypatch, mode):
     """``attention.NEW_ROWS``: a one-token step's new rows with q_norm in a launch of its own
     ("apart", the default: ``rms_norms`` beside the window's row and the compressors' pooling) or
     one launch per kernel give the logits and caches of the one launch ("one") bit for bit (the
-    same row code)."""
+    same row code). With the compressors' steps in one launch each (``WRITE_IN_POOL`` on: only then
+    does a compressed layer merge its new rows)."""
+    monkeypatch.setattr(compressor_pool, "WRITE_IN_POOL", True)
     want, got = _under_switch(monkeypatch, "NEW_ROWS", ("one", mode), seed=6)
     _assert_same_steps(got, want)
     names = got[2]
@@ -214,8 +217,9 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
     layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
-    q norm of the split sums in one, the window's new KV row and the compressors' pooling and
-    entries in one (``Attention._new_rows``), the queries' norm + RoPE in one, a C4 layer's wq_b with its
+    shared expert's w1 + w3 in one, the q norm of the split sums with the window's new KV row in
+    one (a compressed layer's; the window-only layer's beside it), each compressor's pooling and its
+    entries' write in one each, the queries' norm + RoPE inside the attention, a C4 layer's wq_b with its
     indexer's wq_b in one, the indexer's queries finished in its scores' launch; the logits those of
     the XLA path (fp32 activations, bf16 and FP8 weights: exact products both ways but for fp32
     rows times FP8 weights, rounded alike). With ``quant_sim`` the q norm's launch also gives
@@ -243,20 +247,23 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     assert SMALL.compress_ratios == (0, 4, 128)
     q = "_q" if quant_sim else ""
     assert (count(f"gemv_fp8_bf16{q}_x7"), count(f"gemv_fp8_bf16{q}_x4")) == (1, 1), names
-    # the window layer's wq_a + wkv; the C4 layer's wq_b with its indexer's wq_b (on qr, rounded already)
-    assert (count(f"gemv_fp8{q}_x2"), count("gemv_fp8_x2")) == ((1, 1) if quant_sim else (2, 2)), names
-    # the routers' products with the shared experts' w1 / w3 (``MoE.one_row`` "shared"), the selection after them
-    routers = (count(f"gemv_bf16_fp8{q}_x3"), count("gemv_bf16"), count("router_select"))
-    assert routers == (len(SMALL.compress_ratios),) * 3, names
-    assert count("gemv_fp8_q_swiglu") == 0, names
     layers = len(SMALL.compress_ratios)
-    # the window's new row (kv_norm + RoPE + kv_sim + the write) and the C4 and C128 layers' compressors'
-    # pooling and entries (the indexer's keys with their Hadamard + e2m1 rounding; without quant_sim, plain
-    # rows) in one launch per layer, q_norm of the partial sums in one beside it (``Attention._new_rows``)
-    rows = (count("kv_rows"), count("new_rows_x2"), count("new_rows_x3"), count("rms_norms_x1"))
-    assert rows == (1, 1, 1, layers) and SMALL.compress_ratios == (0, 4, 128), " ".join(names)
-    alone = ("kv_rows", "key_rows", "compressor_pool")  # (launches of their own)
-    assert [n for n in names if n.startswith(alone)] == ["kv_rows"], " ".join(names)
+    # the window layer's wq_a + wkv, the C4 layer's wq_b with its indexer's wq_b (on qr, rounded already),
+    # every layer's shared expert's w1 + w3 (``MoE.one_row`` "apart"; quantised rows with quant_sim)
+    pairs = (1 + layers, 1) if quant_sim else (2 + layers, 2 + layers)
+    assert (count(f"gemv_fp8{q}_x2"), count("gemv_fp8_x2")) == pairs, names
+    # the routers' products alone, the selection after them (``MoE.one_row`` "apart")
+    routers = (count(f"gemv_bf16_fp8{q}_x3"), count("gemv_bf16"), count("router_select"))
+    assert routers == (0, layers, layers), names
+    assert count("gemv_fp8_q_swiglu") == 0, names
+    # the window-only layer's new row (kv_norm + RoPE + kv_sim + the write) with q_norm of the partial sums in a
+    # launch beside it; a compressed layer's new row with q_norm in one launch and each compressor's step in
+    # two (``compressor_pool.WRITE_IN_POOL`` off: the pooling, then the entries' write: the indexer's keys
+    # with their Hadamard + e2m1 rounding under quant_sim, else plain rows); no merged launch of new rows
+    rows = (names.count("kv_rows_norm"), count("rms_norms_x1"), count("new_rows"), count("compressor_pool"))
+    assert rows == (2, 1, 0, 3) and SMALL.compress_ratios == (0, 4, 128), " ".join(names)
+    writes = [names[i + 1] for i, n in enumerate(names) if n == "compressor_pool"]
+    assert writes == ["kv_rows", "key_rows" if quant_sim else "kv_rows", "kv_rows"], " ".join(names)
     # the queries' head norm + RoPE inside the attention kernel (``q_rope``): no launch of their own
     assert count("q_norm_rope") == 0 and count("ragged_sink_attention") == layers, names
     # the indexer's: its queries finished inside the scores' kernel (no query_rows launch), the top-k

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import attention_configs, backend, kv_fp8, lowering
+from pallas_kernels import attention_configs, backend, compressor_pool, kv_fp8, lowering
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels.attention_metadata import RaggedMeta
@@ -150,25 +150,28 @@ def test_float32_queries_lower_for_gfx950(precision):
     _assert_attention_calls(text, None)
 
 
-@pytest.mark.parametrize("tokens,opt_ins", [(1, False), (6, False), (1, True)])
+@pytest.mark.parametrize("tokens,opt_ins", [(1, False), (6, False), (1, True), (6, True)])
 def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
     """A whole target step of a 4-layer Flash slice (two window layers, a C4 layer with the indexer,
     a C128 layer; FP8 weights, 2k context) at batch 1, a decode step and a verify chunk, through
     JAX's Triton lowering for gfx950: every kernel the step launches at Flash's shapes. The
-    dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): a
-    layer's new rows in one launch each (``new_rows_x2`` / ``x3``), at a decode step and a verify.
-    ``opt_ins``: the decode step with the launch merges that are off (not faster on an H200: the
-    routing in the routed SwiGLU, that SwiGLU unsplit)."""
+    dispatchers pick for the abstract device what they pick on a GPU (``Numerics`` "auto"): each
+    compressor's pooling and its entries' write in a launch each. ``opt_ins``: the step with the
+    launch merges that are off (not faster on an H100 / H200: a layer's new rows with its
+    compressors' steps in one launch, ``new_rows_x2`` / ``x3``; at one token the routing in the
+    routed SwiGLU, that SwiGLU unsplit)."""
     from benchmarks.launches import abstract_step
 
     if opt_ins:
         monkeypatch.setattr(gm, "ONE_TOKEN_SWIGLU_BLOCK_N", 32)
+        monkeypatch.setattr(compressor_pool, "WRITE_IN_POOL", True)
     fn, args = abstract_step(4, batch=1, tokens=tokens, context=2048, moe_one_row="experts" if opt_ins else "")
     text = lowering.lower(fn, *args, arch="gfx950", platform="rocm")
     assert lowering.count_triton_calls(text) >= 20
     for name in ("ragged_sink_attention", "grouped_matmul", "index_scores", "top_k_rank"):
         assert name in text, name
-    assert "new_rows_x3" in text and "new_rows_x2" in text
+    assert ("new_rows_x3" in text and "new_rows_x2" in text) == opt_ins
+    assert opt_ins or "compressor_pool" in text
     if tokens == 1:
         assert ("router_select" in text) != opt_ins
         assert ("swiglu_quantise" in text) != opt_ins and ("_routed" in text) == opt_ins
@@ -176,8 +179,9 @@ def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
 
 def test_launch_count_script(tmp_path, monkeypatch):
     """``benchmarks/launches.py`` at a batch-1 decode step: the 4-layer slice holds the 2-layer
-    slice's launches and a C4 + C128 pair's more (the layers' new rows in one launch each, q_norm
-    in one beside it: no separate row or pooling launches), written to launches.json."""
+    slice's launches and a C4 + C128 pair's more (per layer the window's new row with q_norm in one
+    launch, each compressor's pooling and its entries' write in one each; the router's product
+    alone and the shared expert's w1 + w3 in one), written to launches.json."""
     import json
 
     from benchmarks import launches
@@ -186,6 +190,9 @@ def test_launch_count_script(tmp_path, monkeypatch):
     out = launches.main(["--batch", "1", "--tokens", "1", "--context", "512"])
     assert out["launches_4_layers"] == out["launches_2_layers"] + out["launches_c4_c128_pair"] > 0
     pair = out["pair_by_name"]
-    assert pair["new_rows_x2"] == pair["new_rows_x3"] == 1 and pair["ragged_sink_attention"] == pair["rms_norms_x1"] == 2
-    assert not [n for n in pair if n.startswith(("kv_rows", "key_rows", "compressor_pool"))], pair
+    assert pair["kv_rows_norm"] == pair["ragged_sink_attention"] == pair["router_select"] == 2, pair
+    assert (pair["compressor_pool"], pair["kv_rows"], pair["key_rows"]) == (3, 2, 1), pair
+    assert not [n for n in pair if n.startswith(("new_rows", "rms_norms"))], pair
+    shared, router = [n for n in pair if n.startswith("gemv_fp8_q_x2")], [n for n in pair if n.startswith("gemv_bf16")]
+    assert [pair[n] for n in shared + router] == [2, 2], pair
     assert json.loads((tmp_path / "launches.json").read_text())["launches_per_layer"] == out["launches_per_layer"]

@@ -113,7 +113,7 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
         moe.gate.bias[...] = jnp.asarray(np.random.default_rng(4).standard_normal(64) * 0.1, jnp.float32)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 1, 256)), jnp.bfloat16)
     ids = jnp.asarray([[7]], jnp.int32)
-    assert moe.one_row == "shared"  # the default
+    assert moe.one_row == "apart"  # the default
     got = {}
     for path in ("xla", "select", "shared", "apart"):
         moe.one_row = path

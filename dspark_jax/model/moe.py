@@ -309,13 +309,15 @@ class MoE(nnx.Module):
         # layer's sum left to mHC's next launch): three launches fewer per layer than "xla"; on an
         # H200 a 4-layer batch-1 step ran 125 kernels against 136 and a 0.2-0.3 ms shorter device
         # span, its 43-layer wall-time estimate within the runs' spread (docs/benchmarks.md, 2026-12-05);
-        # "apart" (as "shared", but the router's product in a launch of its own and the shared expert's
-        # w1 / w3 in another: the routing waits for the router's 2 MB only, the shared expert's 17 MB
-        # read runs beside the selection and the routed experts);
+        # "apart" (the default: as "shared", but the router's product in a launch of its own and the
+        # shared expert's w1 / w3 in another: the routing waits for the router's 2 MB only, the shared
+        # expert's 17 MB read runs beside the selection and the routed experts; on an H100 the 6-layer
+        # Flash slice's batch-1 step took 11 us less than with "shared", 34 us less with the
+        # compressors' two launches too, docs/benchmarks.md, 2026-12-05, last);
         # "experts" (as "shared", the selection decided in the routed SwiGLU's programs,
         # ``Gate.route``, where the pairs take their own tiles as fp8 codes: one launch fewer; with the
         # one-token SwiGLU unsplit the layer's kernels took 4 us more on an H200, docs/benchmarks.md).
-        self.one_row = "shared"
+        self.one_row = "apart"
         # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
         # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
         # (one Flash layer at 1 token: 283 us against 189 us, docs/benchmarks.md).
