@@ -39,12 +39,15 @@ from pallas_kernels.rope import q_norm_rope
 # pooling in one launch beside it), "one" (q_norm in that launch too: wq_b then waits for the
 # pooling, ~20 us in a C4 layer on an H200; the 43-layer batch-1 step 8.57 / 8.74 ms against
 # 8.02 / 8.32 for "apart", docs/benchmarks.md), "separate" (one launch per kernel). A switch for
-# benchmarks (``benchmarks/decode.py --new-rows``), as ``compressor_pool.WRITE_IN_POOL``.
+# benchmarks (``benchmarks/decode.py --new-rows``), as ``compressor_pool.WRITE_IN_POOL``; a
+# compressed layer merges its new rows only with that on (off by default: then its window row and
+# q_norm share a launch and each compressor's step takes two).
 NEW_ROWS = "apart"
 NEW_ROWS_MODES = ("one", "apart", "separate")
 # Whether a C4 layer's one-token step launches wq_b and its indexer's wq_b together (one read of
 # qr, one launch) or each on its own (the indexer's scores and top-k may then run beside the
-# larger wq_b). A switch for benchmarks (``benchmarks/decode.py --wq-b-apart``).
+# larger wq_b; on an H100 the 6-layer Flash slice's batch-1 step took 16 us longer so,
+# docs/benchmarks.md). A switch for benchmarks (``benchmarks/decode.py --wq-b-apart``).
 WQ_B_TOGETHER = True
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
