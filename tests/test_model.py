@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import dspark_jax
 from dspark_jax.api import forward_step
 from dspark_jax.cache import commit, init_cache
 from dspark_jax.config import MAX_VERIFY_TOKENS
+from pallas_kernels import grouped_matmul as gm
 from tests.helpers import perturb, run_chunks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_parity")
@@ -156,3 +158,29 @@ def test_bad_inputs(tiny_f32):
         m.logits([1, 2, 3], kv_cache="int4")
     with pytest.raises(ValueError, match="max_len"):  # the context + one verify block of slack at most
         init_cache(m.config, 1, m.config.max_position_embeddings + MAX_VERIFY_TOKENS + 1)
+
+
+def test_large_random_weights_are_made_in_blocks(monkeypatch):
+    """Random weights above ``RANDOM_SLICE_VALUES`` values come from one program that makes blocks
+    of leading rows in turn (a Flash layer's expert stacks: no 8 GiB temporaries): fewer temporary
+    bytes than the whole array's program, the same distribution, each block its own values, the
+    same array again from the same key; smaller ones as before (the tiny models' values)."""
+    from dspark_jax.model import common
+
+    key = jax.random.key(3)
+    shape = (64, 128, 256)  # 2M values
+    whole = jax.jit(lambda k: common._scaled_normal(k, shape, 0.02, jnp.bfloat16))
+    before = whole.lower(key).compile().memory_analysis()
+    monkeypatch.setattr(common, "RANDOM_SLICE_VALUES", 128 * 256 * 4)  # blocks of 4 rows
+    after = jax.jit(lambda k: common._scaled_normal(k, shape, 0.02, jnp.bfloat16)).lower(key).compile().memory_analysis()
+    if before is not None and after is not None:  # (a backend that reports them)
+        assert after.temp_size_in_bytes < before.temp_size_in_bytes / 2, (after, before)
+    w = np.asarray(common._scaled_normal(key, shape, 0.02, jnp.bfloat16), np.float32)
+    assert w.shape == shape and abs(w.std() - 0.02) < 1e-3 and abs(w.mean()) < 1e-3
+    assert not np.array_equal(w[:4], w[4:8])
+    np.testing.assert_array_equal(w, np.asarray(common._scaled_normal(key, shape, 0.02, jnp.bfloat16), np.float32))
+    codes = np.asarray(common._widened_fp4_codes(key, (32, 64, 256)), np.float32)  # blocked too
+    assert set(np.unique(codes)) <= {64 * v for v in gm.FP4_VALUES} and len(np.unique(codes)) > 8
+    small = (4, 16, 32)  # made whole, eagerly: the values of the plain formula
+    np.testing.assert_array_equal(np.asarray(common._scaled_normal(key, small, 0.5, jnp.float32)),
+                                  np.asarray(0.5 * jax.random.normal(key, small, jnp.float32)))

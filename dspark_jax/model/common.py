@@ -135,8 +135,48 @@ class Buffer(nnx.Variable):
     """A non-trained array stored in checkpoints (hash routing table, router correction bias)."""
 
 
+# Random weights larger than this many values are made in blocks of leading rows (e.g. a routed
+# expert of a stack at a time): made whole, a Flash layer's experts passed through float32 /
+# int32 temporaries of 8 GiB each, which an 80 GB GPU holding a few layers could not always
+# allocate. Smaller ones (every tiny model's) are made whole, as before.
+RANDOM_SLICE_VALUES = 1 << 26
+
+
+def _by_slices(make):
+    """``make(key, shape, *args)``; where the array holds more than ``RANDOM_SLICE_VALUES`` values,
+    one jitted program making it as blocks of its leading rows in turn (the most rows dividing the
+    leading axis within that many values, a key per block)."""
+    @functools.partial(jax.jit, static_argnums=tuple(range(1, 4)))
+    def blocked(key: Array, shape: tuple[int, ...], *args) -> Array:
+        row = math.prod(shape[1:])
+        rows = max((d for d in range(1, shape[0] + 1) if shape[0] % d == 0 and d * row <= RANDOM_SLICE_VALUES),
+                   default=1)
+        blocks = jax.lax.map(lambda k: make(k, (rows, *shape[1:]), *args), jax.random.split(key, shape[0] // rows))
+        return blocks.reshape(shape)
+
+    @functools.wraps(make)
+    def made(key: Array, shape: tuple[int, ...], *args) -> Array:
+        if len(shape) < 2 or math.prod(shape) <= RANDOM_SLICE_VALUES:
+            return make(key, shape, *args)
+        return blocked(key, shape, *args)
+
+    return made
+
+
+@_by_slices
+def _scaled_normal(key: Array, shape: tuple[int, ...], scale: float, dtype) -> Array:
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@_by_slices
+def _widened_fp4_codes(key: Array, shape: tuple[int, ...]) -> Array:
+    """Uniformly random e2m1 values times 64 as e4m3 codes."""
+    codes = jax.random.randint(key, shape, 0, 16)
+    return (jnp.asarray(gm.FP4_VALUES, jnp.float32)[codes] * 64).astype(jnp.float8_e4m3fn)
+
+
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> Array:
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return _scaled_normal(rngs.params(), tuple(shape), std, dtype)
 
 
 _FP4_RMS = math.sqrt(sum(v * v for v in gm.FP4_VALUES[:8]) / 8)  # of uniformly random e2m1 codes
@@ -145,7 +185,7 @@ _FP4_RMS = math.sqrt(sum(v * v for v in gm.FP4_VALUES[:8]) / 8)  # of uniformly 
 def random_fp8(rngs: nnx.Rngs, shape: tuple[int, int], std: float = 0.02) -> tuple[Array, Array]:
     """Random fp8 weights [out, in] of about ``std``: (e4m3 codes, e8m0 scale bytes per 128 x 128 block)."""
     e = round(math.log2(std))
-    codes = (std * 2.0**-e * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(jnp.float8_e4m3fn)
+    codes = _scaled_normal(rngs.params(), tuple(shape), std * 2.0**-e, jnp.float8_e4m3fn)
     blocks = tuple(-(-n // gm.FP8_BLOCK) for n in shape)
     return codes, jnp.full(blocks, 127 + e, jnp.uint8)
 
@@ -158,9 +198,8 @@ def random_fp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = 0.02, *, wid
     128 inputs [..., out, in / 128]."""
     e = round(math.log2(std / _FP4_RMS))
     if widened:
-        codes = jax.random.randint(rngs.params(), shape, 0, 16)
         scales = jnp.full((*shape[:-1], shape[-1] // gm.FP8_BLOCK), 127 + e - 6, jnp.uint8)
-        return (jnp.asarray(gm.FP4_VALUES, jnp.float32)[codes] * 64).astype(jnp.float8_e4m3fn), scales
+        return _widened_fp4_codes(rngs.params(), tuple(shape)), scales
     scales = jnp.full((*shape[:-1], shape[-1] // gm.FP4_BLOCK), 127 + e, jnp.uint8)
     return jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8), scales
 
