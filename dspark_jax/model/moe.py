@@ -378,11 +378,6 @@ class MoE(nnx.Module):
         if self.one_row == "xla" or not gate.one_row(xf):
             return *gate(xf, ids), None
         shared_gemv = se.w1.takes_gemv(xf) and se.w3.takes_gemv(xf)
-        if self.one_row == "apart" and shared_gemv:
-            logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
-            g, u = gemv.gemv_many(xf, (se.w1.grouped_weights(), se.w3.grouped_weights()), gemv.ONE_GROUP,
-                                  quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True))
-            return *gate.select(logits, ids), se.down(g, u)
         if self.one_row in ("shared", "experts") and shared_gemv:
             logits, g, u = gemv.gemv_many(xf, (gate.weights(), se.w1.grouped_weights(), se.w3.grouped_weights()),
                                           gemv.ONE_GROUP, quantise=(False, se.w1.fp8_act, se.w3.fp8_act),
@@ -391,4 +386,9 @@ class MoE(nnx.Module):
                 return gate.route(logits, ids), None, se.down(g, u)
             return *gate.select(logits, ids), se.down(g, u)
         logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
-        return *gate.select(logits, ids), None
+        shared = None
+        if self.one_row == "apart" and shared_gemv:  # the shared expert's w1 / w3 in a launch of their own
+            g, u = gemv.gemv_many(xf, (se.w1.grouped_weights(), se.w3.grouped_weights()), gemv.ONE_GROUP,
+                                  quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True))
+            shared = se.down(g, u)
+        return *gate.select(logits, ids), shared
