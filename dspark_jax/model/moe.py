@@ -386,9 +386,9 @@ class MoE(nnx.Module):
                 return gate.route(logits, ids), None, se.down(g, u)
             return *gate.select(logits, ids), se.down(g, u)
         logits = gemv.gemv_many(xf, (gate.weights(),), gemv.ONE_GROUP, out_dtype=jnp.float32, partials=(True,))[0]
-        shared = None
+        gu = None
         if self.one_row == "apart" and shared_gemv:  # the shared expert's w1 / w3 in a launch of their own
-            g, u = gemv.gemv_many(xf, (se.w1.grouped_weights(), se.w3.grouped_weights()), gemv.ONE_GROUP,
-                                  quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True))
-            shared = se.down(g, u)
-        return *gate.select(logits, ids), shared
+            gu = gemv.gemv_many(xf, (se.w1.grouped_weights(), se.w3.grouped_weights()), gemv.ONE_GROUP,
+                                quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True))
+        w, idx = gate.select(logits, ids)
+        return w, idx, None if gu is None else se.down(*gu)
