@@ -211,6 +211,23 @@ def test_wq_b_launched_apart_agrees(monkeypatch):
     assert len(apart[2]) == len(merged[2]) + 1 and SMALL.compress_ratios.count(4) == 1, (merged[2], apart[2])
 
 
+def test_x_linears_launched_apart_agree(monkeypatch):
+    """``attention.X_LINEARS_TOGETHER`` off: a compressed layer's wq_a + wkv in one launch and its
+    compressors' linears (bf16; a C4 layer's indexer's too) in another: the same exact products,
+    their K split's float32 sums perhaps split otherwise (at Flash sizes), so logits within float32
+    rounding; one launch more per compressed layer, none in the window-only layer."""
+    together, apart = _under_switch(monkeypatch, "X_LINEARS_TOGETHER", (True, False), seed=8)
+    scale = np.abs(np.asarray(together[0])).max()
+    assert scale > 0 and np.isfinite(np.asarray(apart[0])).all()
+    np.testing.assert_allclose(np.asarray(apart[0]), np.asarray(together[0]), rtol=0, atol=1e-5 * scale)
+    names = apart[2]
+    assert SMALL.compress_ratios == (0, 4, 128) and len(names) == len(together[2]) + 2, (together[2], names)
+    assert [n for n in together[2] if n.startswith("gemv_fp8_bf16_q_x")] == ["gemv_fp8_bf16_q_x7", "gemv_fp8_bf16_q_x4"]
+    assert not [n for n in names if n.startswith("gemv_fp8_bf16")], names
+    assert [n for n in names if n.startswith("gemv_bf16_x")] == ["gemv_bf16_x5", "gemv_bf16_x2"], names
+    assert names.count("gemv_fp8_q_x2") == together[2].count("gemv_fp8_q_x2") + 2, names
+
+
 @pytest.mark.parametrize("quant_sim", [False, True])
 def test_one_token_steps_share_the_linears_launches(quant_sim):
     """Linears at one token through ``gemv`` (interpret mode here): per layer every linear of the

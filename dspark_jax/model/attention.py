@@ -49,6 +49,12 @@ NEW_ROWS_MODES = ("one", "apart", "separate")
 # larger wq_b; on an H100 the 6-layer Flash slice's batch-1 step took 16 us longer so,
 # docs/benchmarks.md). A switch for benchmarks (``benchmarks/decode.py --wq-b-apart``).
 WQ_B_TOGETHER = True
+# Whether a compressed layer's one-token step multiplies x by wq_a, wkv and its compressors' linears
+# in one launch (x read once; 27 MB in a C4 layer, 12.3 us on an H200) or by wq_a + wkv in one and
+# the compressors' linears (bf16, 21 MB in a C4 layer) in another beside it: the queries' chain
+# (q_norm, wq_b, the indexer's scores, the attention) then waits for the 6 MB of wq_a + wkv only.
+# Not yet timed: a switch for benchmarks (``benchmarks/decode.py --x-linears-apart``).
+X_LINEARS_TOGETHER = True
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
@@ -129,11 +135,16 @@ class Attention(nnx.Module):
         cfg = self.cfg
         pos = chunk.positions
         # every linear of x in one launch at one row: wq_a, wkv, the compressor's, the indexer's
+        # (``X_LINEARS_TOGETHER`` off: wq_a + wkv in one, the compressors' in another), as the split's
+        # partial sums (their consumers add them)
         cmp = (self.compressor.wkv, self.compressor.wgate) if self.ratio else ()
         idx = self.indexer.x_linears() if self.ratio == 4 else ()
-        # (as the split's partial sums: their consumers add them)
-        partials = (True,) * (2 + len(cmp) + len(idx))
-        a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh, partials=partials)
+        if X_LINEARS_TOGETHER:
+            a_q, a_kv, *projected = shared_input((self.wq_a, self.wkv, *cmp, *idx), x, self.mesh,
+                                                 partials=(True,) * (2 + len(cmp) + len(idx)))
+        else:
+            a_q, a_kv = shared_input((self.wq_a, self.wkv), x, self.mesh, partials=(True, True))
+            projected = list(shared_input((*cmp, *idx), x, self.mesh, partials=(True,) * (len(cmp) + len(idx))))
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()
