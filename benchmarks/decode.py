@@ -314,8 +314,10 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_
     Interleaved, so that a drift of the machine (clocks settling after compilation, another
     process) reaches every program alike: measured one after the other, the first program's time
     moved by up to 25 % between runs, and the 43-layer extrapolation multiplies the depths'
-    difference by 19.5. Returns key -> (seconds, tau, final state, seconds of every pass, host
-    seconds): host seconds, the median over the passes of the time the calls themselves took per
+    difference by 19.5. Pass p starts at the (p mod n)-th of the n programs, so each takes every
+    place in a pass alike: in a fixed order, the second of two identical 2-layer steps on an H200
+    was 18 us slower than the first (the median of 21 paired passes; slower in 17).
+    Returns key -> (seconds, tau, final state, seconds of every pass, host seconds): host seconds, the median over the passes of the time the calls themselves took per
     round (the host's dispatch; a program whose rounds take no longer than that is host-bound)."""
     calls_per_pass = calls_for(rounds, per_call)
     states = {k: bs for k, (_, _, bs) in programs.items()}
@@ -326,8 +328,10 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_
     per_round = {k: [] for k in programs}
     host = {k: [] for k in programs}
     new = {k: [] for k in programs}
-    for _ in range(repeats):
-        for key, (compiled, params, _) in programs.items():
+    keys = list(programs)
+    for p in range(repeats):
+        for key in keys[p % len(keys):] + keys[:p % len(keys)]:
+            compiled, params, _ = programs[key]
             calls = 0.0
             t0 = time.perf_counter()
             for _ in range(calls_per_pass):
@@ -533,6 +537,28 @@ def goals(rows: list[dict]) -> dict:
              "span_speedup_with_profile": "span_speedup"}
     return {f"{label(r)} batch {r['batch']} context {r['context']}":
             {goal: r["full"][k] for goal, k in names.items() if k in r["full"]} for r in rows if r.get("full")}
+
+
+def paired_differences(results: list[dict]) -> list[dict]:
+    """Each ``--variants`` set's rounds against the base set's timed in the same passes: per
+    depth, mode, batch and context, the median and quartiles over the passes of the variant's
+    time minus the base's (microseconds per round) and the share of passes where it was faster.
+    Paired, the difference is free of the drift between passes that moves both alike."""
+    def key(r):
+        return r["weights"], r.get("options", "engine"), r["depth"], r["mode"], r["batch"], r["context"]
+
+    base = {key(r): r["round_s_passes"] for r in results if r.get("variant") == "base"}
+    out = []
+    for r in results:
+        if r.get("variant") in ("", "base") or key(r) not in base:
+            continue
+        diff = 1e6 * (np.asarray(r["round_s_passes"]) - np.asarray(base[key(r)]))
+        q1, med, q3 = np.percentile(diff, [25, 50, 75])
+        out.append({"weights": r["weights"], "options": r.get("options", "engine"), "variant": r["variant"],
+                    "depth": r["depth"], "mode": r["mode"], "batch": r["batch"], "context": r["context"],
+                    "median_us": float(med), "quartiles_us": [float(q1), float(q3)],
+                    "faster_share": float(np.mean(diff < 0)), "passes": int(diff.size)})
+    return out
 
 
 def plot(rows: list[dict], title: str, path: str) -> None:
@@ -746,6 +772,7 @@ def main(argv=None):
     def save():
         rows = summarize(meta["results"], full, parts, ceil, args.kv)
         write_json("decode.json", {**meta, "summary": rows, "goals": goals(rows),
+                                   "paired": paired_differences(meta["results"]),
                                    "elapsed_s": time.perf_counter() - start})
         return rows
 
@@ -804,6 +831,10 @@ def main(argv=None):
     print(text, flush=True)
     for k, v in goals(rows).items():
         print(k, {a: round(x, 3) for a, x in v.items()}, flush=True)
+    for d in paired_differences(meta["results"]):
+        print(f"paired: {d['weights']} [{d['variant']}] - [base], {d['depth']} layers, {d['mode']}, batch {d['batch']}, "
+              f"context {d['context']}: {d['median_us']:+.1f} us per round [{d['quartiles_us'][0]:+.1f}, "
+              f"{d['quartiles_us'][1]:+.1f}], faster in {d['faster_share']:.0%} of {d['passes']} passes", flush=True)
 
 
 if __name__ == "__main__":

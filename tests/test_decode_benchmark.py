@@ -143,8 +143,9 @@ def test_round_roofline_adds_the_drafter_once(flash_fp8_parts):
 
 def test_rounds_of_every_program_are_timed_in_turn():
     """``time_rounds``: after each program's warm-up, every repeat times each program's rounds in
-    turn (a drift reaches all alike), carries each program's own state and returns its median (and
-    every pass's time) and mean accept length."""
+    turn (a drift reaches all alike), each pass starting at the next program (each takes every
+    place alike), carries each program's own state and returns its median (and every pass's time)
+    and mean accept length."""
     import jax.numpy as jnp
 
     calls = []
@@ -159,11 +160,12 @@ def test_rounds_of_every_program_are_timed_in_turn():
             return state + 1, Result(n)
         return run
 
-    progs = {"a": (program("a", 1), None, 0), "b": (program("b", 3), None, 10)}
+    progs = {"a": (program("a", 1), None, 0), "b": (program("b", 3), None, 10), "c": (program("c", 2), None, 20)}
     out = decode.time_rounds(progs, rounds=2, repeats=3, warmup=1)
-    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
-    assert out["a"][1] == 1.0 and out["b"][1] == 3.0
-    assert out["a"][2] == 0 + 1 + 6 and out["b"][2] == 10 + 1 + 6
+    assert calls == ["a", "b", "c"] + ["a", "a", "b", "b", "c", "c"] + ["b", "b", "c", "c", "a", "a"] \
+        + ["c", "c", "a", "a", "b", "b"]
+    assert out["a"][1] == 1.0 and out["b"][1] == 3.0 and out["c"][1] == 2.0
+    assert out["a"][2] == 0 + 1 + 6 and out["b"][2] == 10 + 1 + 6 and out["c"][2] == 20 + 1 + 6
     assert all(sec > 0 and len(each) == 3 and sec == sorted(each)[1] for sec, _, _, each, _ in out.values())
     # the calls themselves (here: the whole round, nothing runs behind them) are within the round's time
     assert all(0 < host <= max(each) for _, _, _, each, host in out.values())
@@ -280,6 +282,22 @@ def test_launch_variants_and_step_only_rows(flash_fp8_parts):
     assert "| fp8 [--wq-b-apart] | 1 | 2048 | **43 (extrapolated)** | 11.75 | - |" in text
     assert set(decode.goals(rows)["fp8 [base] batch 1 context 2048"]) == {
         "step_over_byte_roofline", "step_over_read_roofline", "step_over_roofline"}
+
+
+def test_paired_differences_of_variants():
+    """``--variants``: each set's passes minus the base's of the same pass, per depth and mode, in
+    microseconds (median, quartiles, share of passes faster); rows without a base are left out."""
+    base = [1e-3, 2e-3, 1.5e-3, 1e-3, 3e-3]
+    faster = [b + d * 1e-6 for b, d in zip(base, (-4.0, -1.0, -2.0, 1.0, -3.0))]
+    common = {"weights": "fp8", "batch": 1, "context": 2048, "mode": "target"}
+    results = [{**common, "depth": 2, "variant": "base", "round_s_passes": base},
+               {**common, "depth": 2, "variant": "--x", "round_s_passes": faster},
+               {**common, "depth": 6, "variant": "--x", "round_s_passes": base}]  # no base at 6 layers
+    (d,) = decode.paired_differences(results)
+    assert (d["variant"], d["depth"], d["passes"]) == ("--x", 2, 5)
+    assert d["median_us"] == pytest.approx(-2.0) and d["quartiles_us"] == pytest.approx([-3.0, -1.0])
+    assert d["faster_share"] == pytest.approx(0.8)
+    assert decode.paired_differences([{**r, "variant": ""} for r in results]) == []
 
 
 def test_compile_group_traces_each_program_under_its_switches():
