@@ -147,9 +147,10 @@ def add_launch_options(ap) -> None:
     ap.add_argument("--new-rows", default=attention.NEW_ROWS, choices=attention.NEW_ROWS_MODES,
                     help="how a step's new rows launch (attention.NEW_ROWS): one (window row + q_norm and the "
                          "compressors' pooling in one launch), apart (q_norm on its own), separate")
-    ap.add_argument("--x-linears-apart", action="store_true",
-                    help="a compressed layer's wq_a + wkv in one launch and its compressors' linears in another "
-                         "(attention.X_LINEARS_TOGETHER off)")
+    ap.add_argument("--x-linears", choices=("together", "apart"),
+                    default="together" if attention.X_LINEARS_TOGETHER else "apart",
+                    help="a compressed layer's linears of x at one token: wq_a, wkv and its compressors' in one "
+                         "launch, or wq_a + wkv in one and the compressors' in another (attention.X_LINEARS_TOGETHER)")
     ap.add_argument("--wq-b-apart", action="store_true",
                     help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
@@ -166,7 +167,7 @@ def apply_launch_options(args) -> dict:
     compressor_pool.WRITE_IN_POOL = args.compressor_launches == 1
     attention.NEW_ROWS = args.new_rows
     attention.WQ_B_TOGETHER = not args.wq_b_apart
-    attention.X_LINEARS_TOGETHER = not args.x_linears_apart
+    attention.X_LINEARS_TOGETHER = args.x_linears == "together"
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,

@@ -300,6 +300,15 @@ def test_paired_differences_of_variants():
     assert decode.paired_differences([{**r, "variant": ""} for r in results]) == []
 
 
+def test_ceilings_are_the_faster_of_start_and_end():
+    """The roofline's ceilings: the faster of the run's two measures of each, both kept."""
+    ceil = {"copy_GBps": 2500.0, "read_GBps": 3100.0, "bf16_matmul_TFLOPs": 700.0, "copy_GBps_median": 2100.0}
+    again = {"copy_GBps": 2950.0, "read_GBps": 3000.0, "bf16_matmul_TFLOPs": 690.0, "copy_GBps_median": 2800.0}
+    start, end = decode.stricter_ceilings(ceil, again)
+    assert ceil == {"copy_GBps": 2950.0, "read_GBps": 3100.0, "bf16_matmul_TFLOPs": 700.0, "copy_GBps_median": 2100.0}
+    assert start["copy_GBps"] == 2500.0 and end is again
+
+
 def test_compile_group_traces_each_program_under_its_switches():
     """``compile_group(prepare=...)`` lowers each program after its variant's switches are set (the
     model reads them when it is traced): the value each lowering saw is the one its key set."""

@@ -230,9 +230,10 @@ def test_x_linears_launched_apart_agree(monkeypatch):
 
 @pytest.mark.parametrize("quant_sim", [False, True])
 def test_one_token_steps_share_the_linears_launches(quant_sim):
-    """Linears at one token through ``gemv`` (interpret mode here): per layer every linear of the
-    attention's input in one launch (``model.common.shared_input``: wq_a + wkv, a compressed
-    layer's compressor wkv + wgate in bf16, a C4 layer's indexer weights_proj and compressor too),
+    """Linears at one token through ``gemv`` (interpret mode here): per layer the attention's wq_a +
+    wkv in one launch (``model.common.shared_input``) and a compressed layer's compressor wkv +
+    wgate in bf16 (a C4 layer's indexer weights_proj and compressor too) in another
+    (``attention.X_LINEARS_TOGETHER`` off),
     the router's logits in one (16 experts and indexer heads here: multiples of 16 columns), the
     shared expert's w1 + w3 in one, the q norm of the split sums with the window's new KV row in
     one (a compressed layer's; the window-only layer's beside it), each compressor's pooling and its
@@ -263,14 +264,18 @@ def test_one_token_steps_share_the_linears_launches(quant_sim):
     count = lambda prefix: len([n for n in names if n.startswith(prefix)])  # noqa: E731
     assert SMALL.compress_ratios == (0, 4, 128)
     q = "_q" if quant_sim else ""
-    assert (count(f"gemv_fp8_bf16{q}_x7"), count(f"gemv_fp8_bf16{q}_x4")) == (1, 1), names
+    assert not [n for n in names if n.startswith("gemv_fp8_bf16")], names  # no launch of both formats
+    # the compressors' bf16 linears: the C4 layer's compressor wkv + wgate, indexer weights_proj, wkv, wgate
+    # (5), the C128 layer's compressor wkv + wgate (2)
+    assert (count("gemv_bf16_x5"), count("gemv_bf16_x2")) == (1, 1), names
     layers = len(SMALL.compress_ratios)
-    # the window layer's wq_a + wkv, the C4 layer's wq_b with its indexer's wq_b (on qr, rounded already),
+    # every layer's wq_a + wkv, the C4 layer's wq_b with its indexer's wq_b (on qr, rounded already),
     # every layer's shared expert's w1 + w3 (``MoE.one_row`` "apart"; quantised rows with quant_sim)
-    pairs = (1 + layers, 1) if quant_sim else (2 + layers, 2 + layers)
+    pairs = (2 * layers, 1) if quant_sim else (1 + 2 * layers, 1 + 2 * layers)
     assert (count(f"gemv_fp8{q}_x2"), count("gemv_fp8_x2")) == pairs, names
     # the routers' products alone, the selection after them (``MoE.one_row`` "apart")
-    routers = (count(f"gemv_bf16_fp8{q}_x3"), count("gemv_bf16"), count("router_select"))
+    routers = (count("gemv_bf16_fp8"), len([n for n in names if re.fullmatch(r"gemv_bf16(_split\d+)?", n)]),
+               count("router_select"))
     assert routers == (0, layers, layers), names
     assert count("gemv_fp8_q_swiglu") == 0, names
     # the window-only layer's new row (kv_norm + RoPE + kv_sim + the write) with q_norm of the partial sums in a

@@ -4,6 +4,8 @@ This runs JAX's Triton lowering (the legality rules that interpret mode does not
 GPU; it does not compile the Triton IR for the hardware. gfx950 is verified this way only.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -180,8 +182,9 @@ def test_flash_step_lowers_for_gfx950(monkeypatch, tokens, opt_ins):
 def test_launch_count_script(tmp_path, monkeypatch):
     """``benchmarks/launches.py`` at a batch-1 decode step: the 4-layer slice holds the 2-layer
     slice's launches and a C4 + C128 pair's more (per layer the window's new row with q_norm in one
-    launch, each compressor's pooling and its entries' write in one each; the router's product
-    alone and the shared expert's w1 + w3 in one), written to launches.json."""
+    launch, each compressor's pooling and its entries' write in one each; wq_a + wkv in one and the
+    compressors' linears in another; the router's product alone and the shared expert's w1 + w3 in
+    one), written to launches.json."""
     import json
 
     from benchmarks import launches
@@ -193,6 +196,10 @@ def test_launch_count_script(tmp_path, monkeypatch):
     assert pair["kv_rows_norm"] == pair["ragged_sink_attention"] == pair["router_select"] == 2, pair
     assert (pair["compressor_pool"], pair["kv_rows"], pair["key_rows"]) == (3, 2, 1), pair
     assert not [n for n in pair if n.startswith(("new_rows", "rms_norms"))], pair
-    shared, router = [n for n in pair if n.startswith("gemv_fp8_q_x2")], [n for n in pair if n.startswith("gemv_bf16")]
-    assert [pair[n] for n in shared + router] == [2, 2], pair
+    # wq_a + wkv and the shared expert's w1 + w3 (both quantised pairs of rows), the router alone
+    shared = [n for n in pair if n.startswith("gemv_fp8_q_x2")]
+    router = [n for n in pair if re.fullmatch(r"gemv_bf16(_split\d+)?", n)]
+    assert [pair[n] for n in shared + router] == [4, 2], pair
+    compressors = sorted(n for n in pair if n.startswith("gemv_bf16_x"))  # the C4 layer's 5, the C128 layer's 2
+    assert [n.split("_split")[0] for n in compressors] == ["gemv_bf16_x2", "gemv_bf16_x5"], pair
     assert json.loads((tmp_path / "launches.json").read_text())["launches_per_layer"] == out["launches_per_layer"]

@@ -50,11 +50,13 @@ NEW_ROWS_MODES = ("one", "apart", "separate")
 # docs/benchmarks.md). A switch for benchmarks (``benchmarks/decode.py --wq-b-apart``).
 WQ_B_TOGETHER = True
 # Whether a compressed layer's one-token step multiplies x by wq_a, wkv and its compressors' linears
-# in one launch (x read once; 27 MB in a C4 layer, 12.3 us on an H200) or by wq_a + wkv in one and
-# the compressors' linears (bf16, 21 MB in a C4 layer) in another beside it: the queries' chain
-# (q_norm, wq_b, the indexer's scores, the attention) then waits for the 6 MB of wq_a + wkv only.
-# Not yet timed: a switch for benchmarks (``benchmarks/decode.py --x-linears-apart``).
-X_LINEARS_TOGETHER = True
+# in one launch (x read once; 27 MB in a C4 layer, 12.2 us on an H200) or (off, the default) by
+# wq_a + wkv in one (5.8 us) and the compressors' linears (bf16, 21 MB in a C4 layer; 7.9 us) in
+# another beside it: the queries' chain (q_norm, wq_b, the indexer's scores, the attention) then
+# waits for the 6 MB of wq_a + wkv only. Apart, the 6-layer Flash slice's batch-1 step took 19-38 us
+# less on an H200 (the median of 21-31 paired passes; faster in 76-84 % of them; docs/benchmarks.md).
+# A switch for benchmarks (``benchmarks/decode.py --x-linears together``).
+X_LINEARS_TOGETHER = False
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
