@@ -354,7 +354,8 @@ def _name(fmts: tuple[str, ...], quantise: tuple[bool, ...], swiglu: bool, split
 def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, limit, out_dtype,
             partials: tuple[bool, ...] = (), rows_dtype=None, interpret: bool) -> tuple[Array | Partials, ...]:
     """``rows_in``: rows [R, K], or (``Partials``) their producer's partial sums, rounded to
-    ``rows_dtype`` once added (in the kernel), or (``SwiGLUPartials``) the SwiGLU of two such."""
+    ``rows_dtype`` once added (in the kernel), or (``SwiGLUPartials``) the SwiGLU of two such.
+    ``out_dtype``: one dtype, or (without ``limit``) one per weight."""
     swiglu_in = rows_in if isinstance(rows_in, SwiGLUPartials) else None
     if swiglu_in is not None:
         rows_in = swiglu_in.gate
@@ -377,8 +378,9 @@ def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, 
                      else jax.ShapeDtypeStruct((split * r, 2 * ns[0]), jnp.float32)]
     else:
         keep = partials or (False,) * len(ns)
-        out_shape = [jax.ShapeDtypeStruct((split * r, n), jnp.float32 if split > 1 or kp else out_dtype)
-                     for n, kp in zip(ns, keep)]
+        dts = out_dtype if isinstance(out_dtype, tuple) else (out_dtype,) * len(ns)
+        out_shape = [jax.ShapeDtypeStruct((split * r, n), jnp.float32 if split > 1 or kp else dtype)
+                     for n, kp, dtype in zip(ns, keep, dts)]
     with backend.quiet_triton_deprecation():
         ys = pl.pallas_call(
             kernel, grid=grid, out_shape=out_shape, interpret=interpret,
@@ -387,13 +389,13 @@ def _pallas(rows_in, ws, group, *, quantise: tuple[bool, ...], cfg: GemvConfig, 
         )(*args)
     if limit is None and any(partials):  # those flagged as float32 partial sums [S, R, N]
         return tuple(Partials(y.reshape(split, r, -1)) if kp
-                     else (y if split == 1 else jnp.sum(y.reshape(split, r, -1), axis=0).astype(out_dtype))
-                     for y, kp in zip(ys, partials))
+                     else (y if split == 1 else jnp.sum(y.reshape(split, r, -1), axis=0).astype(dtype))
+                     for y, kp, dtype in zip(ys, partials, dts))
     if split == 1:
         return tuple(ys)
     parts = [jnp.sum(y.reshape(split, r, -1), axis=0) for y in ys]  # float32 sums of the splits
     if limit is None:
-        return tuple(p.astype(out_dtype) for p in parts)
+        return tuple(p.astype(dtype) for p, dtype in zip(parts, dts))
     n = ns[0]
     return (_swiglu_rows(parts[0][:, :n], parts[0][:, n:], jnp.ones((r,), jnp.float32), limit, dt).astype(out_dtype),)
 
@@ -425,7 +427,9 @@ def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials | SwiGLUPartials, ws
     attention layer's wq_a and wkv and its compressors' wkv and wgate). ``QuantRows`` quantise the
     rows for every weight; plain rows with ``quantise`` (one flag per weight) for those flagged.
     ``partials`` (one flag per weight): those flagged come back as ``Partials`` (float32, one part
-    when K is not split), the others summed in ``out_dtype``. x may itself be a producer's
+    when K is not split), the others summed in float32 and rounded to ``out_dtype`` (one dtype, or
+    one per weight: a launch's outputs may differ, each rounded in the kernel when K is not split,
+    as a rounding of the float32 result after the launch would). x may itself be a producer's
     ``Partials`` [S, R, K]: each program adds the parts of its inputs and rounds them to
     ``rows_dtype`` (the producer's output dtype) before using them; or ``SwiGLUPartials`` (a
     shared expert's w1 and w3): the same for both, then their SwiGLU, rounded to ``rows_dtype``."""
@@ -444,7 +448,12 @@ def gemv_many(x: Float[Array, "r k"] | QuantRows | Partials | SwiGLUPartials, ws
     keep = () if partials is None else tuple(bool(p) for p in partials)
     if keep and len(keep) != len(ws):
         raise ValueError(f"gemv needs one partials flag per weight ({len(ws)}), got {partials}")
-    dtype = jnp.dtype(out_dtype or view.dtype)
+    if isinstance(out_dtype, (tuple, list)):
+        if len(out_dtype) != len(ws):
+            raise ValueError(f"gemv needs one out_dtype per weight ({len(ws)}) or one for all, got {out_dtype}")
+        dtype = tuple(jnp.dtype(d or view.dtype) for d in out_dtype)
+    else:
+        dtype = jnp.dtype(out_dtype or view.dtype)
     return _pallas(rows, tuple(ws), group, quantise=flags, cfg=config or default_config(), limit=None,
                    out_dtype=dtype, partials=keep, rows_dtype=None if view is rows else jnp.dtype(rows_dtype),
                    interpret=backend.interpret_mode(interpret))

@@ -348,6 +348,29 @@ def test_partial_sums_on_request():
         gemv_many(x, (w, dense), group, quantise=(True, False), partials=(True,))
 
 
+def test_one_dtype_per_output():
+    """``gemv_many(out_dtype=(...))``: each output in its own dtype, bit for bit the float32
+    result rounded after the launch (K split or not; with a partial-sums output beside them)."""
+    from pallas_kernels.gemv import Partials
+
+    rng, w, x, group = _case(17, "fp8", 1, 1, 128, 1024)
+    w2 = _random_weights(rng, (1, 64, 1024), "fp8")
+    for split in (1, 4):
+        cfg = GemvConfig(block_n=32, split_k=split)
+        wide = gemv_many(x, (w, w2, w), group, quantise=(True, True, False), config=cfg, out_dtype=jnp.float32)
+        got = gemv_many(x, (w, w2, w), group, quantise=(True, True, False), config=cfg,
+                        out_dtype=(jnp.bfloat16, jnp.float32, jnp.float16))
+        assert [g.dtype for g in got] == [jnp.bfloat16, jnp.float32, jnp.float16]
+        for g, f in zip(got, wide):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(f.astype(g.dtype)))
+        q_b, index_q = gemv_many(x, (w, w2), group, quantise=(True, True), config=cfg, partials=(False, True),
+                                 out_dtype=(jnp.bfloat16, jnp.float32))
+        assert q_b.dtype == jnp.bfloat16 and isinstance(index_q, Partials)
+        np.testing.assert_array_equal(np.asarray(q_b), np.asarray(wide[0].astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="one out_dtype per weight"):
+        gemv_many(x, (w, w2), group, out_dtype=(jnp.bfloat16,))
+
+
 @pytest.mark.parametrize("quantise", [True, False])
 def test_rows_as_partial_sums(quantise):
     """Rows given as their producer's partial sums (``Partials`` [S, R, K], e.g. wo_a's for wo_b):

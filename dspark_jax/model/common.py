@@ -432,12 +432,14 @@ def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=Non
         return tuple(lin(x, rounded=rounded) for lin in linears)
     picked = tuple(linears[i] for i in takers)
     keep = tuple(bool((partials + (False,) * len(linears))[i]) for i in takers)
+    # each result not kept as partial sums rounded to its linear's dtype in the launch (a rounding of
+    # the float32 sum after it would take an XLA launch of its own)
+    out_dtypes = tuple(jnp.dtype(jnp.float32 if k else (lin.compute_dtype or x.dtype)) for k, lin in zip(keep, picked))
     ys = gemv.gemv_many(x.reshape(1, -1), tuple(lin.grouped_weights() for lin in picked), gemv.ONE_GROUP,
-                        quantise=tuple(lin.fp8_act and not rounded for lin in picked), out_dtype=jnp.float32,
+                        quantise=tuple(lin.fp8_act and not rounded for lin in picked), out_dtype=out_dtypes,
                         partials=keep)
     lead = x.shape[:-1]
-    shared = {i: y.reshape(*lead, -1) if isinstance(y, gemv.Partials)
-              else y.reshape(*lead, -1).astype(lin.compute_dtype or x.dtype) for i, y, lin in zip(takers, ys, picked)}
+    shared = {i: y.reshape(*lead, -1) for i, y in zip(takers, ys)}
     return tuple(shared[i] if i in shared else lin(x, rounded=rounded) for i, lin in enumerate(linears))
 
 
