@@ -318,8 +318,9 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_
     difference by 19.5. Pass p starts at the (p mod n)-th of the n programs, so each takes every
     place in a pass alike: in a fixed order, the second of two identical 2-layer steps on an H200
     was 18 us slower than the first (the median of 21 paired passes; slower in 17).
-    Returns key -> (seconds, tau, final state, seconds of every pass, host seconds): host seconds, the median over the passes of the time the calls themselves took per
-    round (the host's dispatch; a program whose rounds take no longer than that is host-bound)."""
+    Returns key -> (seconds, tau, final state, seconds of every pass, host seconds): host seconds,
+    the median over the passes of the time the calls themselves took per round (the host's
+    dispatch; a program whose rounds take no longer than that is host-bound)."""
     calls_per_pass = calls_for(rounds, per_call)
     states = {k: bs for k, (_, _, bs) in programs.items()}
     for key, (compiled, params, _) in programs.items():
@@ -849,8 +850,8 @@ def main(argv=None):
     for k, v in goals(rows).items():
         print(k, {a: round(x, 3) for a, x in v.items()}, flush=True)
     for d in paired_differences(meta["results"]):
-        print(f"paired: {d['weights']} [{d['variant']}] - [base], {d['depth']} layers, {d['mode']}, batch {d['batch']}, "
-              f"context {d['context']}: {d['median_us']:+.1f} us per round [{d['quartiles_us'][0]:+.1f}, "
+        print(f"paired: {d['weights']} [{d['variant']}] - [base], {d['depth']} layers, {d['mode']}, "
+              f"batch {d['batch']}, context {d['context']}: {d['median_us']:+.1f} us per round [{d['quartiles_us'][0]:+.1f}, "
               f"{d['quartiles_us'][1]:+.1f}], faster in {d['faster_share']:.0%} of {d['passes']} passes", flush=True)
 
 
