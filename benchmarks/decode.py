@@ -850,9 +850,10 @@ def main(argv=None):
     for k, v in goals(rows).items():
         print(k, {a: round(x, 3) for a, x in v.items()}, flush=True)
     for d in paired_differences(meta["results"]):
+        q1, q3 = d["quartiles_us"]
         print(f"paired: {d['weights']} [{d['variant']}] - [base], {d['depth']} layers, {d['mode']}, "
-              f"batch {d['batch']}, context {d['context']}: {d['median_us']:+.1f} us per round [{d['quartiles_us'][0]:+.1f}, "
-              f"{d['quartiles_us'][1]:+.1f}], faster in {d['faster_share']:.0%} of {d['passes']} passes", flush=True)
+              f"batch {d['batch']}, context {d['context']}: {d['median_us']:+.1f} us per round [{q1:+.1f}, "
+              f"{q3:+.1f}], faster in {d['faster_share']:.0%} of {d['passes']} passes", flush=True)
 
 
 if __name__ == "__main__":
