@@ -714,7 +714,7 @@ def main(argv=None):
                     help="after the timing, each program's rounds once more under the profiler: each round's device "
                          "span and busy time, extrapolated like the wall times (span_step_ms, ...)")
     ap.add_argument("--moe-one-row", default="",
-                    help="MoE.one_row (xla, select, shared, apart, experts; default: the model's)")
+                    help="MoE.one_row (xla, select, shared, apart, experts, tile; default: the model's)")
     add_launch_options(ap)
     ap.add_argument("--variants", default="",
                     help="launch switch sets timed side by side, '|'-separated flags of the launch options and "

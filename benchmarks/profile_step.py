@@ -232,6 +232,7 @@ class KernelEvent:
     dur_ns: float
     line: str = ""
     run: int | None = None  # the execution it belongs to, where the trace says
+    kernel: str = ""  # the event's own name (the device kernel's)
 
 
 _DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "XLA TraceMe", "Framework", "Source code", "TensorFlow")
@@ -261,7 +262,7 @@ def trace_events(path: str, module: str) -> tuple[list[KernelEvent], str]:
                     continue
                 run = stats.get("run_id")
                 e = KernelEvent(str(stats["hlo_op"]), float(ev.start_ns), float(ev.duration_ns),
-                                f"{plane.name}/{line.name}", int(run) if run is not None else None)
+                                f"{plane.name}/{line.name}", int(run) if run is not None else None, str(ev.name))
                 by_module[str(stats.get("hlo_module", ""))][0 if is_device else 1].append(e)
     note = ""
     if module not in by_module and by_module:
@@ -314,12 +315,12 @@ def same_kernels(runs: list[list[KernelEvent]]) -> bool:
     return len({tuple(sorted(e.hlo_op for e in run)) for run in runs}) == 1
 
 
-def round_spans_ns(events: list[KernelEvent], rounds: int) -> list[float]:
-    """First kernel start to last kernel end of each execution: events grouped by run id where every
-    event has one; else the start-ordered events in ``rounds`` runs of equal length where those
-    launch the same kernels (an execution starts only after the one before it has ended); else
-    split at the ``rounds - 1`` widest gaps between kernels (which a DSpark round's own gaps can
-    outdo where rounds run back to back)."""
+def round_groups(events: list[KernelEvent], rounds: int) -> list[list[KernelEvent]]:
+    """The events of each execution: grouped by run id where every event has one; else the
+    start-ordered events in ``rounds`` runs of equal length where those launch the same kernels (an
+    execution starts only after the one before it has ended); else split at the ``rounds - 1``
+    widest gaps between kernels (which a DSpark round's own gaps can outdo where rounds run back to
+    back)."""
     if not events:
         return []
     if all(e.run is not None for e in events) and len({e.run for e in events}) == rounds:
@@ -334,8 +335,13 @@ def round_spans_ns(events: list[KernelEvent], rounds: int) -> list[float]:
         ends = np.maximum.accumulate([e.start_ns + e.dur_ns for e in evs])
         gaps = [evs[i + 1].start_ns - ends[i] for i in range(len(evs) - 1)]
         cuts = sorted(np.argsort(gaps)[::-1][:rounds - 1] + 1) if rounds > 1 else []
-        parts = np.split(np.array(evs, dtype=object), cuts)
-    return [max(e.start_ns + e.dur_ns for e in p) - min(e.start_ns for e in p) for p in parts]
+        parts = [list(p) for p in np.split(np.array(evs, dtype=object), cuts)]
+    return parts
+
+
+def round_spans_ns(events: list[KernelEvent], rounds: int) -> list[float]:
+    """First kernel start to last kernel end of each execution (``round_groups``)."""
+    return [max(e.start_ns + e.dur_ns for e in p) - min(e.start_ns for e in p) for p in round_groups(events, rounds)]
 
 
 def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict:
@@ -384,6 +390,39 @@ def attribute(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict
             "listed_layer_kernels": [  # in launch order: instruction, phase/component, us per round, launches
                 [op, v[3], round(v[1] / rounds / 1e3, 2), v[2] / rounds, attr.describe(op)]
                 for op, v in sorted(listed.items(), key=lambda kv: kv[1][0])]}
+
+
+def timeline(events: list[KernelEvent], attr: Attribution, rounds: int) -> dict:
+    """The listed layers' kernels in one execution (the middle one of ``rounds``, ``round_groups``):
+    per layer its span (first start to last end), busy time (the union of its kernels) and idle
+    time (span - busy: no kernel of the layer running), and each kernel as [instruction, start us
+    from the layer's first, duration us, trace line, description]. Where the step runs as a
+    concurrent command buffer, overlapping kernels show there; where none of the round's events
+    names an instruction of the program (the command buffer's kernels), the whole round under
+    "round", each kernel described by its device name ({} without events)."""
+    runs = round_groups(events, rounds)
+    if not runs:
+        return {}
+    run = sorted(runs, key=lambda r: min(e.start_ns for e in r))[len(runs) // 2]
+    if all(attr.scope(e.hlo_op) is None for e in run):  # (a command buffer's kernels, named otherwise)
+        return {"round": _timeline_of(sorted(run, key=lambda e: e.start_ns), attr)}
+    out = {}
+    for layer in LISTED_LAYERS:
+        evs = sorted((e for e in run if (s := attr.scope(e.hlo_op)) is not None and s.layer == layer),
+                     key=lambda e: e.start_ns)
+        if not evs:
+            continue
+        out[layer] = _timeline_of(evs, attr)
+    return out
+
+
+def _timeline_of(evs: list[KernelEvent], attr: Attribution) -> dict:
+    t0 = evs[0].start_ns
+    span = max(e.start_ns + e.dur_ns for e in evs) - t0
+    busy = busy_ns(evs)
+    return {"span_us": span / 1e3, "busy_us": busy / 1e3, "idle_us": (span - busy) / 1e3,
+            "kernels": [[e.hlo_op, round((e.start_ns - t0) / 1e3, 2), round(e.dur_ns / 1e3, 2), e.line,
+                         attr.describe(e.hlo_op) if attr.scope(e.hlo_op) else e.kernel] for e in evs]}
 
 
 # ----------------------------------------------------------------------------- roofline
@@ -620,6 +659,10 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
         out["launch_gaps_ms"] = out["device_span_ms"] - out["device_busy_ms"]
         out["dispatch_sync_ms"] = out["traced_wall_ms"] - out["device_span_ms"]
     out.update(attribute(events, attr, args.rounds))
+    out["listed_layer_timeline"] = timeline(events, attr, args.rounds)
+    for layer, v in out["listed_layer_timeline"].items():
+        print(f"  {layer} in one round: span {v['span_us']:.1f} us, kernels busy {v['busy_us']:.1f}, "
+              f"idle {v['idle_us']:.1f}", flush=True)
     layers = {k: v for k, v in out["layers"].items() if k != "-"}
     out["launches_per_layer"] = {k: v["launches"] for k, v in sorted(layers.items())}
     print(name, "traced round", round(out["traced_wall_ms"], 3), "ms; device busy", round(out["device_busy_ms"], 3),
@@ -709,8 +752,8 @@ def main():
     ap.add_argument("--sinkhorn", default="auto", choices=("auto", "kernel", "fused"),
                     help="how mHC's steps run (Numerics.sinkhorn; fused: the hc_fused kernels)")
     ap.add_argument("--moe-one-row", default="",
-                    help="comma list of MoE.one_row values (xla, select, shared, apart, experts) to profile one after "
-                         "the other in this process (default: the model's); results named mode[value]")
+                    help="comma list of MoE.one_row values (xla, select, shared, apart, experts, tile) to profile one "
+                         "after the other in this process (default: the model's); results named mode[value]")
     add_launch_options(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)

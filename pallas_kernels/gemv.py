@@ -110,11 +110,12 @@ class ExpertRows:
     Token t's output is ``sum_j rows[(t k + j) stride]`` over its k routed experts (the w2 kernel's
     rows in the activations' ``dtype``, one pair per tile of ``stride`` rows:
     ``group_metadata.pair_tiles``), added in order in float32, plus ``extra`` (the shared expert's
-    w2 as its ``Partials``, their sum rounded to ``dtype``, or an array), the whole rounded to
-    ``dtype``: the roundings of ``model.moe.MoE``'s sum. ``shape``: the output's [..., d]."""
+    w2 as its ``Partials``, their sum rounded to ``dtype``, or an array; None where the shared
+    expert's output is the last of the k rows), the whole rounded to ``dtype``: the roundings of
+    ``model.moe.MoE``'s sum. ``shape``: the output's [..., d]."""
 
     rows: Array
-    extra: Partials | Array
+    extra: Partials | Array | None
     k: int = dataclasses.field(metadata=dict(static=True), default=1)
     stride: int = dataclasses.field(metadata=dict(static=True), default=1)
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
@@ -133,7 +134,8 @@ class ExpertRows:
         acc = rows[:, 0]
         for j in range(1, self.k):  # in order, as the consumer kernels add them
             acc = acc + rows[:, j]
-        acc = acc + total(self.extra, self.dtype).reshape(acc.shape).astype(jnp.float32)
+        if self.extra is not None:
+            acc = acc + total(self.extra, self.dtype).reshape(acc.shape).astype(jnp.float32)
         return acc.astype(self.dtype).astype(dtype or self.dtype).reshape(self.shape)
 
     def reshape(self, *shape: int) -> "ExpertRows":

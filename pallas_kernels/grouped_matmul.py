@@ -36,6 +36,11 @@ weights in registers. Rows may also come to be quantised (``QuantRows``): the ke
 quantises each 128-input block itself (amax, scale, codes in registers, as ``ActQuant.of``), so
 no codes or amax array is computed by separate kernels before it.
 
+Extra weights (``extra``, opt-in: a shared expert beside the routed ones): tiles whose group is
+G, one past the stacked groups, multiply one more weight of the same N and K in its own format
+(``check_extra``) in the same launch; their programs branch to it (``pl.when`` on the tile's
+group), the other tiles' programs are unchanged.
+
 ``grouped_swiglu`` fuses the expert's first half: ``h = swiglu(x W1^T, x W3^T) * row_weight``
 with the reference's roundings (the products rounded to x's dtype, SwiGLU in fp32, result in x's
 dtype).
@@ -323,14 +328,19 @@ def swiglu(g: Array, u: Array, limit: float) -> Array:
     return jax.nn.silu(g) * u
 
 
-def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, block_m: int) -> Array:
-    """fp32 [T, block_m, N] products, one tile at a time (memory: one group's weights at a time)."""
+def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, block_m: int,
+                   extra: Weights | None = None) -> Array:
+    """fp32 [T, block_m, N] products, one tile at a time (memory: one group's weights at a time);
+    tiles of group G (``w``'s count) multiply ``extra``'s group 0."""
     t = tile_group.shape[0]
     xt = x.reshape(t, block_m, x.shape[-1])
+    groups = w.shape[0]
 
     def one(args):
         xb, g = args
-        wg = dequantize(w.group(g), x.dtype)[0]
+        wg = dequantize(w.group(jnp.minimum(g, groups - 1)), x.dtype)[0]
+        if extra is not None:
+            wg = jnp.where(g < groups, wg, dequantize(extra.group(0), x.dtype)[0])
         return jnp.einsum("mk,nk->mn", xb, wg, preferred_element_type=jnp.float32)
 
     out = lax.map(one, (xt, tile_group))
@@ -339,26 +349,54 @@ def _tile_products(x: Array, w: Weights, tile_group: Array, num_tiles: Array, bl
 
 
 def reference(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group: Int[Array, " t"],
-              num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None) -> Float[Array, "m n"]:
-    """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups."""
+              num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None, extra: Weights | None = None
+              ) -> Float[Array, "m n"]:
+    """Pure-JAX grouped matmul (XLA): a loop over tiles, so memory never grows with the groups.
+    ``extra``: one more weight (``check_extra``), multiplied by the tiles of group G."""
     check_inputs(x, w, tile_group, block_m)
+    check_extra(w, extra)
     x = _values(x)
-    y = _tile_products(x, w, tile_group, num_tiles, block_m)
+    y = _tile_products(x, w, tile_group, num_tiles, block_m, extra)
     return y.reshape(x.shape[0], -1).astype(out_dtype or x.dtype)
 
 
 def swiglu_reference(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
                      row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"],
-                     *, block_m: int, limit: float) -> Float[Array, "m n"]:
-    """``swiglu(x W1^T, x W3^T) * row_weight`` per tile, in x's dtype (the reference's roundings)."""
+                     *, block_m: int, limit: float, extra: tuple[Weights, Weights] | None = None
+                     ) -> Float[Array, "m n"]:
+    """``swiglu(x W1^T, x W3^T) * row_weight`` per tile, in x's dtype (the reference's roundings);
+    ``extra`` = (W1', W3'): one more pair of weights, multiplied by the tiles of group G."""
     check_inputs(x, w1, tile_group, block_m)
     check_inputs(x, w3, tile_group, block_m)
+    extra1, extra3 = extra or (None, None)
+    check_extra(w1, extra1)
+    check_extra(w3, extra3)
     x = _values(x)
     dt = x.dtype
-    g = _tile_products(x, w1, tile_group, num_tiles, block_m).astype(dt)
-    u = _tile_products(x, w3, tile_group, num_tiles, block_m).astype(dt)
+    g = _tile_products(x, w1, tile_group, num_tiles, block_m, extra1).astype(dt)
+    u = _tile_products(x, w3, tile_group, num_tiles, block_m, extra3).astype(dt)
     h = swiglu(g, u, limit).reshape(x.shape[0], -1) * row_weight.astype(dt).astype(jnp.float32)[:, None]
     return h.astype(dt)
+
+
+def extra_fits(w: Weights, extra: Weights) -> bool:
+    """Whether ``extra`` takes the same rows as ``w`` in the kernel (``check_extra``): both fp8
+    formats, or neither of them nor FP4."""
+    fp8 = ("fp8", "fp8_k128")
+    return (w.fmt in fp8) == (extra.fmt in fp8) and "fp4" not in (w.fmt, extra.fmt)
+
+
+def check_extra(w: Weights, extra: Weights | None) -> None:
+    """An extra weight (one group, its own format) must take the same rows as ``w``: N and K
+    alike, and rows of the same kind in the kernel (``extra_fits``)."""
+    if extra is None:
+        return
+    check_weights(extra)
+    if extra.shape[0] != 1 or extra.shape[1:] != w.shape[1:]:
+        raise ValueError(f"an extra weight must be one group of [N, K] = {list(w.shape[1:])}, got {extra.shape}")
+    if not extra_fits(w, extra):
+        raise ValueError(f"an extra weight of format {extra.fmt!r} cannot take the rows of {w.fmt!r} weights "
+                         "(both fp8 / fp8_k128, or neither of them nor FP4)")
 
 
 def check_inputs(x: Array | ActQuant | QuantRows, w: Weights, tile_group: Array, block_m: int) -> None:
@@ -626,7 +664,8 @@ def _swiglu_rows(gate: Array, up: Array, row_weight: Array, limit: float, dt) ->
 
 
 def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n_weights: int,
-            limit: float | None, code_dots: bool, quantise: bool, dt, route: tuple | None = None):
+            limit: float | None, code_dots: bool, quantise: bool, dt, route: tuple | None = None,
+            extra_fmt: str | None = None, groups: int = 0):
     if route is None:
         tile_group_ref, num_tiles_ref = refs[:2]
         refs = refs[2:]
@@ -639,6 +678,10 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
     per_w = 1 if fmt == "dense" else 2
     w_sets = [refs[i * per_w:(i + 1) * per_w] for i in range(n_weights)]
     refs = refs[n_weights * per_w:]
+    if extra_fmt is not None:  # the extra weights (``Extra``): tiles of group ``groups`` multiply them
+        per_x = 1 if extra_fmt == "dense" else 2
+        extra_sets = [refs[i * per_x:(i + 1) * per_x] for i in range(n_weights)]
+        refs = refs[n_weights * per_x:]
     rw_ref = refs[0] if limit is not None and cfg.split_k == 1 and route is None else None
     o_ref = refs[-1]
 
@@ -672,16 +715,23 @@ def _kernel(*refs, fmt: str, n: int, k: int, m: int, bm: int, cfg: GemmConfig, n
                 group_out_ref[pl.ds(t, 1)] = jnp.full((1,), g, jnp.int32)
                 rw_out_ref[pl.ds(r0, bm)] = rw
 
-        def body(step, accs):
-            k0 = k_base + step * bk
-            return tuple(a + _weight_step(x_refs, w, fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots, quantise,
-                                          cfg.fold_scales) for a, w in zip(accs, w_sets))
+        def products(sets, w_fmt: str, g):
+            def body(step, accs):
+                k0 = k_base + step * bk
+                return tuple(a + _weight_step(x_refs, w, w_fmt, g, n, k, r0, n0, k0, bm, bn, bk, dt, code_dots,
+                                              quantise, cfg.fold_scales) for a, w in zip(accs, sets))
 
-        zero = jnp.zeros((bm, bn), jnp.float32)
-        accs = lax.fori_loop(0, steps, body, (zero,) * n_weights)
-        if limit is not None and split == 1:
-            accs = (_swiglu_rows(accs[0], accs[1], rw, limit, dt),)
-        store(accs)
+            zero = jnp.zeros((bm, bn), jnp.float32)
+            accs = lax.fori_loop(0, steps, body, (zero,) * n_weights)
+            if limit is not None and split == 1:
+                accs = (_swiglu_rows(accs[0], accs[1], rw, limit, dt),)
+            store(accs)
+
+        if extra_fmt is None:
+            products(w_sets, fmt, g)
+        else:
+            pl.when(g < groups)(lambda: products(w_sets, fmt, g))
+            pl.when(g >= groups)(lambda: products(extra_sets, extra_fmt, 0))
 
     @pl.when(t >= num_tiles_ref[0])
     def _unused():
@@ -739,23 +789,28 @@ def _swiglu_quantised(y: Array, row_weight: Array, *, m: int, n: int, split: int
 
 @functools.partial(jax.jit, static_argnames=("block_m", "cfg", "limit", "out_dtype", "quantised_out", "interpret"))
 def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: GemmConfig, limit, out_dtype,
-            interpret: bool, quantised_out: bool = False):
+            interpret: bool, quantised_out: bool = False, extra: tuple[Weights, ...] | None = None):
     fmt = ws[0].fmt
-    _, n, k = ws[0].shape
+    groups, n, k = ws[0].shape
     code_dots, quantise = isinstance(x, (ActQuant, QuantRows)), isinstance(x, QuantRows)
     cfg = cfg.fit(n, k, fmt, code_dots)
+    extra_fmt = None if extra is None else extra[0].fmt
+    if extra_fmt is not None:  # (tiles legal for both formats)
+        cfg = cfg.fit(n, k, extra_fmt, code_dots)
     m, split = x.shape[0], cfg.split_k
     dt = jnp.dtype(x.dtype)
     route = tile_group if isinstance(tile_group, Route) else None
+    if route is not None and extra is not None:
+        raise ValueError("extra weights need the tiles' groups given, not a Route")
     args = [tile_group] if route is None else [route.logits, route.sel]
     args += [num_tiles, *_x_operands(x, fmt)]
-    for w in ws:
+    for w in ws + (extra or ()):
         args += flat_operands(w)
     if limit is not None and split == 1 and route is None:
         args.append(row_weight.astype(jnp.float32))
     kernel = functools.partial(_kernel, fmt=fmt, n=n, k=k, m=m, bm=block_m, cfg=cfg, n_weights=len(ws), limit=limit,
                                code_dots=code_dots, quantise=quantise, dt=dt,
-                               route=None if route is None else route.constants())
+                               route=None if route is None else route.constants(), extra_fmt=extra_fmt, groups=groups)
     grid = (tile_group.shape[0], n // cfg.block_n) + ((split,) if split > 1 else ())
     out_shape = (jax.ShapeDtypeStruct((m, n), out_dtype) if split == 1
                  else jax.ShapeDtypeStruct((split * m, len(ws) * n), jnp.float32))
@@ -770,7 +825,8 @@ def _pallas(x, ws, row_weight, tile_group, num_tiles, *, block_m: int, cfg: Gemm
             interpret=interpret,
             name=f"grouped_matmul_{fmt}" + ("_a8q" if quantise else "_a8" if code_dots else "")
                  + ("_swiglu" if limit is not None else "")
-                 + (f"_split{split}" if split > 1 else "") + ("_routed" if route is not None else ""),
+                 + (f"_split{split}" if split > 1 else "") + ("_routed" if route is not None else "")
+                 + (f"_and_{extra_fmt}" if extra_fmt else ""),
         )(*args)
     if route is not None:
         y, group, row_weight = y
@@ -805,58 +861,77 @@ def _check_kernel_shapes(x: Array, ws: list[Weights], block_m: int) -> None:
 
 def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group: Int[Array, " t"],
            num_tiles: Int[Array, " 1"], *, block_m: int, out_dtype=None, config: GemmConfig | None = None,
-           interpret: bool | None = None, codes: bool | None = None) -> Float[Array, "m n"]:
-    """The Pallas kernel (same contract as ``reference``). ``codes``: see ``_kernel_rows``."""
+           interpret: bool | None = None, codes: bool | None = None, extra: Weights | None = None
+           ) -> Float[Array, "m n"]:
+    """The Pallas kernel (same contract as ``reference``). ``codes``: see ``_kernel_rows``.
+    ``extra``: the programs of tiles of group G take these weights instead, in the same launch."""
     check_inputs(x, w, tile_group, block_m)
+    check_extra(w, extra)
     _check_kernel_shapes(x, [w], block_m)
     x = _kernel_rows(x, w, block_m, codes)
+    _check_extra_rows(x, extra, block_m)
     cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
-                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret),
+                   extra=None if extra is None else (extra,))
+
+
+def _check_extra_rows(x, extra: Weights | None, block_m: int) -> None:
+    """Rows multiplied as codes need extra weights that take codes too."""
+    if extra is not None and isinstance(x, (ActQuant, QuantRows)) and not takes_codes(extra.fmt, block_m):
+        raise ValueError(f"rows multiplied as fp8 codes cannot take extra weights of format {extra.fmt!r}")
 
 
 def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
                   row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
                   block_m: int, limit: float, config: GemmConfig | None = None, interpret: bool | None = None,
-                  codes: bool | None = None, quantised_out: bool = False
-                  ) -> Float[Array, "m n"] | ActQuant | QuantRows:
+                  codes: bool | None = None, quantised_out: bool = False,
+                  extra: tuple[Weights, Weights] | None = None) -> Float[Array, "m n"] | ActQuant | QuantRows:
     """The fused Pallas kernel (same contract as ``swiglu_reference``). ``codes``: see ``_kernel_rows``.
     ``quantised_out``: the result quantised as the next GEMM's input (``ActQuant.of``; after a K
     split, with the partial sums' SwiGLU in one launch: ``_swiglu_quantised``; a decode step's
     SwiGLU unsplit by ``ONE_TOKEN_SWIGLU_BLOCK_N``: ``QuantRows`` for that GEMM to quantise).
     ``tile_group`` a ``Route`` (pair tiles; ``row_weight`` unused): each program decides its tile's
-    expert and routing weight, and the result comes with the tiles' experts [t] for w2."""
+    expert and routing weight, and the result comes with the tiles' experts [t] for w2.
+    ``extra`` = (W1', W3'): the programs of tiles of group G take these instead, in the same launch."""
     check_inputs(x, w1, tile_group, block_m)
     _check_kernel_shapes(x, [w1, w3], block_m)
+    if extra is not None:
+        for w, e in zip((w1, w3), extra):
+            check_extra(w, e)
+        _check_kernel_shapes(x, list(extra), block_m)
     x = _kernel_rows(x, w1, block_m, codes)
+    _check_extra_rows(x, None if extra is None else extra[0], block_m)
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0],
                                    weights=2)
     if config is None and quantised_out and ONE_TOKEN_SWIGLU_BLOCK_N and w1.fmt == "fp8_k128" and cfg.split_k > 1:
         # a decode step's SwiGLU unsplit, its rows quantised by the next GEMM's programs
         cfg, quantised_out = dataclasses.replace(cfg, block_n=ONE_TOKEN_SWIGLU_BLOCK_N, split_k=1), "rows"
     return _pallas(x, (w1, w3), row_weight, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=float(limit),
-                   out_dtype=x.dtype, quantised_out=quantised_out, interpret=backend.interpret_mode(interpret))
+                   out_dtype=x.dtype, quantised_out=quantised_out, interpret=backend.interpret_mode(interpret),
+                   extra=None if extra is None else tuple(extra))
 
 
 def grouped_matmul(x, w: Weights, tile_group, num_tiles, *, block_m: int, out_dtype=None, impl: str | None = None,
-                   **kernel_options):
+                   extra: Weights | None = None, **kernel_options):
     """Grouped matmul through the backend switch: the Pallas kernel or the XLA reference."""
     if backend.resolve(impl) == "xla":
-        return reference(x, w, tile_group, num_tiles, block_m=block_m, out_dtype=out_dtype)
-    return kernel(x, w, tile_group, num_tiles, block_m=block_m, out_dtype=out_dtype, **kernel_options)
+        return reference(x, w, tile_group, num_tiles, block_m=block_m, out_dtype=out_dtype, extra=extra)
+    return kernel(x, w, tile_group, num_tiles, block_m=block_m, out_dtype=out_dtype, extra=extra, **kernel_options)
 
 
 def grouped_swiglu(x, w1: Weights, w3: Weights, row_weight, tile_group, num_tiles, *, block_m: int, limit: float,
-                   impl: str | None = None, quantised_out: bool = False, **kernel_options):
+                   impl: str | None = None, quantised_out: bool = False, extra: tuple[Weights, Weights] | None = None,
+                   **kernel_options):
     """Fused SwiGLU half of the experts through the backend switch (``quantised_out``: its result
     quantised as the next GEMM's input, ``ActQuant``)."""
     if backend.resolve(impl) == "xla":
         if isinstance(tile_group, Route):
             raise ValueError("a Route is decided inside the Pallas kernel only; decide it first on the XLA path")
-        h = swiglu_reference(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit)
+        h = swiglu_reference(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit, extra=extra)
         return ActQuant.of(h) if quantised_out else h
     return swiglu_kernel(x, w1, w3, row_weight, tile_group, num_tiles, block_m=block_m, limit=limit,
-                         quantised_out=quantised_out, **kernel_options)
+                         quantised_out=quantised_out, extra=extra, **kernel_options)
 
 
 def block_m_for(rows: int, groups: int = 1) -> int:

@@ -235,19 +235,21 @@ def _mixes_fma(x: Array, w: Array) -> Array:
 
 
 # ------------------------------------------------------------------------------ kernels
-def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype, pairs: tuple[int, int] = (),
+def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype, pairs: tuple[int, int, bool] = (),
                extra_ref=None) -> Array:
     """The sub-block output f at ``cols`` (float32): as stored, or with ``f_parts`` its linear's
     float32 partial sums [S T, d] added in order and rounded to ``dtype`` (the linear's output);
-    with ``pairs`` = (k, stride) a MoE's ``gemv.ExpertRows``: f_ref its routed rows (token t's at
-    rows (t k + j) stride), added in order, plus ``extra_ref`` (the shared expert's output, as
-    stored or as ``f_parts`` partial sums), the sum rounded to ``dtype``."""
+    with ``pairs`` = (k, stride, extra) a MoE's ``gemv.ExpertRows``: f_ref its rows (token t's at
+    rows (t k + j) stride), added in order, plus with ``extra`` ``extra_ref`` (the shared expert's
+    output, as stored or as ``f_parts`` partial sums), the sum rounded to ``dtype``."""
     if pairs:
-        k, stride = pairs
+        k, stride, extra = pairs
         f = _load(f_ref, rows * (k * stride), ok, cols)
         for j in range(1, k):
             f = f + _load(f_ref, (rows * k + j) * stride, ok, cols)
-        return _rounded(f + _f_columns(extra_ref, rows, ok, cols, f_parts, dtype), dtype)
+        if extra:
+            f = f + _f_columns(extra_ref, rows, ok, cols, f_parts, dtype)
+        return _rounded(f, dtype)
     if not f_parts:
         return _load(f_ref, rows, ok, cols)
     tokens = f_ref.shape[0] // f_parts
@@ -258,13 +260,13 @@ def _f_columns(f_ref, rows: Array, ok: Array, cols: Array, f_parts: int, dtype, 
 
 
 def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool, f_parts: int = 0,
-                  f_pairs: tuple[int, int] = ()):
+                  f_pairs: tuple[int, int, bool] = ()):
     """Partial mixes and sum of squares of this program's columns (see the module docstring);
     with ``expand`` (refs f [, the expert rows' extra], post, comb, then outputs partials, X') the
     columns are first expanded by the previous unit's hc_post (f as stored, as its ``f_parts``
     partial sums, or as ``f_pairs`` expert rows: ``_f_columns``)."""
     extra_ref = None
-    if expand and f_pairs:
+    if expand and f_pairs and f_pairs[2]:
         f_ref, extra_ref, post_ref, comb_ref, part_ref, xo_ref = refs
     elif expand:
         f_ref, post_ref, comb_ref, part_ref, xo_ref = refs
@@ -394,12 +396,13 @@ def _call(kernel, grid, out_shape, warps: int, config: HcConfig, interpret: bool
 @functools.partial(jax.jit, static_argnames=("n", "iters", "hc_eps", "norm_eps", "out_eps", "config", "f_parts",
                                              "f_pairs", "interpret"))
 def _unit(x_flat, fn, base, scale, norm_w, prev, *, n: int, iters: int, hc_eps: float, norm_eps: float,
-          out_eps: float | None, config: HcConfig, f_parts: int = 0, f_pairs: tuple[int, int] = (), interpret: bool):
+          out_eps: float | None, config: HcConfig, f_parts: int = 0, f_pairs: tuple[int, int, bool] = (),
+          interpret: bool):
     """Both launches of hc_pre (fn with (2 + n) n rows: returns y, post, comb) or of hc_head (n rows:
     returns y), the RMSNorm with weight ``norm_w`` folded in when ``out_eps`` is set; with ``prev`` =
     (f, post, comb) the mixes kernel first expands x_flat by that hc_post and X' comes first in the
     result (``f_parts``: f given as that many partial sums [S T, d]; ``f_pairs``: as expert rows,
-    prev = (rows, extra, post, comb): ``_f_columns``)."""
+    prev = (rows, extra, post, comb), or (rows, post, comb) without an extra: ``_f_columns``)."""
     tokens, k = x_flat.shape
     m = fn.shape[0]
     t = _tiles(tokens, n, k // n, m, config)
@@ -451,7 +454,8 @@ def _check_prev(f, x, post, comb):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     f_shape = f.parts.shape[1:] if isinstance(f, Partials) else f.shape
     if isinstance(f, ExpertRows):
-        extra = f.extra.parts.shape[1:] if isinstance(f.extra, Partials) else f.extra.shape
+        extra = (math.prod(lead), d) if f.extra is None else (
+            f.extra.parts.shape[1:] if isinstance(f.extra, Partials) else f.extra.shape)
         tokens = math.prod(lead)
         if (f.rows.shape != (tokens * f.k * f.stride, d) or math.prod(extra) != tokens * d
                 or f.rows.dtype != x.dtype):
@@ -465,11 +469,14 @@ def _check_prev(f, x, post, comb):
 
 def _flat_prev(f, post, comb, n: int, d: int) -> tuple:
     """(f [T, d] or its partial sums [S T, d] float32 (expert rows: their rows and extra), post [T, n],
-    comb [T, n n]), S (0: f itself; expert rows: their extra's) and the expert rows' (k, stride) or ()."""
+    comb [T, n n]), S (0: f itself; expert rows: their extra's) and the expert rows' (k, stride,
+    whether they have an extra) or ()."""
     weights = (post.reshape(-1, n).astype(jnp.float32), comb.reshape(-1, n * n).astype(jnp.float32))
+    if isinstance(f, ExpertRows) and f.extra is None:
+        return (f.rows, *weights), 0, (f.k, f.stride, False)
     if isinstance(f, ExpertRows):
         (extra, *_), parts, _ = _flat_prev(f.extra, post, comb, n, d)
-        return (f.rows, extra, *weights), parts, (f.k, f.stride)
+        return (f.rows, extra, *weights), parts, (f.k, f.stride, True)
     f_flat = f.parts.astype(jnp.float32).reshape(-1, d) if isinstance(f, Partials) else f.reshape(-1, d)
     return (f_flat, *weights), (f.parts.shape[0] if isinstance(f, Partials) else 0), ()
 

@@ -337,6 +337,56 @@ def test_swiglu_quantised_out(fmt, split):
                                rtol=2**-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_extra_weights_take_the_tiles_of_group_g(split):
+    """``extra``: tiles of group G (one past the routed groups) multiply one more weight of its own
+    format in the same launch (a shared expert beside the routed ones). Its tiles equal a launch
+    of that weight alone, the routed tiles a launch without it, bit for bit (the same programs);
+    both equal the reference's, which takes the same extra weight. Rows as codes (quantised in the
+    kernel for the SwiGLU, as ``ActQuant`` for the product), fp8_k128 routed and fp8 extra."""
+    rng = np.random.default_rng(21)
+    g, n, k = 3, 256, 512
+    w1, w2, w3 = (_random_weights(rng, s, "fp8_k128") for s in ((g, n, k), (g, k, n), (g, n, k)))
+    e1, e2, e3 = (_random_weights(rng, s, "fp8") for s in ((1, n, k), (1, k, n), (1, n, k)))
+    ids = np.array([[2, 0, g], [1, 2, g]], np.int32)  # two tokens, two routed experts and the extra
+    tiles = md.pair_tiles(jnp.asarray(ids), 16)
+    pair = np.asarray(tiles.pair_of_row)
+    rows = np.where(pair[:, None] >= 0, rng.standard_normal((pair.size, k)), 0.0)
+    rows = gm.QuantRows(jnp.asarray(rows, jnp.bfloat16))
+    rw = jnp.asarray(np.where(pair >= 0, np.where(np.repeat(ids.reshape(-1), 16) == g, 1.0, rng.random(pair.size)),
+                              0.0), jnp.float32)
+    meta = (tiles.tile_group, tiles.num_tiles)
+    cfg = gm.GemmConfig(block_n=64, block_k=128, split_k=split)
+    kw = dict(block_m=16, config=cfg, interpret=True)
+    h = gm.swiglu_kernel(rows, w1, w3, rw, *meta, limit=1.0, quantised_out=True, extra=(e1, e3), **kw)
+    y = np.asarray(gm.kernel(h, w2, *meta, out_dtype=jnp.float32, extra=e2, **kw))
+    extra_rows = np.repeat(ids.reshape(-1) == g, 16)
+    # the extra tiles alone (group 0 of the extra weights), the routed tiles alone (their own groups)
+    alone = jnp.where(jnp.asarray(ids.reshape(-1)) == g, 0, tiles.tile_group), tiles.num_tiles
+    h_x = gm.swiglu_kernel(rows, e1, e3, rw, *alone, limit=1.0, quantised_out=True, **kw)
+    h_r = gm.swiglu_kernel(rows, w1, w3, rw, *alone, limit=1.0, quantised_out=True, **kw)
+    for a, b, c in ((h.codes, h_x.codes, h_r.codes), (h.amax, h_x.amax, h_r.amax)):
+        a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+        np.testing.assert_array_equal(a[extra_rows], b[extra_rows])
+        np.testing.assert_array_equal(a[~extra_rows], c[~extra_rows])
+    y_x = np.asarray(gm.kernel(h, e2, *alone, out_dtype=jnp.float32, **kw))
+    y_r = np.asarray(gm.kernel(h, w2, *alone, out_dtype=jnp.float32, **kw))
+    np.testing.assert_array_equal(y[extra_rows], y_x[extra_rows])
+    np.testing.assert_array_equal(y[~extra_rows], y_r[~extra_rows])
+    assert np.abs(y[extra_rows & (pair >= 0)]).min() > 0 and np.isfinite(y).all()
+    # against the reference with the same extra weights
+    h_ref = gm.swiglu_reference(rows, w1, w3, rw, *meta, block_m=16, limit=1.0, extra=(e1, e3))
+    np.testing.assert_allclose(np.asarray(h.values(), np.float32), np.asarray(gm.ActQuant.of(h_ref).values(),
+                               np.float32), rtol=2**-3, atol=1e-3)
+    ref = np.asarray(gm.reference(h, w2, *meta, block_m=16, out_dtype=jnp.float32, extra=e2))
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * scale)
+    with pytest.raises(ValueError, match="one group of"):
+        gm.kernel(h, w2, *meta, extra=w2, **kw)
+    with pytest.raises(ValueError, match="cannot take the rows"):
+        gm.kernel(h, w2, *meta, extra=_random_weights(rng, (1, k, n), "dense"), **kw)
+
+
 @pytest.mark.parametrize("fmt,split,bk,bm", [("fp8", 1, 128, 16), ("fp8", 4, 256, 16), ("fp8", 1, 64, 16),
                                              ("fp8", 1, 128, 32),
                                              ("fp8_k128", 2, 128, 16), ("fp8_k128", 1, 256, 16),

@@ -150,13 +150,14 @@ def test_expansion_adds_partial_sums(dtype):
                                  hc_eps=HC_EPS, norm_eps=NORM_EPS)
 
 
-@pytest.mark.parametrize("dtype,tokens,extra_parts", [(jnp.bfloat16, 1, 4), (jnp.float32, 2, 0)])
+@pytest.mark.parametrize("dtype,tokens,extra_parts", [(jnp.bfloat16, 1, 4), (jnp.float32, 2, 0),
+                                                      (jnp.bfloat16, 2, None)])
 def test_expansion_adds_expert_rows(dtype, tokens, extra_parts):
     """f given as a MoE's terms (``gemv.ExpertRows``, a one-token step: each token's k routed rows
-    in w2's pair tiles of 16 rows, and the shared expert's w2 as partial sums or as an array): the
-    fused step adds the rows in order, then the extra (its parts summed and rounded to the streams'
-    dtype), rounds the sum, and runs as with that f, bit for bit; against the plain-JAX step
-    (``gemv.total``) to summation order."""
+    in w2's pair tiles of 16 rows, and the shared expert's w2 as partial sums, as an array, or as
+    none: its row the last of the k): the fused step adds the rows in order, then the extra (its
+    parts summed and rounded to the streams' dtype), rounds the sum, and runs as with that f, bit
+    for bit; against the plain-JAX step (``gemv.total``) to summation order."""
     rng = np.random.default_rng(12)
     k, stride, d = 6, 16, 256
     x, _, (fn, base, scale), _ = _unit(rng, (1, tokens), d, dtype)
@@ -164,7 +165,7 @@ def test_expansion_adds_expert_rows(dtype, tokens, extra_parts):
     rows[np.arange(rows.shape[0]) % stride != 0] = np.nan  # the tiles' padding rows are never read
     rows = jnp.asarray(rows, dtype)
     extra = (Partials(jnp.asarray(rng.standard_normal((extra_parts, 1, tokens, d)), jnp.float32)) if extra_parts
-             else jnp.asarray(rng.standard_normal((1, tokens, d)), dtype))
+             else None if extra_parts is None else jnp.asarray(rng.standard_normal((1, tokens, d)), dtype))
     f = ExpertRows(rows, extra, k=k, stride=stride, shape=(1, tokens, d))
     w = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
     kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, out_eps=1e-5)
@@ -179,6 +180,8 @@ def test_expansion_adds_expert_rows(dtype, tokens, extra_parts):
         for s in range(1, extra_parts):
             e = e + np.asarray(extra.parts[s])
         e = np.asarray(jnp.asarray(e).astype(dtype), np.float32)
+    elif extra is None:
+        e = np.zeros_like(summed)
     else:
         e = np.asarray(extra, np.float32)
     exact_f = jnp.asarray(summed + e.reshape(tokens, d)).astype(dtype).reshape(1, tokens, d)

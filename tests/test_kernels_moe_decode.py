@@ -103,8 +103,9 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
     ``gemv``, the selection in XLA, the shared expert's ``gemv_swiglu``), "select" (the selection
     from ``gemv``'s partial sums in one launch), "shared" (the router and the shared expert's
     w1 / w3 in one ``gemv_many`` launch) and "apart" (the router's ``gemv`` alone, the shared
-    expert's w1 / w3 in one launch of their own): their launches, the same experts, and outputs
-    within the bf16 tolerance of the "xla" path (only the float32 sums' order differs)."""
+    expert's w1 / w3 in one launch of their own) and "tile" (the router's ``gemv`` alone, the shared
+    expert as one more pair of the routed experts' two launches): their launches, the same experts,
+    and outputs within the bf16 tolerance of the "xla" path (only the float32 sums' order differs)."""
     cfg = dataclasses.replace(config.tiny(), hidden_size=256, n_routed_experts=64, num_experts_per_tok=6,
                               moe_intermediate_size=128)
     num = Numerics(quant_sim=True, weight_format="fp8", kernels="pallas")
@@ -115,14 +116,15 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
     ids = jnp.asarray([[7]], jnp.int32)
     assert moe.one_row == "apart"  # the default
     got = {}
-    for path in ("xla", "select", "shared", "apart"):
+    for path in ("xla", "select", "shared", "apart", "tile"):
         moe.one_row = path
         graphdef, state = nnx.split(moe)
         jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, ids))(state, x)
         kernels = [o[len("pallas:"):] for o in _pallas_calls(jaxpr.jaxpr) if o.startswith("pallas:")]
         routing_w, experts, _ = moe._route(x.reshape(1, -1), ids.reshape(-1))
         y = moe(x, ids)  # "shared" leaves the sum to mHC's next launch
-        assert isinstance(y, ExpertRows) == (path in ("shared", "apart")) and y.shape == x.shape and y.dtype == x.dtype
+        assert isinstance(y, ExpertRows) == (path in ("shared", "apart", "tile"))
+        assert y.shape == x.shape and y.dtype == x.dtype
         got[path] = (kernels, np.asarray(routing_w), np.asarray(experts), np.asarray(total(y), np.float32))
     kernels = {path: got[path][0] for path in got}
     assert kernels["xla"][0].startswith("gemv_bf16") and "router_select" not in kernels["xla"], kernels
@@ -135,10 +137,20 @@ def test_moe_one_row_paths_launch_their_kernels_and_agree(hash_routing):
     assert kernels["apart"][0] == kernels["select"][0], kernels  # the router's product alone
     assert kernels["apart"][1].startswith("gemv_fp8_q_x2") and kernels["apart"][2] == "router_select", kernels
     assert kernels["apart"][3:] == kernels["shared"][2:], kernels  # the shared w2 and the routed experts as "shared"
+    # "tile": the router's product, the selection, then only the routed experts' launches, each
+    # taking the shared expert's FP8 weights too (no gemv of the shared expert)
+    assert kernels["tile"][:2] == kernels["apart"][:1] + ["router_select"], kernels
+    assert not any(k.startswith("gemv") for k in kernels["tile"][2:]), kernels
+    grouped = [k for k in kernels["tile"] if k.startswith("grouped_matmul")]
+    assert len(grouped) == 2 and all(k.endswith("_and_fp8") for k in grouped), kernels
+    assert len(kernels["tile"]) == len(kernels["apart"]) - 2, kernels
+    assert moe.shared_tile(x.reshape(1, -1)) is not None
+    y = moe(x, ids)
+    assert y.extra is None and y.k == 7 and y.rows.shape[0] == 7 * y.stride
     want_w, want_i, want_y = got["xla"][1:]
     scale = np.abs(want_y).max()
     assert scale > 0 and np.isfinite(want_y).all()
-    for path in ("select", "shared", "apart"):
+    for path in ("select", "shared", "apart", "tile"):
         _, w, i, y = got[path]
         np.testing.assert_array_equal(i, want_i)
         np.testing.assert_allclose(w, want_w, rtol=1e-6, atol=1e-7)
@@ -332,6 +344,24 @@ def test_flash_decode_step_lowers(arch, platform, fmt, shared_fmt, tokens):
     text = lowering.lower(step, SD((n, FLASH["d"]), jnp.bfloat16), SD((FLASH["e"], FLASH["d"]), jnp.bfloat16),
                           SD((FLASH["e"],), jnp.float32), *ws, arch=arch, platform=platform)
     assert lowering.count_triton_calls(text) == 4
+
+
+@pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])
+def test_flash_shared_expert_as_a_tile_lowers(arch, platform):
+    """A batch-1 step's experts under ``MoE.one_row`` "tile" at Flash shapes: FP8 routed experts
+    (``fp8_k128``) and the FP8 shared expert as a seventh pair, in the SwiGLU (split, its halves
+    activated and quantised by ``swiglu_quantise``) and w2: three Triton calls."""
+    k = FLASH["k"]
+
+    def experts(x, w, idx, w1, w2, w3, s1, s2, s3):
+        rows, _ = grouped_experts(x, w, idx, w1, w2, w3, limit=10.0, quant_sim=True, impl="pallas", as_rows=True,
+                                  shared=(s1, s2, s3))
+        return rows
+
+    text = lowering.lower(experts, SD((1, FLASH["d"]), jnp.bfloat16), SD((1, k), jnp.float32), SD((1, k), jnp.int32),
+                          *_flash_layer("fp8_k128", "fp8", FLASH["e"]), arch=arch, platform=platform)
+    assert lowering.count_triton_calls(text) == 3
+    assert "swiglu_quantise" in text and text.count("_and_fp8") >= 2
 
 
 @pytest.mark.parametrize("arch,platform", [("gfx950", "rocm"), ("NVIDIA H200", "cuda")])

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import profile_step
 from benchmarks.profile_step import Attribution, KernelEvent, Scope, attribute, busy_ns, leaf_events, \
-    round_spans_ns, scope_of, trace_events
+    round_spans_ns, scope_of, timeline, trace_events
 from dspark_jax import SamplingParams
 from dspark_jax.decoding.engine import Engine
 
@@ -95,6 +96,31 @@ def test_synthetic_events_are_attributed():
     assert round_spans_ns(branch, 2) == [10, 40]
     # device busy time is the union of intervals (overlaps counted once)
     assert busy_ns([KernelEvent("a", 0, 10), KernelEvent("b", 5, 10), KernelEvent("c", 30, 5)]) == 20
+
+
+def test_timeline_of_one_round(monkeypatch):
+    """``timeline``: the listed layers' kernels in the middle round, starts from the layer's first,
+    span / busy / idle with overlapping kernels counted once; events that name no instruction of
+    the program (a command buffer's kernels) give the whole round by their device names."""
+    attr = Attribution(_HLO)
+    monkeypatch.setattr(profile_step, "LISTED_LAYERS", ("L0",))
+    line, other = "/device:GPU:0/Stream #1", "/device:GPU:0/Stream #2"
+    events = []
+    for r in range(3):  # three rounds, 1 ms apart; round 1's moe fusion later than the others
+        t = r * 1e6 + (500 if r == 1 else 0)
+        events += [KernelEvent("fusion.1", t, 3000, line, r, "k_fusion"),
+                   KernelEvent("custom-call.3", t + 2000, 5000, other, r, "k_attention"),
+                   KernelEvent("fusion.1", t + 9000, 1000, line, r, "k_fusion")]
+    out = timeline(events, attr, rounds=3)
+    assert set(out) == {"L0"}
+    layer = out["L0"]
+    assert [k[:3] for k in layer["kernels"]] == [["fusion.1", 0.0, 3.0], ["fusion.1", 9.0, 1.0]]
+    assert (layer["span_us"], layer["busy_us"], layer["idle_us"]) == (10.0, 4.0, 6.0)
+    named = [KernelEvent(e.hlo_op + "_cb", e.start_ns, e.dur_ns, e.line, e.run, e.kernel) for e in events]
+    whole = timeline(named, attr, rounds=3)["round"]
+    assert [k[4] for k in whole["kernels"]] == ["k_fusion", "k_attention", "k_fusion"]
+    assert (whole["span_us"], whole["busy_us"], whole["idle_us"]) == (10.0, 8.0, 2.0)
+    assert timeline([], attr, rounds=3) == {}
 
 
 def test_trace_of_a_jitted_call_is_attributed(tmp_path):

@@ -24,7 +24,7 @@ from pallas_kernels.routing import gate_weights, route_scores
 # (token, expert) pairs up to which every pair gets its own tile (batch <= 2 at top-6); on the
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
-ONE_ROW = ("xla", "select", "shared", "apart", "experts")  # MoE.one_row
+ONE_ROW = ("xla", "select", "shared", "apart", "experts", "tile")  # MoE.one_row
 
 
 class Gate(nnx.Module):
@@ -169,18 +169,20 @@ class Experts(nnx.Module):
         return jnp.sum(y.astype(dt).astype(jnp.float32), axis=1)
 
     def grouped(self, x: Float[Array, "n d"], w: Array, idx: Array, *, token_axes: tuple[str, ...] = (),
-                **kernel_options) -> Float[Array, "n d"] | tuple[Array, int]:
+                shared: tuple[gm.Weights, gm.Weights, gm.Weights] | None = None, **kernel_options
+                ) -> Float[Array, "n d"] | tuple[Array, int]:
         """(token, expert) pairs sorted by expert into row tiles and two grouped matmuls (the Pallas
         kernel on GPUs, its loop-over-tiles reference elsewhere): each chosen expert's weights are
         read once per tile, unchosen experts never; memory grows with tokens x top-k only. With the
-        experts split over a mesh: ``expert_parallel`` (tokens split over ``token_axes``)."""
+        experts split over a mesh: ``expert_parallel`` (tokens split over ``token_axes``). ``shared``:
+        the shared expert's (w1, w2, w3), one more pair per token (``grouped_experts``)."""
         weights = tuple(self.weights(n) for n in ("w1", "w2", "w3"))
         options = dict(limit=self.cfg.swiglu_limit, quant_sim=self.num.quant_sim, impl=self.num.kernel_impl(),
                        **kernel_options)
         if self.mesh is not None:
             options.pop("as_rows", None)  # (the expert-parallel sum crosses devices)
             return expert_parallel(x, w, idx, *weights, mesh=self.mesh, token_axes=token_axes, **options)
-        return grouped_experts(x, w, idx, *weights, **options)
+        return grouped_experts(x, w, idx, *weights, shared=shared, **options)
 
     def pairs(self, x: Float[Array, "n d"], w: Array, idx: Array, *, shared=None, out_dtype=jnp.float32,
               **kernel_options) -> Float[Array, "n d"]:
@@ -195,6 +197,7 @@ class Experts(nnx.Module):
 def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Array, "n k"], w1: gm.Weights,
                     w2: gm.Weights, w3: gm.Weights, *, limit: float, quant_sim: bool, impl: str,
                     block_m: int | None = None, dropped: bool = False, as_rows: bool = False,
+                    shared: tuple[gm.Weights, gm.Weights, gm.Weights] | None = None,
                     **kernel_options) -> Float[Array, "n d"] | tuple[Array, int]:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) in fp32 through the grouped matmul (``kernel_options``,
     e.g. a ``config``, go to both kernels; ``block_m`` overrides the row tile). Up to ``PAIR_TILES_MAX``
@@ -204,8 +207,17 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
     (w2's output rows [pairs x row tile, d], the row tile) instead of the sum, for a consumer that
     adds them (``gemv.ExpertRows``). ``w`` a ``grouped_matmul.Route`` (``idx`` None): the routing
     decided inside the SwiGLU's programs (pairs in their own tiles, rows taken as fp8 codes, the
-    Pallas path)."""
+    Pallas path). ``shared``: the shared expert's (w1, w2, w3), computed as one more pair of each
+    token (expert index E, weight 1, last of its k + 1 pairs) in the same two launches as the
+    routed pairs (the kernels' ``extra`` weights); the pairs then take their own tiles, and
+    ``as_rows`` gives k + 1 rows per token, the shared expert's last."""
     route = w if isinstance(w, gm.Route) else None
+    if shared is not None:
+        if route is not None or dropped or idx.size + idx.shape[0] > PAIR_TILES_MAX:
+            raise ValueError(f"the shared expert as one more pair needs the experts given and at most "
+                             f"{PAIR_TILES_MAX} pairs in their own tiles, got {idx.shape} routed pairs")
+        w = jnp.concatenate([w, jnp.ones((w.shape[0], 1), w.dtype)], axis=1)
+        idx = jnp.concatenate([idx, jnp.full((idx.shape[0], 1), w1.shape[0], idx.dtype)], axis=1)
     n, k = (route.n, route.k) if route is not None else idx.shape
     bm = block_m or gm.block_m_for(n * k, w1.shape[0])
     own_tiles = n * k <= PAIR_TILES_MAX and not dropped
@@ -238,11 +250,13 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
         y = gm.grouped_matmul(h, w2, **{**meta, "tile_group": group})
         return (y, bm) if as_rows else jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
     row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
+    up_extra, down_extra = (None, None) if shared is None else ((shared[0], shared[2]), shared[1])
     if codes and tiles.pair_of_row.shape[0] > bm:  # w2's input quantised by XLA: with the SwiGLU instead
-        y = gm.grouped_matmul(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, quantised_out=True, **meta), w2,
-                              **meta)
+        y = gm.grouped_matmul(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, quantised_out=True, extra=up_extra,
+                                                **meta), w2, extra=down_extra, **meta)
     else:
-        y = gm.grouped_matmul(act_in(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, **meta)), w2, **meta)
+        y = gm.grouped_matmul(act_in(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, extra=up_extra, **meta)),
+                              w2, extra=down_extra, **meta)
     if as_rows and own_tiles:
         return y, bm
     return jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
@@ -316,7 +330,11 @@ class MoE(nnx.Module):
         # compressors' two launches too, docs/benchmarks.md, 2026-12-05, last);
         # "experts" (as "shared", the selection decided in the routed SwiGLU's programs,
         # ``Gate.route``, where the pairs take their own tiles as fp8 codes: one launch fewer; with the
-        # one-token SwiGLU unsplit the layer's kernels took 4 us more on an H200, docs/benchmarks.md).
+        # one-token SwiGLU unsplit the layer's kernels took 4 us more on an H200, docs/benchmarks.md);
+        # "tile" (the router's product alone as "apart", and the shared expert as one more pair of
+        # the routed experts' two launches, ``shared_tile``: two launches fewer than "apart", but its
+        # 25 MB join the routed chain where "apart"'s launches ran beside it: on an H100 the batch-1
+        # step took 7.7 us more at 2 layers and 36 us more at 6, docs/benchmarks.md, 2026-12-05, evening).
         self.one_row = "apart"
         # (token, expert) pairs up to which a step takes the decode kernels (0: never). Opt-in
         # (PAIR_TILES_MAX to use them): on the H200 they measured slower than the grouped path
@@ -348,17 +366,44 @@ class MoE(nnx.Module):
             y = self.experts.pairs(xf, w, idx, shared=self.shared_experts.weights(), out_dtype=x.dtype)
             return y.reshape(shape)
         w, idx, shared = self._route(xf, ids.reshape(-1))
+        tile = self.shared_tile(xf) if shared is None else None
         if self.impl == "grouped":  # (one-row path: the pairs' rows left to the consumer where they can be)
-            routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]), as_rows=shared is not None)
+            routed = self.experts.grouped(xf, w, idx, token_axes=self.token_axes(shape[0]),
+                                          as_rows=shared is not None or tile is not None, shared=tile)
         else:
             routed = self.experts.dense(xf, w, idx)
+        k = self.gate.cfg.num_experts_per_tok
+        if tile is not None:  # the shared expert's row is each token's last (mHC's next launch adds them)
+            rows, stride = routed
+            return gemv.ExpertRows(rows, None, k=k + 1, stride=stride, shape=shape)
         if shared is None:
             shared = self.shared_experts(xf)
         if isinstance(routed, tuple):  # mHC's next launch adds the terms (``gemv.ExpertRows``)
             rows, stride = routed
-            return gemv.ExpertRows(rows, shared, k=self.gate.cfg.num_experts_per_tok, stride=stride, shape=shape)
+            return gemv.ExpertRows(rows, shared, k=k, stride=stride, shape=shape)
         y = routed + gemv.total(shared, x.dtype).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
+
+    def shared_tile(self, xf: Float[Array, "n d"]) -> tuple[gm.Weights, gm.Weights, gm.Weights] | None:
+        """The shared expert's (w1, w2, w3) where a one-row step under ``one_row`` "tile" computes it as
+        one more pair of the routed experts' launches (``grouped_experts(shared=...)``): grouped
+        experts without a mesh on the Pallas path, the shared expert's linears running the kernel
+        (or bf16), its weights taking the routed rows (``grouped_matmul.check_extra``), the pairs
+        in their own tiles; else None."""
+        ex, se, cfg = self.experts, self.shared_experts, self.gate.cfg
+        if self.one_row != "tile" or self.impl != "grouped" or ex.mesh is not None or not self.gate.one_row(xf):
+            return None
+        linears = (se.w1, se.w2, se.w3)
+        if any(lin.mesh is not None or (lin.quantized and not lin.runs_kernel(xf)) for lin in linears):
+            return None
+        pairs = xf.shape[0] * (cfg.num_experts_per_tok + 1)
+        bm = gm.block_m_for(pairs, cfg.n_routed_experts)
+        weights = se.weights()
+        fits = all(gm.extra_fits(ex.weights(name), w) for name, w in zip(("w1", "w2", "w3"), weights))
+        codes = ex.num.quant_sim and gm.takes_codes(ex.fmt, bm)
+        if not fits or pairs > PAIR_TILES_MAX or codes != (se.w1.fp8_act and gm.takes_codes(weights[0].fmt, bm)):
+            return None
+        return weights
 
     def _routes_in_experts(self, tokens: int) -> bool:
         """Whether the routed SwiGLU can decide the routing (``grouped_experts`` with a Route): grouped
