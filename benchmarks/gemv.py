@@ -113,6 +113,8 @@ def sweep_configs(smoke: bool) -> list[GemvConfig]:
     for split in (1, 2, 4, 8, 16):  # the split around the default tiles
         out.append(GemvConfig(64, 256, split))
         out.append(GemvConfig(32, 256, split))
+    for bn, bk, stages in itertools.product((32, 64), (256, 512), (2, 4, 5)):  # the pipeline's depth
+        out.append(GemvConfig(bn, bk, 0, 4, stages))
     return out
 
 
@@ -121,10 +123,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also tilings of the multiply-add kernel")
     ap.add_argument("--sweep-only", default="", help="comma-separated substrings of the shapes to sweep")
     ap.add_argument("--only", default="", help="comma-separated substrings of the shape names to run")
+    ap.add_argument("--sweep-configs", default="",
+                    help="comma-separated indices into the sweep's tilings (default: all; printed with --list-sweep)")
+    ap.add_argument("--list-sweep", action="store_true", help="print the sweep's tilings with their indices, then stop")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    configs = sweep_configs(args.smoke)
+    if args.list_sweep:
+        for i, c in enumerate(configs):
+            print(i, c)
+        return 0
+    if args.sweep_configs:
+        configs = [configs[int(i)] for i in args.sweep_configs.split(",")]
     t0 = time.time()
     env = environment()
     ceil = ceilings(0.0625, 512) if args.smoke else ceilings()
@@ -150,7 +162,7 @@ def main(argv=None) -> int:
         if case.quantised:  # the rows quantised before the kernel (by their producer)
             variants.append(("gemv_rounded", None))
         variants.append(("gemv_l2", None))  # every call on the first copy: its weights found in L2
-        variants += [("gemv", c) for c in (sweep_configs(args.smoke) if sweep else [])]
+        variants += [("gemv", c) for c in (configs if sweep else [])]
         row = {"name": s.name, "fmt": s.fmt, "n": s.n, "k": s.k, "groups": s.groups, "rows": s.tiles,
                "quantised": case.quantised, "bytes_per_call": call_bytes, "copies": copies, "variants": []}
         out["shapes"].append(row)
