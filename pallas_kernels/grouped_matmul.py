@@ -869,17 +869,11 @@ def kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w: Weights, tile_group
     check_extra(w, extra)
     _check_kernel_shapes(x, [w], block_m)
     x = _kernel_rows(x, w, block_m, codes)
-    _check_extra_rows(x, extra, block_m)
     cfg = config or default_config(block_m, w.fmt, n=w.shape[1], k=w.shape[2], tiles=tile_group.shape[0])
     return _pallas(x, (w,), None, tile_group, num_tiles, block_m=block_m, cfg=cfg, limit=None,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret),
                    extra=None if extra is None else (extra,))
 
-
-def _check_extra_rows(x, extra: Weights | None, block_m: int) -> None:
-    """Rows multiplied as codes need extra weights that take codes too."""
-    if extra is not None and isinstance(x, (ActQuant, QuantRows)) and not takes_codes(extra.fmt, block_m):
-        raise ValueError(f"rows multiplied as fp8 codes cannot take extra weights of format {extra.fmt!r}")
 
 
 def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3: Weights,
@@ -901,7 +895,6 @@ def swiglu_kernel(x: Float[Array, "m k"] | ActQuant | QuantRows, w1: Weights, w3
             check_extra(w, e)
         _check_kernel_shapes(x, list(extra), block_m)
     x = _kernel_rows(x, w1, block_m, codes)
-    _check_extra_rows(x, None if extra is None else extra[0], block_m)
     cfg = config or default_config(block_m, w1.fmt, n=w1.shape[1], k=w1.shape[2], tiles=tile_group.shape[0],
                                    weights=2)
     if config is None and quantised_out and ONE_TOKEN_SWIGLU_BLOCK_N and w1.fmt == "fp8_k128" and cfg.split_k > 1:

@@ -388,20 +388,19 @@ class MoE(nnx.Module):
         """The shared expert's (w1, w2, w3) where a one-row step under ``one_row`` "tile" computes it as
         one more pair of the routed experts' launches (``grouped_experts(shared=...)``): grouped
         experts without a mesh on the Pallas path, the shared expert's linears running the kernel
-        (or bf16), its weights taking the routed rows (``grouped_matmul.check_extra``), the pairs
-        in their own tiles; else None."""
+        (or bf16) on rows quantised as the routed ones, its weights taking the routed rows
+        (``grouped_matmul.extra_fits``), the pairs in their own tiles; else None."""
         ex, se, cfg = self.experts, self.shared_experts, self.gate.cfg
         if self.one_row != "tile" or self.impl != "grouped" or ex.mesh is not None or not self.gate.one_row(xf):
             return None
         linears = (se.w1, se.w2, se.w3)
         if any(lin.mesh is not None or (lin.quantized and not lin.runs_kernel(xf)) for lin in linears):
             return None
-        pairs = xf.shape[0] * (cfg.num_experts_per_tok + 1)
-        bm = gm.block_m_for(pairs, cfg.n_routed_experts)
         weights = se.weights()
         fits = all(gm.extra_fits(ex.weights(name), w) for name, w in zip(("w1", "w2", "w3"), weights))
-        codes = ex.num.quant_sim and gm.takes_codes(ex.fmt, bm)
-        if not fits or pairs > PAIR_TILES_MAX or codes != (se.w1.fp8_act and gm.takes_codes(weights[0].fmt, bm)):
+        # (the routed rows are quantised as their GEMM input iff quant_sim: the shared expert's must be too)
+        same_rows = se.w1.fp8_act == se.w2.fp8_act == ex.num.quant_sim
+        if not fits or not same_rows or xf.shape[0] * (cfg.num_experts_per_tok + 1) > PAIR_TILES_MAX:
             return None
         return weights
 
