@@ -160,10 +160,11 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
 
 
-def _under_switch(monkeypatch, name: str, values, seed: int) -> list:
+def _under_switch(monkeypatch, name: str, values, seed: int, **changes) -> list:
     """(logits, cache, one-token step's Pallas launches) of a small Pallas-path model's decode
-    steps with ``attention.<name>`` set to each value in turn (switches read at trace time)."""
-    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
+    steps with ``attention.<name>`` set to each value in turn (switches read at trace time);
+    ``changes``: to the model's config."""
+    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16, **changes), 3, dtype=jnp.float32,
                         param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
     for _, mod in nnx.iter_modules(m.module):
         if hasattr(mod, "num"):
@@ -209,6 +210,18 @@ def test_wq_b_launched_apart_agrees(monkeypatch):
     merged, apart = _under_switch(monkeypatch, "WQ_B_TOGETHER", (True, False), seed=7)
     _assert_same_steps(apart, merged)
     assert len(apart[2]) == len(merged[2]) + 1 and SMALL.compress_ratios.count(4) == 1, (merged[2], apart[2])
+
+
+def test_output_projection_in_one_launch_agrees(monkeypatch):
+    """``attention.OUT_ONE_LAUNCH``: a one-token step's wo_a and wo_b in one launch
+    (``gemv_chain``) give the logits and caches of the two ``gemv`` launches bit for bit (the same
+    products, added in the same order), one launch fewer per layer. (wo_a's groups of 128 outputs:
+    the tiny config's 64 take XLA's path.)"""
+    two, one = _under_switch(monkeypatch, "OUT_ONE_LAUNCH", (False, True), seed=9, o_lora_rank=128)
+    _assert_same_steps(one, two)
+    layers = SMALL.num_hidden_layers
+    assert len([n for n in one[2] if n.startswith("gemv_chain_fp8_q")]) == layers, one[2]
+    assert len(one[2]) == len(two[2]) - layers, (two[2], one[2])
 
 
 def test_x_linears_launched_apart_agree(monkeypatch):
