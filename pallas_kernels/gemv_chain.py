@@ -3,23 +3,19 @@ batch-1 step (the attention's grouped output projection: wo_a per head group, th
 
 As two ``gemv`` launches each linear reads its weight (33 MB each for Flash's wo_a and wo_b) with
 a ramp at its start and a tail at its end, and the second starts only when the first has ended.
-Here one grid holds both. Every program takes a ticket (an atomic count) when it starts, and the
-ticket, not the program id, says what it computes: the first linear's programs come first, row
-(weight group) by row, then the second's, K range by K range. A second-linear program reads the
-first's output rows that its K range covers, so it first waits until every first-linear program of
-those rows has counted itself done (a barrier, so that every warp's stores precede it, then an
-atomic add with release semantics at device scope; the waiting program polls with acquire
-semantics). A program waits only for programs that hold smaller tickets, which have started and
-run to their end whatever the GPU schedules next: every wait ends. The first rows' programs end
-first, so the second linear's first programs start while the first linear's last ones still run.
+Here one grid holds both (``tickets``: a program's ticket, not its id, says what it computes):
+the first linear's programs come first, row (weight group) by row, then the second's, K range by
+K range. A second-linear program reads the first's output rows that its K range covers, so it
+first waits until every first-linear program of those rows has counted itself done. The first
+rows' programs end first, so the second linear's first programs start while the first linear's
+last ones still run.
 
 The products and their summation order are ``gemv``'s (``gemv._products``) for the same tiles, so
 the result equals the two launches' bit for bit: the first linear's float32 partial sums of its K
 split, added in order by the second's programs and rounded to ``mid_dtype``, quantised per 128
 inputs when ``quantise2`` (the reference's FP8 GEMM input), the second's output as the float32
 partial sums of its K split (``gemv.Partials``, for a consumer that adds them: mHC's expansion).
-The count buffer (one count per first-linear row and the ticket) comes in zeroed, aliased to an
-output. Interpret mode runs the programs one after the other in ticket order: no wait is needed.
+The count buffer holds one count per first-linear row and the tickets' count.
 """
 
 from __future__ import annotations
@@ -30,10 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
-from pallas_kernels import backend
+from pallas_kernels import backend, tickets
 from pallas_kernels.gemv import GemvConfig, Partials, _products, default_config
 from pallas_kernels.grouped_matmul import FP8_BLOCK, Weights
 
@@ -47,7 +42,7 @@ def _kernel(x_ref, w1_ref, s1_ref, w2_ref, s2_ref, _count_in, mid_ref, out_ref, 
     steps1 = x_ref.shape[1] // bk1 // split1
     steps2 = rows * n1 // bk2 // split2
     firsts = rows * tiles1 * split1  # the first linear's programs; each row's count ends at tiles1 * split1
-    ticket = pltriton.atomic_add(count_ref, (jnp.int32(rows),), jnp.int32(1))
+    ticket = tickets.take(count_ref, rows)
 
     @pl.when(ticket < firsts)
     def _first():
@@ -57,9 +52,7 @@ def _kernel(x_ref, w1_ref, s1_ref, w2_ref, s2_ref, _count_in, mid_ref, out_ref, 
         (y,) = _products(x_ref, [(w1_ref, s1_ref)], ("fp8",), (quantise1,), (n1,), r, r, j * bn1, s * steps1 * bk1,
                          steps1, bk1, bn1)
         mid_ref[pl.ds(s * rows + r, 1), pl.ds(j * bn1, bn1)] = y
-        if not interpret:
-            pltriton.debug_barrier()  # every warp's stores before the count
-        pltriton.atomic_add(count_ref, (r,), jnp.int32(1))
+        tickets.count_done(count_ref, r, interpret)
 
     @pl.when(ticket >= firsts)
     def _second():
@@ -68,14 +61,11 @@ def _kernel(x_ref, w1_ref, s1_ref, w2_ref, s2_ref, _count_in, mid_ref, out_ref, 
         j = t % tiles2
         k0 = s * steps2 * bk2
 
-        def wait(r, carry):
-            poll = lambda c: pltriton.atomic_add(count_ref, (r,), c - c)  # noqa: E731  (adds 0: a traced one)
-            lax.while_loop(lambda c: c < tiles1 * split1, poll, poll(r))
+        def wait(r, carry):  # for every first-linear row that this K range reads
+            tickets.wait_for(count_ref, r, tiles1 * split1, interpret)
             return carry
 
         lax.fori_loop(k0 // n1, (k0 + steps2 * bk2 - 1) // n1 + 1, wait, 0)
-        if not interpret:
-            pltriton.debug_barrier()
 
         def row_block(kb):  # the first linear's output at inputs kb.. of the second: parts added in order, rounded
             r, c = kb // n1, kb % n1

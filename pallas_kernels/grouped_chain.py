@@ -3,22 +3,18 @@ output, each pair of (token, expert) in its own row tile (``group_metadata.pair_
 
 As ``grouped_matmul`` launches them, a one-token step's routed experts take three launches: the
 SwiGLU's two products with K split (float32 partial sums), ``swiglu_quantise`` (the halves added,
-the SwiGLU, the quantisation of w2's input), then w2. Here one grid holds both products, in the
-manner of ``gemv_chain``: every program takes a ticket (an atomic count) when it starts and the
-ticket says what it computes, the SwiGLU's programs first (tile by tile), then w2's (tile by
-tile). A w2 program waits until every SwiGLU program of its tile has counted itself done (a
-barrier, then an atomic add with release semantics at device scope; the waiting program polls
-with acquire semantics), then adds the SwiGLU's partial sums of its inputs, applies the SwiGLU
-and the routing weight, rounds and quantises them per 128 inputs as ``swiglu_quantise`` does and
-multiplies them by w2 as ``grouped_matmul`` does. A program waits only for programs holding smaller
-tickets, which have started: every wait ends. The first tiles' w2 programs start while the last
-tiles' SwiGLU programs still run.
+the SwiGLU, the quantisation of w2's input), then w2. Here one grid holds both products, as in
+``gemv_chain`` (``tickets``): the SwiGLU's programs first (tile by tile), then w2's (tile by tile).
+A w2 program waits until every SwiGLU program of its tile has counted itself done, then adds the
+SwiGLU's partial sums of its inputs, applies the SwiGLU and the routing weight, rounds and
+quantises them per 128 inputs as ``swiglu_quantise`` does and multiplies them by w2 as
+``grouped_matmul`` does. The first tiles' w2 programs start while the last tiles' SwiGLU programs
+still run.
 
 The values equal the three launches' bit for bit (the same tiles, products and sums: the
 grouped-matmul kernel's ``_weight_step`` / ``_code_dots_step``). Rows are taken as fp8 codes
-(``ActQuant`` / ``QuantRows`` against ``fp8`` / ``fp8_k128`` weights). The count buffer (one count
-per tile and the ticket) comes in zeroed, aliased to an output. Interpret mode runs the programs
-one after the other in ticket order.
+(``ActQuant`` / ``QuantRows`` against ``fp8`` / ``fp8_k128`` weights). The count buffer holds one
+count per tile and the tickets' count.
 """
 
 from __future__ import annotations
@@ -29,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import backend
+from pallas_kernels import backend, tickets
 from pallas_kernels import grouped_matmul as gm
 
 
@@ -47,7 +42,7 @@ def _kernel(tile_group_ref, num_tiles_ref, *refs, fmt1: str, fmt2: str, n1: int,
     cols1, cols2 = n1 // bn1, n2 // bn2
     steps1, steps2 = k1 // bk1 // split1, n1 // bk2 // split2
     firsts = tiles * cols1 * split1  # the SwiGLU's programs; a tile's count ends at cols1 * split1
-    ticket = pltriton.atomic_add(count_ref, (jnp.int32(tiles),), jnp.int32(1))
+    ticket = tickets.take(count_ref, tiles)
     used = num_tiles_ref[0]
 
     @pl.when(ticket < firsts)
@@ -66,9 +61,7 @@ def _kernel(tile_group_ref, num_tiles_ref, *refs, fmt1: str, fmt2: str, n1: int,
         gate, up = lax.cond(t < used, lambda: lax.fori_loop(0, steps1, body, (zero, zero)), lambda: (zero, zero))
         for i, part in enumerate((gate, up)):  # split s at rows s M.., gate at columns 0.., up at N1..
             mid_ref[pl.ds(s * m + r0, bm), pl.ds(i * n1 + n0, bn1)] = part
-        if not interpret:
-            pltriton.debug_barrier()  # every warp's stores before the count
-        pltriton.atomic_add(count_ref, (t,), jnp.int32(1))
+        tickets.count_done(count_ref, t, interpret)
 
     @pl.when(ticket >= firsts)
     def _down():
@@ -80,10 +73,7 @@ def _kernel(tile_group_ref, num_tiles_ref, *refs, fmt1: str, fmt2: str, n1: int,
         rows = pl.ds(r0, bm)
 
         def compute():
-            poll = lambda c: pltriton.atomic_add(count_ref, (t,), c - c)  # noqa: E731  (adds 0: a traced one)
-            lax.while_loop(lambda c: c < cols1 * split1, poll, poll(t))
-            if not interpret:
-                pltriton.debug_barrier()
+            tickets.wait_for(count_ref, t, cols1 * split1, interpret)
             rw = rw_ref[rows]
 
             def x_block(kb):  # the SwiGLU of the partial sums at inputs kb.. (added in order), rounded to dt
