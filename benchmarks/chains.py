@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loops", type=int, default=4)
     ap.add_argument("--calls", type=int, default=10, help="calls queued per timing")
     ap.add_argument("--passes", type=int, default=15)
-    ap.add_argument("--only", default="", help="out or experts")
+    ap.add_argument("--only", default="", help="comma-separated cases in the order to run: out, experts")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     env = environment()
@@ -162,9 +162,8 @@ def main(argv=None) -> int:
     print(env, ceil, flush=True)
     out = {"env": env, "ceilings": ceil, "method": __doc__.split("\n\n")[1:4], "cases": []}
     kinds = {"out": OutProjection, "experts": RoutedExperts}
-    for key, kind in kinds.items():
-        if args.only and args.only != key:
-            continue
+    for key in args.only.split(",") if args.only else kinds:
+        kind = kinds[key]
         case = kind(args.smoke, 2 if args.smoke else args.copies, jax.random.key(len(out["cases"])))
         row = {"name": case.name, "checks": []}
         out["cases"].append(row)
