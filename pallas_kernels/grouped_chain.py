@@ -98,7 +98,7 @@ def _kernel(tile_group_ref, num_tiles_ref, *refs, fmt1: str, fmt2: str, n1: int,
 
 
 
-def configs(x, w1: gm.Weights, w2: gm.Weights, tiles: int, block_m: int) -> tuple[gm.GemmConfig, gm.GemmConfig]:
+def configs(w1: gm.Weights, w2: gm.Weights, tiles: int, block_m: int) -> tuple[gm.GemmConfig, gm.GemmConfig]:
     """The SwiGLU's and w2's tiles: ``grouped_matmul``'s defaults for the same shapes, fitted."""
     _, n1, k1 = w1.shape
     n2 = w2.shape[1]
@@ -113,7 +113,7 @@ def _pallas(x, w1, w3, w2, row_weight, tile_group, num_tiles, *, block_m: int, l
     _, n1, k1 = w1.shape
     n2 = w2.shape[1]
     m, tiles = x.shape[0], tile_group.shape[0]
-    cfg1, cfg2 = configs(x, w1, w2, tiles, block_m)
+    cfg1, cfg2 = configs(w1, w2, tiles, block_m)
     x_ops = gm._x_operands(x, w1.fmt)
     kernel = functools.partial(
         _kernel, fmt1=w1.fmt, fmt2=w2.fmt, n1=n1, k1=k1, n2=n2, m=m, bm=block_m, cfg1=cfg1, cfg2=cfg2,
