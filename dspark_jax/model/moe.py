@@ -25,8 +25,8 @@ from pallas_kernels.routing import gate_weights, route_scores
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
 ONE_ROW = ("xla", "select", "shared", "apart", "experts", "tile")  # MoE.one_row
-# Whether the routed experts of a step whose pairs take their own tiles (a decode step, a batch-1
-# verify) run the SwiGLU, the quantisation of its output and w2 in one launch
+# Whether the routed experts of a step whose pairs take their own tiles (up to PAIR_TILES_MAX pairs: a
+# decode step of batch 1 or 2) run the SwiGLU, the quantisation of its output and w2 in one launch
 # (``pallas_kernels.grouped_chain``: w2's programs wait for their tile's SwiGLU) instead of three;
 # the same values bit for bit. A switch for benchmarks (``benchmarks/decode.py --experts-one-launch``).
 EXPERTS_ONE_LAUNCH = False
