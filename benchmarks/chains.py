@@ -64,6 +64,9 @@ class OutProjection:
     def checks(self):
         return [dict(config2=None), dict(config2=GemvConfig(split_k=4))]  # wo_b's programs over one / two rows
 
+    def variants(self):
+        return {"one launch": {}}
+
 
 class RoutedExperts:
     """A decode step's 6 routed pairs: rows [6 x 16, 4096] quantised -> w2's rows [96, 4096]."""
@@ -85,14 +88,19 @@ class RoutedExperts:
 
     def product(self, one: bool, x, c: int, **kw):
         tg = (jnp.arange(self.tiles, dtype=jnp.int32) + self.tiles * c) % self.groups  # 6 other experts each
-        fn = grouped_chain.swiglu_down if one else grouped_chain.reference
-        return fn(gm.ActQuant.of(x), self.w1, self.w3, self.w2, self.rw, tg, self.num_tiles, block_m=BM, limit=LIMIT)
+        args = (gm.ActQuant.of(x), self.w1, self.w3, self.w2, self.rw, tg, self.num_tiles)
+        if one:
+            return grouped_chain.swiglu_down(*args, block_m=BM, limit=LIMIT, **kw)
+        return grouped_chain.reference(*args, block_m=BM, limit=LIMIT)
 
     def next_rows(self, x, y):
         return (x.astype(jnp.float32) * 0.5 + 1e-3 * y.astype(jnp.float32)).astype(x.dtype)
 
     def checks(self):
-        return [{}]
+        return [{}, dict(num_stages=2)]
+
+    def variants(self):
+        return {"one launch": {}, "one launch, 2 stages": dict(num_stages=2)}
 
 
 def check(case, calls: int, kw: dict) -> dict:
@@ -109,20 +117,20 @@ def check(case, calls: int, kw: dict) -> dict:
             "largest_output": largest}
 
 
-def program(case, one: bool, copies: int, loops: int):
+def program(case, one: bool, copies: int, loops: int, **kw):
     """``copies * loops`` products in sequence, product i on weights i mod copies, its rows from
     the previous product's output."""
     def run(x):
         for _ in range(loops):
             for c in range(copies):
-                x = case.next_rows(x, case.product(one, x, c))
+                x = case.next_rows(x, case.product(one, x, c, **kw))
         return x
     return jax.jit(run)
 
 
 def time_case(case, args) -> dict:
     progs = {"launches": program(case, False, args.copies, args.loops),
-             "one launch": program(case, True, args.copies, args.loops)}
+             **{n: program(case, True, args.copies, args.loops, **kw) for n, kw in case.variants().items()}}
     products = args.copies * args.loops * args.calls
     for name, p in progs.items():
         t0 = time.time()
@@ -138,13 +146,14 @@ def time_case(case, args) -> dict:
                 y = progs[n](y)
             jax.block_until_ready(y)
             times[n].append((time.perf_counter() - t0) / products * 1e6)
-    diff = np.asarray(times["one launch"]) - np.asarray(times["launches"])
     us = {n: float(np.median(v)) for n, v in times.items()}
+    paired = {}
+    for n in names[1:]:
+        diff = np.asarray(times[n]) - np.asarray(times["launches"])
+        paired[n] = {"median": float(np.median(diff)), "quartiles": np.percentile(diff, [25, 75]).tolist(),
+                     "faster_share": float(np.mean(diff < 0))}
     return {"us_per_product": us, "passes_us": times, "bytes_per_product": case.bytes,
-            "GBps": {n: case.bytes / v / 1e3 for n, v in us.items()},
-            "one_minus_launches_us": {"median": float(np.median(diff)),
-                                      "quartiles": np.percentile(diff, [25, 75]).tolist(),
-                                      "faster_share": float(np.mean(diff < 0))}}
+            "GBps": {n: case.bytes / v / 1e3 for n, v in us.items()}, "minus_launches_us": paired}
 
 
 def main(argv=None) -> int:
@@ -174,7 +183,7 @@ def main(argv=None) -> int:
         if args.smoke or any(c["unequal_calls"] for c in row["checks"]):
             continue
         row.update(time_case(case, args))
-        print(case.name, {k: row[k] for k in ("us_per_product", "one_minus_launches_us", "GBps")}, flush=True)
+        print(case.name, {k: row[k] for k in ("us_per_product", "minus_launches_us", "GBps")}, flush=True)
         write_json("chains.json", out)
         del case
     return 0 if all(c["unequal_calls"] == 0 for r in out["cases"] for c in r["checks"]) else 1

@@ -107,9 +107,15 @@ def configs(w1: gm.Weights, w2: gm.Weights, tiles: int, block_m: int) -> tuple[g
     return cfg1, cfg2
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "limit", "out_dtype", "interpret"))
+# The pipeline's depth for both products. Each product alone takes 4 stages (``gm.default_config``),
+# but one kernel holding both pipelines at 4 asked for 244 KB of shared memory on an H100 (227 KB
+# there): Triton gave the two loops' buffers no common space.
+NUM_STAGES = 3
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "limit", "out_dtype", "num_stages", "interpret"))
 def _pallas(x, w1, w3, w2, row_weight, tile_group, num_tiles, *, block_m: int, limit: float, out_dtype,
-            interpret: bool):
+            num_stages: int, interpret: bool):
     _, n1, k1 = w1.shape
     n2 = w2.shape[1]
     m, tiles = x.shape[0], tile_group.shape[0]
@@ -129,7 +135,7 @@ def _pallas(x, w1, w3, w2, row_weight, tile_group, num_tiles, *, block_m: int, l
         _, y, _ = pl.pallas_call(
             kernel, grid=(programs,), out_shape=out_shape, interpret=interpret,
             input_output_aliases={len(args) - 1: 2},
-            compiler_params=backend.compiler_params(max(cfg1.num_warps, cfg2.num_warps), cfg1.num_stages),
+            compiler_params=backend.compiler_params(max(cfg1.num_warps, cfg2.num_warps), num_stages),
             name=f"grouped_chain_{w1.fmt}_a8{'q' if isinstance(x, gm.QuantRows) else ''}_swiglu_down"
                  f"_split{cfg1.split_k}_{cfg2.split_k}",
         )(*args)
@@ -147,10 +153,12 @@ def takes(x, w1: gm.Weights, w2: gm.Weights, block_m: int) -> bool:
 
 def swiglu_down(x: gm.ActQuant | gm.QuantRows, w1: gm.Weights, w3: gm.Weights, w2: gm.Weights,
                 row_weight: Float[Array, " m"], tile_group: Int[Array, " t"], num_tiles: Int[Array, " 1"], *,
-                block_m: int, limit: float, out_dtype=None, interpret: bool | None = None) -> Float[Array, "m n"]:
+                block_m: int, limit: float, out_dtype=None, num_stages: int = NUM_STAGES,
+                interpret: bool | None = None) -> Float[Array, "m n"]:
     """``grouped_matmul(grouped_swiglu(x, w1, w3, row_weight, ..., quantised_out=True), w2, ...)``
     in one launch, bit for bit (``grouped_matmul``'s default tiles for both); rows ``x`` as fp8
-    codes (``takes``). Returns w2's output [M, N2] in ``out_dtype`` (default: x's dtype)."""
+    codes (``takes``). Returns w2's output [M, N2] in ``out_dtype`` (default: x's dtype);
+    ``num_stages``: the pipeline's depth (``NUM_STAGES``)."""
     gm.check_inputs(x, w1, tile_group, block_m)
     if w3.shape != w1.shape or w3.fmt != w1.fmt or w2.shape[0] != w1.shape[0] or w2.shape[2] != w1.shape[1]:
         raise ValueError(f"grouped_chain needs w1, w3 [G, N1, K] of one format and w2 [G, N2, N1], got {w1.shape} / "
@@ -159,7 +167,8 @@ def swiglu_down(x: gm.ActQuant | gm.QuantRows, w1: gm.Weights, w3: gm.Weights, w
         raise ValueError(f"grouped_chain takes rows as fp8 codes against fp8 / fp8_k128 weights in 16-row tiles, "
                          f"got {type(x).__name__}, {w1.fmt} / {w2.fmt}, block_m {block_m}")
     return _pallas(x, w1, w3, w2, row_weight, tile_group, num_tiles, block_m=block_m, limit=float(limit),
-                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=backend.interpret_mode(interpret))
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), num_stages=int(num_stages),
+                   interpret=backend.interpret_mode(interpret))
 
 
 def reference(x, w1: gm.Weights, w3: gm.Weights, w2: gm.Weights, row_weight, tile_group, num_tiles, *,
