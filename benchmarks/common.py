@@ -153,11 +153,6 @@ def add_launch_options(ap) -> None:
                          "launch, or wq_a + wkv in one and the compressors' in another (attention.X_LINEARS_TOGETHER)")
     ap.add_argument("--wq-b-apart", action="store_true",
                     help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
-    ap.add_argument("--experts-one-launch", action="store_true",
-                    help="a decode step's routed SwiGLU, its quantisation and w2 in one launch (moe.EXPERTS_ONE_LAUNCH, "
-                         "grouped_chain)")
-    ap.add_argument("--out-one-launch", action="store_true",
-                    help="a one-token step's wo_a and wo_b in one launch (attention.OUT_ONE_LAUNCH, gemv_chain)")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
@@ -165,7 +160,7 @@ def add_launch_options(ap) -> None:
 
 def apply_launch_options(args) -> dict:
     """Sets the switches of ``add_launch_options``; returns them as set (for the results' config)."""
-    from dspark_jax.model import attention, moe
+    from dspark_jax.model import attention
     from pallas_kernels import compressor_pool, grouped_matmul as gm, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
@@ -173,14 +168,11 @@ def apply_launch_options(args) -> dict:
     attention.NEW_ROWS = args.new_rows
     attention.WQ_B_TOGETHER = not args.wq_b_apart
     attention.X_LINEARS_TOGETHER = args.x_linears == "together"
-    attention.OUT_ONE_LAUNCH = args.out_one_launch
-    moe.EXPERTS_ONE_LAUNCH = args.experts_one_launch
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
             "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
-            "x_linears_together": attention.X_LINEARS_TOGETHER, "out_one_launch": attention.OUT_ONE_LAUNCH,
-            "experts_one_launch": moe.EXPERTS_ONE_LAUNCH,
+            "x_linears_together": attention.X_LINEARS_TOGETHER,
             "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
 
 

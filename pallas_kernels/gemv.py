@@ -258,16 +258,15 @@ def _row_views(xb: Array, quantised: bool, parts: bool) -> dict:
 
 
 def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int,
-              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0, row_block=None) -> list[Array]:
+              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0) -> list[Array]:
     """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
     (format ``fmts[i]``, the row quantised iff ``quantise[i]``, group g, N ``ns[i]``) over inputs
     k_base .. k_base + steps * bk. ``x_parts``: the rows come as that many partial sums [S R, K]
     (float32), added in order and rounded to ``x_dtype`` (their producer's output); with ``up_ref``
     (``SwiGLUPartials``) x_ref's are the gate's, up_ref's the up product's, the rows their SwiGLU
-    with ``limit``, rounded to ``x_dtype``. ``row_block``: instead, a function giving the row's
-    [1, 128] block at input kb in ``x_dtype`` (``gemv_chain``'s second linear)."""
+    with ``limit``, rounded to ``x_dtype``."""
     rows = x_ref.shape[0] // max(x_parts, 1)
-    dt = x_dtype if x_parts or row_block is not None else x_ref.dtype
+    dt = x_dtype if x_parts else x_ref.dtype
     parts = dt == jnp.float32 and "dense" in fmts  # bf16 rows times bf16 weights: exact already
 
     def summed(ref, kb):
@@ -276,12 +275,10 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
             xb = xb + ref[pl.ds(s * rows + r, 1), pl.ds(kb, FP8_BLOCK)]
         return xb.astype(dt) if x_parts else xb
 
-    def own_block(kb):
+    def row_block(kb):
         if up_ref is None:
             return summed(x_ref, kb)
         return _swiglu_rows(summed(x_ref, kb), summed(up_ref, kb), jnp.ones((1,), jnp.float32), limit, dt).astype(dt)
-
-    row_block = row_block or own_block
 
     def body(step, accs):
         accs = list(accs)

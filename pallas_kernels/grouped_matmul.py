@@ -616,22 +616,18 @@ def _quantise_block(xb: Array) -> tuple[Array, Array]:
 
 
 def _code_dots_step(x_refs, w_refs, fmt: str, g, n: int, r0, n0, k0, bm: int, bn: int, bk: int,
-                    quantise: bool, x_block=None) -> Array:
+                    quantise: bool) -> Array:
     """fp32 [bm, bn] product of one loop step of quantised rows (codes and per-128 amax, or rows
     that ``quantise`` here: ``_quantise_block``) against ``fp8`` / ``fp8_k128`` weights: per
     128-input block an e4m3 x e4m3 dot (exact products, fp32 sums) times the weight block's scale
-    (``fp8_k128``: each output column's) and each row's scale (``act_scale`` of its amax).
-    ``x_block``: a function giving the rows' [bm, 128] block at input kb, quantised here
-    (``grouped_chain``'s down projection)."""
+    (``fp8_k128``: each output column's) and each row's scale (``act_scale`` of its amax)."""
     w_ref, s_ref = w_refs
     rows, cols = pl.ds(r0, bm), pl.ds(g * n + n0, bn)
     nb = -(-n // FP8_BLOCK)
     total = None
     for c in range(0, bk, FP8_BLOCK):
         kb = k0 + c
-        if x_block is not None:
-            xq, sx = _quantise_block(x_block(kb))
-        elif quantise:
+        if quantise:
             xq, sx = _quantise_block(x_refs[0][rows, pl.ds(kb, FP8_BLOCK)])
         else:
             xq, sx = x_refs[0][rows, pl.ds(kb, FP8_BLOCK)], act_scale(x_refs[1][rows, pl.ds(kb // FP8_BLOCK, 1)])

@@ -160,13 +160,11 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
 
 
-def _under_switch(monkeypatch, name: str, values, seed: int, module=attention, weight_format: str = "official",
-                  **changes) -> list:
+def _under_switch(monkeypatch, name: str, values, seed: int) -> list:
     """(logits, cache, one-token step's Pallas launches) of a small Pallas-path model's decode
-    steps with ``module.<name>`` (default: ``attention``) set to each value in turn (switches read
-    at trace time); ``changes``: to the model's config."""
-    m = dspark_jax.init(SMALL.replace(**{"n_routed_experts": 16, "index_n_heads": 16, **changes}), 3, dtype=jnp.float32,
-                        param_dtype=jnp.bfloat16, weight_format=weight_format, quant_sim=True)
+    steps with ``attention.<name>`` set to each value in turn (switches read at trace time)."""
+    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
+                        param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
     for _, mod in nnx.iter_modules(m.module):
         if hasattr(mod, "num"):
             mod.num = dataclasses.replace(mod.num, kernels="pallas")
@@ -174,7 +172,7 @@ def _under_switch(monkeypatch, name: str, values, seed: int, module=attention, w
     ids = np.random.default_rng(seed).integers(2, 500, (1, 48)).astype(np.int32)
     one, runs = jnp.ones((1,), jnp.int32), []
     for value in values:
-        monkeypatch.setattr(module, name, value)
+        monkeypatch.setattr(attention, name, value)
         jax.clear_caches()
         logits, cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
         jaxpr = jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, cache))(m.state, ids[:, :1])
@@ -211,35 +209,6 @@ def test_wq_b_launched_apart_agrees(monkeypatch):
     merged, apart = _under_switch(monkeypatch, "WQ_B_TOGETHER", (True, False), seed=7)
     _assert_same_steps(apart, merged)
     assert len(apart[2]) == len(merged[2]) + 1 and SMALL.compress_ratios.count(4) == 1, (merged[2], apart[2])
-
-
-def test_output_projection_in_one_launch_agrees(monkeypatch):
-    """``attention.OUT_ONE_LAUNCH``: a one-token step's wo_a and wo_b in one launch
-    (``gemv_chain``) give the logits and caches of the two ``gemv`` launches bit for bit (the same
-    products, added in the same order), one launch fewer per layer. (wo_a's groups of 128 outputs:
-    the tiny config's 64 take XLA's path.)"""
-    two, one = _under_switch(monkeypatch, "OUT_ONE_LAUNCH", (False, True), seed=9, o_lora_rank=128)
-    _assert_same_steps(one, two)
-    layers = SMALL.num_hidden_layers
-    assert len([n for n in one[2] if n.startswith("gemv_chain_fp8_q")]) == layers, one[2]
-    assert len(one[2]) == len(two[2]) - layers, (two[2], one[2])
-
-
-def test_routed_experts_in_one_launch_agree(monkeypatch):
-    """``moe.EXPERTS_ONE_LAUNCH``: a one-token step's routed experts (FP8, ``fp8_k128``) as the
-    SwiGLU, its quantisation and w2 in one launch (``grouped_chain``) give the logits and caches of
-    the grouped matmul's launches bit for bit (at this size the SwiGLU's K is not split: its
-    quantisation is an XLA fusion, not ``swiglu_quantise``; the kernel's tests split it)."""
-    from dspark_jax.model import moe
-
-    three, one = _under_switch(monkeypatch, "EXPERTS_ONE_LAUNCH", (False, True), seed=10, module=moe,
-                               weight_format="fp8", n_routed_experts=32)  # (16 or fewer: the dense path)
-    _assert_same_steps(one, three)
-    layers = SMALL.num_hidden_layers
-    assert len([n for n in one[2] if n.startswith("grouped_chain_fp8_k128_a8_swiglu_down")]) == layers, one[2]
-    assert not [n for n in one[2] if n.startswith("grouped_matmul")], one[2]
-    assert len([n for n in three[2] if n.startswith("grouped_matmul")]) == 2 * layers, three[2]
-    assert len(one[2]) == len(three[2]) - layers, (three[2], one[2])
 
 
 def test_x_linears_launched_apart_agree(monkeypatch):

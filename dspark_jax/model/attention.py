@@ -28,7 +28,7 @@ from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from dspark_jax.sharding import activation_spec, batch_axes
-from pallas_kernels import attention_metadata, backend, gemv, gemv_chain, horizontal, kv_rows
+from pallas_kernels import attention_metadata, backend, horizontal, kv_rows
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 from pallas_kernels.rms_norms import rms_norms
@@ -57,11 +57,6 @@ WQ_B_TOGETHER = True
 # less on an H200 (the median of 21-31 paired passes; faster in 76-84 % of them; docs/benchmarks.md).
 # A switch for benchmarks (``benchmarks/decode.py --x-linears together``).
 X_LINEARS_TOGETHER = False
-# Whether a one-token step's output projection, wo_a then wo_b, runs as one launch
-# (``pallas_kernels.gemv_chain``: wo_b's programs wait for the wo_a rows they read, so wo_b's weight
-# reads start while wo_a's last programs run) instead of two ``gemv`` launches; the same values bit
-# for bit. A switch for benchmarks (``benchmarks/decode.py --out-one-launch``).
-OUT_ONE_LAUNCH = False
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
@@ -132,28 +127,8 @@ class Attention(nnx.Module):
         if pos is not None:
             o = apply_rope(o, pos, self.inv_freq, inverse=True)
         o = o.reshape(b, t, self.cfg.o_groups, -1)
-        if partials and OUT_ONE_LAUNCH and b * t == 1:
-            y = self._out_one_launch(o)
-            if y is not None:
-                return y.reshape(b, t, -1)
         # (at one token wo_a's split partial sums go to wo_b's programs, which add them)
         return self.wo_b(self.wo_a.grouped(o, partials=partials).reshape(b, t, -1), partials=partials)
-
-    def _out_one_launch(self, o: Float[Array, "1 1 g i"]) -> Partials | None:
-        """wo_a and wo_b of one token in one launch (``OUT_ONE_LAUNCH``): wo_b's float32 partial
-        sums, as ``project_out``'s two ``gemv`` launches give them; None where those would not run
-        (weights not in FP8, on a mesh, or the XLA path)."""
-        a, b = self.wo_a, self.wo_b
-        g = o.shape[2]
-        row = o[0, 0]
-        if not (a.quantized and b.quantized and a.mesh is None and b.mesh is None and a.groups_fit(g)
-                and a.runs_kernel(row[0]) and b.runs_kernel(row.reshape(1, -1))):
-            return None
-        w1, w2 = a.grouped_weights(g), b.grouped_weights()
-        impl = self.num.kernel_impl()
-        if not (gemv.takes(1, w1, impl) and gemv.takes(1, w2, impl, b.fp8_act)):
-            return None
-        return gemv_chain.gemv_chain(row, w1, w2, mid_dtype=self.num.dtype, quantise2=b.fp8_act)
 
     def __call__(self, x: Float[Array, "b t D"], chunk: Chunk, cache: LayerCache
                  ) -> tuple[Float[Array, "b t D"] | Partials, LayerCache]:

@@ -16,7 +16,7 @@ from dspark_jax.model.common import Buffer, Linear, Numerics, matmul_f32, normal
 from dspark_jax.model.quant import fp8_sim
 from dspark_jax.sharding import batch_axes, mesh_axes, per_request
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import backend, gemv, grouped_chain, pair_experts, routing
+from pallas_kernels import gemv, pair_experts, routing
 from pallas_kernels.grouped_matmul import swiglu
 from pallas_kernels.group_metadata import group_tiles, pair_tiles
 from pallas_kernels.routing import gate_weights, route_scores
@@ -25,11 +25,6 @@ from pallas_kernels.routing import gate_weights, route_scores
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
 ONE_ROW = ("xla", "select", "shared", "apart", "experts", "tile")  # MoE.one_row
-# Whether the routed experts of a step whose pairs take their own tiles (up to PAIR_TILES_MAX pairs: a
-# decode step of batch 1 or 2) run the SwiGLU, the quantisation of its output and w2 in one launch
-# (``pallas_kernels.grouped_chain``: w2's programs wait for their tile's SwiGLU) instead of three;
-# the same values bit for bit. A switch for benchmarks (``benchmarks/decode.py --experts-one-launch``).
-EXPERTS_ONE_LAUNCH = False
 
 
 class Gate(nnx.Module):
@@ -256,12 +251,7 @@ def grouped_experts(x: Float[Array, "n d"], w: Float[Array, "n k"], idx: Int[Arr
         return (y, bm) if as_rows else jnp.sum(y[tiles.row_of_pair].reshape(n, k, -1).astype(jnp.float32), axis=1)
     row_w = jnp.where(real, w.reshape(-1)[jnp.maximum(pair, 0)], 0.0)
     up_extra, down_extra = (None, None) if shared is None else ((shared[0], shared[2]), shared[1])
-    chain = (EXPERTS_ONE_LAUNCH and own_tiles and shared is None and not kernel_options
-             and backend.resolve(impl) == "pallas" and grouped_chain.takes(rows, w1, w2, bm))
-    if chain:  # the SwiGLU, its quantisation and w2 in one launch
-        y = grouped_chain.swiglu_down(rows, w1, w3, w2, row_w, tiles.tile_group, tiles.num_tiles, block_m=bm,
-                                      limit=limit)
-    elif codes and tiles.pair_of_row.shape[0] > bm:  # w2's input quantised by XLA: with the SwiGLU instead
+    if codes and tiles.pair_of_row.shape[0] > bm:  # w2's input quantised by XLA: with the SwiGLU instead
         y = gm.grouped_matmul(gm.grouped_swiglu(rows, w1, w3, row_w, limit=limit, quantised_out=True, extra=up_extra,
                                                 **meta), w2, extra=down_extra, **meta)
     else:
