@@ -18,7 +18,7 @@ import pytest
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_many, gemv_swiglu
-from tests.helpers import pallas_calls
+from tests.helpers import equations, pallas_calls
 from tests.test_kernels_grouped_matmul import _random_weights
 
 SD = jax.ShapeDtypeStruct
@@ -42,6 +42,9 @@ def _case(seed: int, fmt: str, groups: int, rows: int, n: int, k: int):
     ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=256, split_k=2)),  # a plain linear, K split
     ("fp8", 4, 4, 128, 512, GemvConfig(block_n=32, block_k=128, split_k=1)),  # wo_a's groups, unsplit
     ("fp8", 8, 3, 256, 512, GemvConfig(block_n=128, block_k=512)),  # one step; the automatic split
+    # tensor-core dots (quantised rows; unquantised ones keep the multiply-adds)
+    ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=256, split_k=2, dots=True)),
+    ("fp8", 4, 4, 128, 512, GemvConfig(block_n=16, block_k=128, split_k=1, dots=True)),
 ])
 @pytest.mark.parametrize("quantised", [True, False])
 def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quantised):
@@ -56,13 +59,18 @@ def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quant
     assert np.abs(want).max() > 0
     got16 = np.asarray(gemv(xin, w, group, config=cfg), np.float32)  # rounded to the rows' dtype
     np.testing.assert_allclose(got16, want, rtol=2**-8, atol=1e-6 * np.abs(want).max())
+    # the tensor-core dots run exactly where asked for and possible (quantised rows, fp8 weights)
+    jaxpr = jax.make_jaxpr(lambda x: gemv(gm.QuantRows(x) if quantised else x, w, group, config=cfg))(x)
+    dots = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == (cfg.block_k // 128 if cfg.dots and quantised else 0)
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_swiglu_equals_the_reference(split):
+@pytest.mark.parametrize("split,dots", [(1, False), (4, False), (2, True)])
+def test_swiglu_equals_the_reference(split, dots):
     rng, w1, x, group = _case(split, "fp8", 1, 1, 256, 1024)
     w3 = _random_weights(rng, (1, 256, 1024), "fp8")
-    got = gemv_swiglu(gm.QuantRows(x), w1, w3, group, limit=10.0, config=GemvConfig(block_n=32, split_k=split))
+    got = gemv_swiglu(gm.QuantRows(x), w1, w3, group, limit=10.0,
+                      config=GemvConfig(block_n=32, split_k=split, dots=dots))
     want = gm.swiglu_reference(_padded(x, True), w1, w3, jnp.ones((16,)), group, jnp.array([1]), block_m=16,
                                limit=10.0)[::16]
     assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
@@ -110,16 +118,19 @@ def test_bf16_weights_equal_matmul_f32(row_dtype, split):
     assert row_dtype == jnp.bfloat16 or np.abs(coarse - want).max() > 100 * tol
 
 
-def test_fp8_and_bf16_weights_in_one_launch():
+@pytest.mark.parametrize("dots", [False, True])
+def test_fp8_and_bf16_weights_in_one_launch(dots):
     """An attention layer's linears of x in one launch: wq_a and wkv (FP8, the row quantised) and
-    a compressor's wkv and wgate (bf16, the row as it is), each output its own reference's."""
+    a compressor's wkv and wgate (bf16, the row as it is), each output its own reference's (with
+    ``dots``: the FP8 ones as tensor-core dots, the bf16 ones as multiply-adds)."""
     from dspark_jax.model.common import matmul_f32
 
     rng, w, x, group = _case(11, "fp8", 1, 1, 256, 512)
     fp8 = (w, _random_weights(rng, (1, 128, 512), "fp8"))
     dense = tuple(jnp.asarray(rng.standard_normal((1, n, 512)) * 0.05, jnp.bfloat16) for n in (64, 64))
     ws = fp8 + tuple(gm.Weights(d, None, "dense") for d in dense)
-    outs = gemv_many(x, ws, group, quantise=(True, True, False, False), out_dtype=jnp.float32)
+    outs = gemv_many(x, ws, group, quantise=(True, True, False, False), out_dtype=jnp.float32,
+                     config=GemvConfig(dots=dots))
     assert [o.shape for o in outs] == [(1, 256), (1, 128), (1, 64), (1, 64)]
     wants = [np.asarray(gm.reference(_padded(x, True), wi, group, jnp.array([1]), block_m=16,
                                      out_dtype=jnp.float32))[::16] for wi in fp8]
