@@ -155,6 +155,8 @@ def add_launch_options(ap) -> None:
                     help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
     ap.add_argument("--gemv-dots", choices=("on", "off"), default="on" if gemv.DOTS else "off",
                     help="one-row linears on quantised rows times fp8 weights as tensor-core dots (gemv.DOTS)")
+    ap.add_argument("--gemv-ahead", choices=("on", "off"), default="on" if gemv.AHEAD else "off",
+                    help="one-row linears make the row's blocks one loop step ahead (gemv.AHEAD)")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
@@ -167,6 +169,7 @@ def apply_launch_options(args) -> dict:
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
     gemv.DOTS = args.gemv_dots == "on"
+    gemv.AHEAD = args.gemv_ahead == "on"
     compressor_pool.WRITE_IN_POOL = args.compressor_launches == 1
     attention.NEW_ROWS = args.new_rows
     attention.WQ_B_TOGETHER = not args.wq_b_apart
@@ -176,7 +179,8 @@ def apply_launch_options(args) -> dict:
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
             "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
             "x_linears_together": attention.X_LINEARS_TOGETHER,
-            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "gemv_dots": gemv.DOTS}
+            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "gemv_dots": gemv.DOTS,
+            "gemv_ahead": gemv.AHEAD}
 
 
 def launch_variants(text: str, args) -> list[tuple[str, object]]:

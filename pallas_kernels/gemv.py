@@ -56,8 +56,10 @@ ONE_GROUP = np.zeros((1,), np.int32)
 
 
 # Whether the default tiles (``default_config``) multiply quantised rows by fp8 weights as
-# tensor-core dots (``GemvConfig.dots``); read when a call is traced.
+# tensor-core dots (``GemvConfig.dots``) and make the row's blocks a loop step ahead
+# (``GemvConfig.ahead``); read when a call is traced.
 DOTS = False
+AHEAD = False
 
 
 # Automatic tiles (``GemvConfig.fit``): programs to reach (rows x column tiles x splits) and the
@@ -174,7 +176,9 @@ class GemvConfig:
     quantised and the weights are fp8, each 128-input block's products as one e4m3 x e4m3
     tensor-core dot of the weights' tile with the row's codes (the row in the first of 16 operand
     rows, zeros in the others): the weights go from shared memory into the dot without being
-    converted in registers; the sums are the dot's (the grouped-matmul kernel's ``fp8_dots``)."""
+    converted in registers; the sums are the dot's (the grouped-matmul kernel's ``fp8_dots``).
+    ``ahead``: each loop step loads (adds, quantises) the row's blocks of the next step, so that the
+    row's amax reductions are not between a step's weights and their products."""
 
     block_n: int = 64
     block_k: int = 256
@@ -182,6 +186,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     dots: bool = False  # quantised rows times fp8 weights as tensor-core dots (``_products``)
+    ahead: bool = False  # the row's next blocks made one loop step ahead (``_products``)
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -219,7 +224,7 @@ def default_config(swiglu: bool = False) -> GemvConfig:
     37 tilings for each of the four Flash linears swept (wq_b, wo_b, the shared SwiGLU, the
     indexer's wq_b) at one row."""
     cfg = GemvConfig(block_n=128, split_k=16, num_warps=8) if swiglu else GemvConfig()
-    return dataclasses.replace(cfg, dots=DOTS)
+    return dataclasses.replace(cfg, dots=DOTS, ahead=AHEAD)
 
 
 def takes(rows_per_group: int, w: Weights, impl: str | None, quantise: bool = False) -> bool:
@@ -279,7 +284,8 @@ def _row_views(xb: Array, quantised: bool, parts: bool, codes: bool = False) -> 
 
 
 def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int,
-              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0, dots: bool = False) -> list[Array]:
+              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0, dots: bool = False,
+              ahead: bool = False) -> list[Array]:
     """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
     (format ``fmts[i]``, the row quantised iff ``quantise[i]``, group g, N ``ns[i]``) over inputs
     k_base .. k_base + steps * bk. ``x_parts``: the rows come as that many partial sums [S R, K]
@@ -287,7 +293,8 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
     (``SwiGLUPartials``) x_ref's are the gate's, up_ref's the up product's, the rows their SwiGLU
     with ``limit``, rounded to ``x_dtype``. ``dots`` (``GemvConfig.dots``): quantised rows times
     fp8 weights as tensor-core dots, each weight's tile of sums [bn, 16] (the row's products in
-    its first column, zeros in the others)."""
+    its first column, zeros in the others). ``ahead`` (``GemvConfig.ahead``): each loop step makes
+    the next step's row blocks (loads, partial sums, quantisation) while its own products run."""
     rows = x_ref.shape[0] // max(x_parts, 1)
     dotted = [dots and fmt == "fp8" and q for fmt, q in zip(fmts, quantise)]
     dt = x_dtype if x_parts else x_ref.dtype
@@ -304,11 +311,20 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
             return summed(x_ref, kb)
         return _swiglu_rows(summed(x_ref, kb), summed(up_ref, kb), jnp.ones((1,), jnp.float32), limit, dt).astype(dt)
 
-    def body(step, accs):
+    def step_views(step):  # the row's blocks of one loop step as the weights take them
+        return [_row_views(row_block(k_base + step * bk + c), any(quantise), parts, any(dotted))
+                for c in range(0, bk, FP8_BLOCK)]
+
+    def body(step, carry):
+        accs, ahead_views = carry
         accs = list(accs)
+        if ahead:  # this step's row blocks were made in the step before; the next step's now
+            this_views, ahead_views = ahead_views, step_views(jnp.minimum(step + 1, steps - 1))
+        else:
+            this_views = step_views(step)
         for c in range(0, bk, FP8_BLOCK):
             kb = k_base + step * bk + c
-            views = _row_views(row_block(kb), any(quantise), parts, any(dotted))
+            views = this_views[c // FP8_BLOCK]
             for i, ((w_ref, s_ref), fmt, q, n) in enumerate(zip(w_sets, fmts, quantise, ns)):
                 if dotted[i]:  # e4m3 x e4m3 on the tensor cores: [bn, 16] sums, the row's in column 0
                     codes, sx = views["codes"]
@@ -326,10 +342,10 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
                         accs[i] = accs[i] + w * xp
                 else:
                     accs[i] = accs[i] + w * views["plain"]
-        return tuple(accs)
+        return tuple(accs), ahead_views
 
     zeros = tuple(jnp.zeros((bn, DOT_ROWS if d else FP8_BLOCK), jnp.float32) for d in dotted)
-    accs = lax.fori_loop(0, steps, body, zeros)
+    accs, _ = lax.fori_loop(0, steps, body, (zeros, step_views(0) if ahead else ()))
     return [jnp.sum(a, axis=1)[None, :] for a in accs]  # summed over the 128 lanes (dots: 15 zeros) once
 
 
@@ -355,7 +371,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
     if limit is not None:  # the SwiGLU: both weights' columns n0.. in one program
         n0 = j * bn
         gate, up_y = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn, x_parts, dt,
-                               dots=cfg.dots, **up)
+                               dots=cfg.dots, ahead=cfg.ahead, **up)
         if split == 1:
             y = _swiglu_rows(gate, up_y, jnp.ones((1,), jnp.float32), limit, dt)
             o_refs[0][pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_refs[0].dtype)
@@ -370,7 +386,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
         def _one(i=i, n=n, start=start):
             n0 = j * bn - start
             (y,) = _products(x_ref, [w_sets[i]], fmts[i:i + 1], quantise[i:i + 1], (n,), r, g, n0, k_base, steps,
-                             bk, bn, x_parts, dt, dots=cfg.dots, **up)
+                             bk, bn, x_parts, dt, dots=cfg.dots, ahead=cfg.ahead, **up)
             o_refs[i][pl.ds(out_row, 1), pl.ds(n0, bn)] = y.astype(o_refs[i].dtype)
         start += n
 

@@ -45,6 +45,9 @@ def _case(seed: int, fmt: str, groups: int, rows: int, n: int, k: int):
     # tensor-core dots (quantised rows; unquantised ones keep the multiply-adds)
     ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=256, split_k=2, dots=True)),
     ("fp8", 4, 4, 128, 512, GemvConfig(block_n=16, block_k=128, split_k=1, dots=True)),
+    # the row's blocks made a loop step ahead
+    ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=128, split_k=2, ahead=True)),
+    ("fp8", 8, 3, 256, 512, GemvConfig(block_n=32, block_k=128, split_k=1, ahead=True, dots=True)),
 ])
 @pytest.mark.parametrize("quantised", [True, False])
 def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quantised):
@@ -65,12 +68,12 @@ def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quant
     assert len(dots) == (cfg.block_k // 128 if cfg.dots and quantised else 0)
 
 
-@pytest.mark.parametrize("split,dots", [(1, False), (4, False), (2, True)])
-def test_swiglu_equals_the_reference(split, dots):
+@pytest.mark.parametrize("split,dots,ahead", [(1, False, False), (4, False, False), (2, True, False), (1, False, True)])
+def test_swiglu_equals_the_reference(split, dots, ahead):
     rng, w1, x, group = _case(split, "fp8", 1, 1, 256, 1024)
     w3 = _random_weights(rng, (1, 256, 1024), "fp8")
     got = gemv_swiglu(gm.QuantRows(x), w1, w3, group, limit=10.0,
-                      config=GemvConfig(block_n=32, split_k=split, dots=dots))
+                      config=GemvConfig(block_n=32, split_k=split, dots=dots, ahead=ahead))
     want = gm.swiglu_reference(_padded(x, True), w1, w3, jnp.ones((16,)), group, jnp.array([1]), block_m=16,
                                limit=10.0)[::16]
     assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
@@ -382,12 +385,13 @@ def test_one_dtype_per_output():
         gemv_many(x, (w, w2), group, out_dtype=(jnp.bfloat16,))
 
 
-@pytest.mark.parametrize("quantise", [True, False])
-def test_rows_as_partial_sums(quantise):
+@pytest.mark.parametrize("quantise,ahead", [(True, False), (False, False), (True, True)])
+def test_rows_as_partial_sums(quantise, ahead):
     """Rows given as their producer's partial sums (``Partials`` [S, R, K], e.g. wo_a's for wo_b):
     every program adds its inputs' parts in order and rounds them to ``rows_dtype``, then
     (quantise) quantises them: the products of those rows, bit for bit, from partial sums in and
-    out alike; and through ``Linear`` the product of the rounded sum."""
+    out alike (``ahead``: the rows' blocks made a loop step ahead, the same values); and through
+    ``Linear`` the product of the rounded sum."""
     from dspark_jax.model.common import Linear, Numerics
     from flax import nnx
     from pallas_kernels.gemv import Partials
@@ -398,10 +402,10 @@ def test_rows_as_partial_sums(quantise):
     for s in range(1, 4):
         summed = summed + np.asarray(parts[s])
     rows = jnp.asarray(summed).astype(jnp.bfloat16)
-    cfg = GemvConfig(block_n=32, split_k=2)
+    cfg = GemvConfig(block_n=32, block_k=128, split_k=2, ahead=ahead)
     kw = dict(quantise=(quantise,), config=cfg, out_dtype=jnp.float32)
     (got,) = gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16, **kw)
-    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **kw)
+    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **{**kw, "config": GemvConfig(block_n=32, block_k=128, split_k=2)})
     assert np.abs(np.asarray(want)).max() > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     (got_parts,) = gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16,
@@ -422,8 +426,8 @@ def test_rows_as_partial_sums(quantise):
     assert len(calls) == 1 and calls[0].startswith("gemv_fp8"), calls
 
 
-@pytest.mark.parametrize("quantise,limit", [(True, 10.0), (False, 0.0)])
-def test_rows_as_the_swiglu_of_partial_sums(quantise, limit):
+@pytest.mark.parametrize("quantise,limit,ahead", [(True, 10.0, False), (False, 0.0, False), (True, 10.0, True)])
+def test_rows_as_the_swiglu_of_partial_sums(quantise, limit, ahead):
     """Rows given as the SwiGLU of two products' partial sums (``SwiGLUPartials``: a shared
     expert's w1 and w3 for w2): every program adds both products' parts in order, rounds them to
     ``rows_dtype``, applies the SwiGLU (clamped at ``limit``; 0: none) and rounds that: the
@@ -445,10 +449,10 @@ def test_rows_as_the_swiglu_of_partial_sums(quantise, limit):
         summed.append(jnp.asarray(acc).astype(jnp.bfloat16))
     rows = gm.swiglu(summed[0], summed[1], limit).astype(jnp.bfloat16)
     assert limit == 0 or float(jnp.max(jnp.abs(summed[1].astype(jnp.float32)))) > limit  # the clamp bites
-    kw = dict(quantise=(quantise,), config=GemvConfig(block_n=32, split_k=2), out_dtype=jnp.float32)
+    kw = dict(quantise=(quantise,), config=GemvConfig(block_n=32, block_k=128, split_k=2, ahead=ahead), out_dtype=jnp.float32)
     x = SwiGLUPartials(Partials(gate), Partials(up), limit)
     (got,) = gemv_many(x, (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16, **kw)
-    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **kw)
+    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **{**kw, "config": GemvConfig(block_n=32, block_k=128, split_k=2)})
     assert np.abs(np.asarray(want)).max() > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="gate and up parts of one shape"):
