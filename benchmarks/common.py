@@ -135,7 +135,7 @@ def add_launch_options(ap) -> None:
     """The switches that change how a decode step's small kernels launch (module-level settings read
     when a step is traced), for an A/B of one against the other in the same process or run."""
     from dspark_jax.model import attention
-    from pallas_kernels import compressor_pool, gemv
+    from pallas_kernels import compressor_pool
 
     ap.add_argument("--one-token-swiglu", type=int, default=0,
                     help="a decode step's routed SwiGLU unsplit in this many columns per program, w2 quantising "
@@ -153,10 +153,6 @@ def add_launch_options(ap) -> None:
                          "launch, or wq_a + wkv in one and the compressors' in another (attention.X_LINEARS_TOGETHER)")
     ap.add_argument("--wq-b-apart", action="store_true",
                     help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
-    ap.add_argument("--gemv-dots", choices=("on", "off"), default="on" if gemv.DOTS else "off",
-                    help="one-row linears on quantised rows times fp8 weights as tensor-core dots (gemv.DOTS)")
-    ap.add_argument("--gemv-ahead", choices=("on", "off"), default="on" if gemv.AHEAD else "off",
-                    help="one-row linears make the row's blocks one loop step ahead (gemv.AHEAD)")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
@@ -165,11 +161,9 @@ def add_launch_options(ap) -> None:
 def apply_launch_options(args) -> dict:
     """Sets the switches of ``add_launch_options``; returns them as set (for the results' config)."""
     from dspark_jax.model import attention
-    from pallas_kernels import compressor_pool, gemv, grouped_matmul as gm, index_scores
+    from pallas_kernels import compressor_pool, grouped_matmul as gm, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
-    gemv.DOTS = args.gemv_dots == "on"
-    gemv.AHEAD = args.gemv_ahead == "on"
     compressor_pool.WRITE_IN_POOL = args.compressor_launches == 1
     attention.NEW_ROWS = args.new_rows
     attention.WQ_B_TOGETHER = not args.wq_b_apart
@@ -179,8 +173,7 @@ def apply_launch_options(args) -> dict:
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
             "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
             "x_linears_together": attention.X_LINEARS_TOGETHER,
-            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "gemv_dots": gemv.DOTS,
-            "gemv_ahead": gemv.AHEAD}
+            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
 
 
 def launch_variants(text: str, args) -> list[tuple[str, object]]:

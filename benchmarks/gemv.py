@@ -37,7 +37,7 @@ from benchmarks.hc_fused import compile_highest, device_times
 from dspark_jax.model.common import matmul_f32
 from pallas_kernels import grouped_matmul as gm
 from dspark_jax.model.quant import fp8_sim
-from pallas_kernels.gemv import GemvConfig, default_config, gemv, gemv_swiglu
+from pallas_kernels.gemv import GemvConfig, gemv, gemv_swiglu
 from pallas_kernels.grouped_matmul import FP8_BLOCK
 
 LIMIT = 10.0
@@ -115,13 +115,6 @@ def sweep_configs(smoke: bool) -> list[GemvConfig]:
         out.append(GemvConfig(32, 256, split))
     for bn, bk, stages in itertools.product((32, 64), (256, 512), (2, 4, 5)):  # the pipeline's depth
         out.append(GemvConfig(bn, bk, 0, 4, stages))
-    for bn, bk, warps, stages in [(64, 256, 4, 3), (64, 128, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (64, 512, 4, 4),
-                                  (128, 256, 4, 3), (128, 256, 8, 3), (128, 512, 4, 3), (32, 256, 4, 3),
-                                  (16, 256, 4, 3), (128, 128, 4, 4), (64, 1024, 4, 3)]:
-        out.append(GemvConfig(bn, bk, 0, warps, stages, dots=True))  # tensor-core dots (quantised rows)
-    for bn, bk, warps, stages in [(64, 256, 4, 3), (64, 128, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (32, 256, 4, 3),
-                                  (128, 256, 8, 3), (64, 256, 8, 3)]:
-        out.append(GemvConfig(bn, bk, 0, warps, stages, ahead=True))  # the row's blocks a step ahead
     return out
 
 
@@ -169,9 +162,6 @@ def main(argv=None) -> int:
         if case.quantised:  # the rows quantised before the kernel (by their producer)
             variants.append(("gemv_rounded", None))
         variants.append(("gemv_l2", None))  # every call on the first copy: its weights found in L2
-        if case.quantised and s.fmt == "fp8":  # the default tiles with tensor-core dots
-            variants.append(("gemv_dots", dataclasses.replace(default_config(s.swiglu), dots=True)))
-        variants.append(("gemv_ahead", dataclasses.replace(default_config(s.swiglu), ahead=True)))
         variants += [("gemv", c) for c in (configs if sweep else [])]
         row = {"name": s.name, "fmt": s.fmt, "n": s.n, "k": s.k, "groups": s.groups, "rows": s.tiles,
                "quantised": case.quantised, "bytes_per_call": call_bytes, "copies": copies, "variants": []}
@@ -224,11 +214,7 @@ def main(argv=None) -> int:
         fmt_us = lambda v: f"{v['us']:6.1f} us {v['GBps']:5.0f} GB/s" if v and "us" in v else "   -"  # noqa: E731
         rnd = next((v for v in row["variants"] if v["kind"] == "gemv_rounded"), None)
         l2 = next((v for v in row["variants"] if v["kind"] == "gemv_l2"), None)
-        gd = next((v for v in row["variants"] if v["kind"] == "gemv_dots"), None)
-        ga = next((v for v in row["variants"] if v["kind"] == "gemv_ahead"), None)
         print(f"{s.name:24s} N {s.n:5d} K {s.k:5d} | dots {fmt_us(lib)} | gemv default {fmt_us(dflt)} "
-              f"| with dots {fmt_us(gd)} rel {gd.get('max_rel', float('nan')) if gd else float('nan'):.1e} "
-              f"| row a step ahead {fmt_us(ga)} "
               f"| rows rounded before {fmt_us(rnd)} | weights in L2 {fmt_us(l2)} "
               f"rel {dflt.get('max_rel', float('nan')):.1e} | best {fmt_us(best)} {best['config'] if best else ''} "
               f"| cuBLAS bf16 {fmt_us(row.get('xla_bf16'))}", flush=True)

@@ -41,25 +41,14 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import backend
-from pallas_kernels.grouped_matmul import (FP8_BLOCK, QuantRows, Weights, _dot_t, _quantise_block,
+from pallas_kernels.grouped_matmul import (FP8_BLOCK, QuantRows, Weights, _quantise_block,
                                            _scale_f32, _swiglu_rows, split_for, swiglu)
 
 FORMATS = ("fp8", "dense")  # dense: bf16 values, no scales
 
 
-# Operand rows of a tensor-core dot (the smallest a dot takes): the row and 15 rows of zeros
-DOT_ROWS = 16
-
-
 # The group index of one row against one weight (a constant of the program: no launch makes it)
 ONE_GROUP = np.zeros((1,), np.int32)
-
-
-# Whether the default tiles (``default_config``) multiply quantised rows by fp8 weights as
-# tensor-core dots (``GemvConfig.dots``) and make the row's blocks a loop step ahead
-# (``GemvConfig.ahead``); read when a call is traced.
-DOTS = False
-AHEAD = False
 
 
 # Automatic tiles (``GemvConfig.fit``): programs to reach (rows x column tiles x splits) and the
@@ -172,21 +161,13 @@ def total(y: Array | Partials | ExpertRows | SwiGLUPartials, dtype=None) -> Arra
 class GemvConfig:
     """``block_n`` output columns per program (a power of two, at most 128: the weights' scale
     blocks), ``block_k`` inputs per loop step (a power of two, at least 128), ``split_k`` programs
-    per output tile (a power of two; 0: automatic, see ``fit``). ``dots``: where the row is
-    quantised and the weights are fp8, each 128-input block's products as one e4m3 x e4m3
-    tensor-core dot of the weights' tile with the row's codes (the row in the first of 16 operand
-    rows, zeros in the others): the weights go from shared memory into the dot without being
-    converted in registers; the sums are the dot's (the grouped-matmul kernel's ``fp8_dots``).
-    ``ahead``: each loop step loads (adds, quantises) the row's blocks of the next step, so that the
-    row's amax reductions are not between a step's weights and their products."""
+    per output tile (a power of two; 0: automatic, see ``fit``)."""
 
     block_n: int = 64
     block_k: int = 256
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 3
-    dots: bool = False  # quantised rows times fp8 weights as tensor-core dots (``_products``)
-    ahead: bool = False  # the row's next blocks made one loop step ahead (``_products``)
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -223,8 +204,7 @@ def default_config(swiglu: bool = False) -> GemvConfig:
     On an H200 (``benchmarks/gemv.py --sweep``, docs/benchmarks.md) within 0.7 us of the best of
     37 tilings for each of the four Flash linears swept (wq_b, wo_b, the shared SwiGLU, the
     indexer's wq_b) at one row."""
-    cfg = GemvConfig(block_n=128, split_k=16, num_warps=8) if swiglu else GemvConfig()
-    return dataclasses.replace(cfg, dots=DOTS, ahead=AHEAD)
+    return GemvConfig(block_n=128, split_k=16, num_warps=8) if swiglu else GemvConfig()
 
 
 def takes(rows_per_group: int, w: Weights, impl: str | None, quantise: bool = False) -> bool:
@@ -262,41 +242,30 @@ def check_inputs(x: Array | QuantRows, ws: tuple[Weights, ...], group: Array, sa
                          f"{group.dtype} {group.shape}")
 
 
-def _row_views(xb: Array, quantised: bool, parts: bool, codes: bool = False) -> dict:
+def _row_views(xb: Array, quantised: bool, parts: bool) -> dict:
     """One 128-input block of the row [1, 128] as the weights take it (float32 values): "plain"
-    (as it is), "quantised" (the reference's FP8 GEMM input: an e4m3 value times a power of two),
-    for float32 rows times bf16 weights "parts" (three bf16 numbers adding up to it) and, for
-    ``dots``, "codes": the quantised row's e4m3 codes as a dot operand [16, 128] (the row first,
-    zeros after) and its scale [1, 1]."""
+    (as it is), "quantised" (the reference's FP8 GEMM input: an e4m3 value times a power of two)
+    and, for float32 rows times bf16 weights, "parts" (three bf16 numbers adding up to it)."""
     from dspark_jax.model.common import bf16_parts
 
     views = {"plain": xb.astype(jnp.float32)}
     if quantised:
-        codes_1, sx = _quantise_block(xb)
-        views["quantised"] = codes_1.astype(jnp.float32) * sx
-        if codes:
-            first = lax.broadcasted_iota(jnp.int32, (DOT_ROWS, FP8_BLOCK), 0) == 0
-            operand = jnp.where(first, jnp.broadcast_to(codes_1.astype(jnp.float32), (DOT_ROWS, FP8_BLOCK)), 0.0)
-            views["codes"] = (operand.astype(jnp.float8_e4m3fn), sx)
+        codes, sx = _quantise_block(xb)
+        views["quantised"] = codes.astype(jnp.float32) * sx
     if parts:
         views["parts"] = [p.astype(jnp.float32) for p in bf16_parts(views["plain"])]
     return views
 
 
 def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, bk: int, bn: int,
-              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0, dots: bool = False,
-              ahead: bool = False) -> list[Array]:
+              x_parts: int = 0, x_dtype=None, up_ref=None, limit: float = 0.0) -> list[Array]:
     """float32 [1, bn] products of row r with output columns n0 .. n0 + bn of each weight set
     (format ``fmts[i]``, the row quantised iff ``quantise[i]``, group g, N ``ns[i]``) over inputs
     k_base .. k_base + steps * bk. ``x_parts``: the rows come as that many partial sums [S R, K]
     (float32), added in order and rounded to ``x_dtype`` (their producer's output); with ``up_ref``
     (``SwiGLUPartials``) x_ref's are the gate's, up_ref's the up product's, the rows their SwiGLU
-    with ``limit``, rounded to ``x_dtype``. ``dots`` (``GemvConfig.dots``): quantised rows times
-    fp8 weights as tensor-core dots, each weight's tile of sums [bn, 16] (the row's products in
-    its first column, zeros in the others). ``ahead`` (``GemvConfig.ahead``): each loop step makes
-    the next step's row blocks (loads, partial sums, quantisation) while its own products run."""
+    with ``limit``, rounded to ``x_dtype``."""
     rows = x_ref.shape[0] // max(x_parts, 1)
-    dotted = [dots and fmt == "fp8" and q for fmt, q in zip(fmts, quantise)]
     dt = x_dtype if x_parts else x_ref.dtype
     parts = dt == jnp.float32 and "dense" in fmts  # bf16 rows times bf16 weights: exact already
 
@@ -311,27 +280,12 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
             return summed(x_ref, kb)
         return _swiglu_rows(summed(x_ref, kb), summed(up_ref, kb), jnp.ones((1,), jnp.float32), limit, dt).astype(dt)
 
-    def step_views(step):  # the row's blocks of one loop step as the weights take them
-        return [_row_views(row_block(k_base + step * bk + c), any(quantise), parts, any(dotted))
-                for c in range(0, bk, FP8_BLOCK)]
-
-    def body(step, carry):
-        accs, ahead_views = carry
+    def body(step, accs):
         accs = list(accs)
-        if ahead:  # this step's row blocks were made in the step before; the next step's now
-            this_views, ahead_views = ahead_views, step_views(jnp.minimum(step + 1, steps - 1))
-        else:
-            this_views = step_views(step)
         for c in range(0, bk, FP8_BLOCK):
             kb = k_base + step * bk + c
-            views = this_views[c // FP8_BLOCK]
+            views = _row_views(row_block(kb), any(quantise), parts)
             for i, ((w_ref, s_ref), fmt, q, n) in enumerate(zip(w_sets, fmts, quantise, ns)):
-                if dotted[i]:  # e4m3 x e4m3 on the tensor cores: [bn, 16] sums, the row's in column 0
-                    codes, sx = views["codes"]
-                    blocks = -(-n // FP8_BLOCK)
-                    p = _dot_t(w_ref[pl.ds(g * n + n0, bn), pl.ds(kb, FP8_BLOCK)], codes)
-                    accs[i] = accs[i] + p * (sx * _scale_f32(s_ref[g * blocks + n0 // FP8_BLOCK, kb // FP8_BLOCK]))
-                    continue
                 w = w_ref[pl.ds(g * n + n0, bn), pl.ds(kb, FP8_BLOCK)].astype(jnp.float32)
                 if fmt == "fp8":
                     xs = views["quantised" if q else "plain"]
@@ -342,11 +296,11 @@ def _products(x_ref, w_sets, fmts, quantise, ns, r, g, n0, k_base, steps: int, b
                         accs[i] = accs[i] + w * xp
                 else:
                     accs[i] = accs[i] + w * views["plain"]
-        return tuple(accs), ahead_views
+        return tuple(accs)
 
-    zeros = tuple(jnp.zeros((bn, DOT_ROWS if d else FP8_BLOCK), jnp.float32) for d in dotted)
-    accs, _ = lax.fori_loop(0, steps, body, (zeros, step_views(0) if ahead else ()))
-    return [jnp.sum(a, axis=1)[None, :] for a in accs]  # summed over the 128 lanes (dots: 15 zeros) once
+    zero = jnp.zeros((bn, FP8_BLOCK), jnp.float32)
+    accs = lax.fori_loop(0, steps, body, (zero,) * len(w_sets))
+    return [jnp.sum(a, axis=1)[None, :] for a in accs]  # summed over the 128 lanes once
 
 
 def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple[str, ...],
@@ -371,7 +325,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
     if limit is not None:  # the SwiGLU: both weights' columns n0.. in one program
         n0 = j * bn
         gate, up_y = _products(x_ref, w_sets, fmts, quantise, ns * 2, r, g, n0, k_base, steps, bk, bn, x_parts, dt,
-                               dots=cfg.dots, ahead=cfg.ahead, **up)
+                               **up)
         if split == 1:
             y = _swiglu_rows(gate, up_y, jnp.ones((1,), jnp.float32), limit, dt)
             o_refs[0][pl.ds(r, 1), pl.ds(n0, bn)] = y.astype(o_refs[0].dtype)
@@ -386,7 +340,7 @@ def _kernel(group_ref, x_ref, *refs, rows: int, ns: tuple[int, ...], fmts: tuple
         def _one(i=i, n=n, start=start):
             n0 = j * bn - start
             (y,) = _products(x_ref, [w_sets[i]], fmts[i:i + 1], quantise[i:i + 1], (n,), r, g, n0, k_base, steps,
-                             bk, bn, x_parts, dt, dots=cfg.dots, ahead=cfg.ahead, **up)
+                             bk, bn, x_parts, dt, **up)
             o_refs[i][pl.ds(out_row, 1), pl.ds(n0, bn)] = y.astype(o_refs[i].dtype)
         start += n
 

@@ -18,7 +18,7 @@ import pytest
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import lowering
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_many, gemv_swiglu
-from tests.helpers import equations, pallas_calls
+from tests.helpers import pallas_calls
 from tests.test_kernels_grouped_matmul import _random_weights
 
 SD = jax.ShapeDtypeStruct
@@ -42,12 +42,6 @@ def _case(seed: int, fmt: str, groups: int, rows: int, n: int, k: int):
     ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=256, split_k=2)),  # a plain linear, K split
     ("fp8", 4, 4, 128, 512, GemvConfig(block_n=32, block_k=128, split_k=1)),  # wo_a's groups, unsplit
     ("fp8", 8, 3, 256, 512, GemvConfig(block_n=128, block_k=512)),  # one step; the automatic split
-    # tensor-core dots (quantised rows; unquantised ones keep the multiply-adds)
-    ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=256, split_k=2, dots=True)),
-    ("fp8", 4, 4, 128, 512, GemvConfig(block_n=16, block_k=128, split_k=1, dots=True)),
-    # the row's blocks made a loop step ahead
-    ("fp8", 1, 1, 256, 1024, GemvConfig(block_n=64, block_k=128, split_k=2, ahead=True)),
-    ("fp8", 8, 3, 256, 512, GemvConfig(block_n=32, block_k=128, split_k=1, ahead=True, dots=True)),
 ])
 @pytest.mark.parametrize("quantised", [True, False])
 def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quantised):
@@ -62,18 +56,13 @@ def test_equals_the_grouped_matmul_reference(fmt, groups, rows, n, k, cfg, quant
     assert np.abs(want).max() > 0
     got16 = np.asarray(gemv(xin, w, group, config=cfg), np.float32)  # rounded to the rows' dtype
     np.testing.assert_allclose(got16, want, rtol=2**-8, atol=1e-6 * np.abs(want).max())
-    # the tensor-core dots run exactly where asked for and possible (quantised rows, fp8 weights)
-    jaxpr = jax.make_jaxpr(lambda x: gemv(gm.QuantRows(x) if quantised else x, w, group, config=cfg))(x)
-    dots = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-    assert len(dots) == (cfg.block_k // 128 if cfg.dots and quantised else 0)
 
 
-@pytest.mark.parametrize("split,dots,ahead", [(1, False, False), (4, False, False), (2, True, False), (1, False, True)])
-def test_swiglu_equals_the_reference(split, dots, ahead):
+@pytest.mark.parametrize("split", [1, 4])
+def test_swiglu_equals_the_reference(split):
     rng, w1, x, group = _case(split, "fp8", 1, 1, 256, 1024)
     w3 = _random_weights(rng, (1, 256, 1024), "fp8")
-    got = gemv_swiglu(gm.QuantRows(x), w1, w3, group, limit=10.0,
-                      config=GemvConfig(block_n=32, split_k=split, dots=dots, ahead=ahead))
+    got = gemv_swiglu(gm.QuantRows(x), w1, w3, group, limit=10.0, config=GemvConfig(block_n=32, split_k=split))
     want = gm.swiglu_reference(_padded(x, True), w1, w3, jnp.ones((16,)), group, jnp.array([1]), block_m=16,
                                limit=10.0)[::16]
     assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
@@ -121,19 +110,16 @@ def test_bf16_weights_equal_matmul_f32(row_dtype, split):
     assert row_dtype == jnp.bfloat16 or np.abs(coarse - want).max() > 100 * tol
 
 
-@pytest.mark.parametrize("dots", [False, True])
-def test_fp8_and_bf16_weights_in_one_launch(dots):
+def test_fp8_and_bf16_weights_in_one_launch():
     """An attention layer's linears of x in one launch: wq_a and wkv (FP8, the row quantised) and
-    a compressor's wkv and wgate (bf16, the row as it is), each output its own reference's (with
-    ``dots``: the FP8 ones as tensor-core dots, the bf16 ones as multiply-adds)."""
+    a compressor's wkv and wgate (bf16, the row as it is), each output its own reference's."""
     from dspark_jax.model.common import matmul_f32
 
     rng, w, x, group = _case(11, "fp8", 1, 1, 256, 512)
     fp8 = (w, _random_weights(rng, (1, 128, 512), "fp8"))
     dense = tuple(jnp.asarray(rng.standard_normal((1, n, 512)) * 0.05, jnp.bfloat16) for n in (64, 64))
     ws = fp8 + tuple(gm.Weights(d, None, "dense") for d in dense)
-    outs = gemv_many(x, ws, group, quantise=(True, True, False, False), out_dtype=jnp.float32,
-                     config=GemvConfig(dots=dots))
+    outs = gemv_many(x, ws, group, quantise=(True, True, False, False), out_dtype=jnp.float32)
     assert [o.shape for o in outs] == [(1, 256), (1, 128), (1, 64), (1, 64)]
     wants = [np.asarray(gm.reference(_padded(x, True), wi, group, jnp.array([1]), block_m=16,
                                      out_dtype=jnp.float32))[::16] for wi in fp8]
@@ -385,13 +371,12 @@ def test_one_dtype_per_output():
         gemv_many(x, (w, w2), group, out_dtype=(jnp.bfloat16,))
 
 
-@pytest.mark.parametrize("quantise,ahead", [(True, False), (False, False), (True, True)])
-def test_rows_as_partial_sums(quantise, ahead):
+@pytest.mark.parametrize("quantise", [True, False])
+def test_rows_as_partial_sums(quantise):
     """Rows given as their producer's partial sums (``Partials`` [S, R, K], e.g. wo_a's for wo_b):
     every program adds its inputs' parts in order and rounds them to ``rows_dtype``, then
     (quantise) quantises them: the products of those rows, bit for bit, from partial sums in and
-    out alike (``ahead``: the rows' blocks made a loop step ahead, the same values); and through
-    ``Linear`` the product of the rounded sum."""
+    out alike; and through ``Linear`` the product of the rounded sum."""
     from dspark_jax.model.common import Linear, Numerics
     from flax import nnx
     from pallas_kernels.gemv import Partials
@@ -402,10 +387,10 @@ def test_rows_as_partial_sums(quantise, ahead):
     for s in range(1, 4):
         summed = summed + np.asarray(parts[s])
     rows = jnp.asarray(summed).astype(jnp.bfloat16)
-    cfg = GemvConfig(block_n=32, block_k=128, split_k=2, ahead=ahead)
+    cfg = GemvConfig(block_n=32, split_k=2)
     kw = dict(quantise=(quantise,), config=cfg, out_dtype=jnp.float32)
     (got,) = gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16, **kw)
-    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **{**kw, "config": GemvConfig(block_n=32, block_k=128, split_k=2)})
+    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **kw)
     assert np.abs(np.asarray(want)).max() > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     (got_parts,) = gemv_many(Partials(parts), (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16,
@@ -426,8 +411,8 @@ def test_rows_as_partial_sums(quantise, ahead):
     assert len(calls) == 1 and calls[0].startswith("gemv_fp8"), calls
 
 
-@pytest.mark.parametrize("quantise,limit,ahead", [(True, 10.0, False), (False, 0.0, False), (True, 10.0, True)])
-def test_rows_as_the_swiglu_of_partial_sums(quantise, limit, ahead):
+@pytest.mark.parametrize("quantise,limit", [(True, 10.0), (False, 0.0)])
+def test_rows_as_the_swiglu_of_partial_sums(quantise, limit):
     """Rows given as the SwiGLU of two products' partial sums (``SwiGLUPartials``: a shared
     expert's w1 and w3 for w2): every program adds both products' parts in order, rounds them to
     ``rows_dtype``, applies the SwiGLU (clamped at ``limit``; 0: none) and rounds that: the
@@ -449,10 +434,10 @@ def test_rows_as_the_swiglu_of_partial_sums(quantise, limit, ahead):
         summed.append(jnp.asarray(acc).astype(jnp.bfloat16))
     rows = gm.swiglu(summed[0], summed[1], limit).astype(jnp.bfloat16)
     assert limit == 0 or float(jnp.max(jnp.abs(summed[1].astype(jnp.float32)))) > limit  # the clamp bites
-    kw = dict(quantise=(quantise,), config=GemvConfig(block_n=32, block_k=128, split_k=2, ahead=ahead), out_dtype=jnp.float32)
+    kw = dict(quantise=(quantise,), config=GemvConfig(block_n=32, split_k=2), out_dtype=jnp.float32)
     x = SwiGLUPartials(Partials(gate), Partials(up), limit)
     (got,) = gemv_many(x, (w,), jnp.zeros((1,), jnp.int32), rows_dtype=jnp.bfloat16, **kw)
-    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **{**kw, "config": GemvConfig(block_n=32, block_k=128, split_k=2)})
+    (want,) = gemv_many(rows, (w,), jnp.zeros((1,), jnp.int32), **kw)
     assert np.abs(np.asarray(want)).max() > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="gate and up parts of one shape"):
