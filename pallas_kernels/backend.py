@@ -100,13 +100,23 @@ def interpret_mode(interpret: bool | None = None) -> bool:
     return (gpu_platform() is None) if interpret is None else bool(interpret)
 
 
+# The deepest software pipeline a kernel gets on ROCm. The routed experts' one-token SwiGLU tiles
+# (``grouped_matmul``, 4 stages, tuned on an H200) failed to compile for gfx950 at 4 stages in the
+# ``triton`` 3.9 package's AMD pipeline (its block ping-pong pass) and compiled at 3
+# (``benchmarks/kernel_resources.py``, docs/kernels.md); nothing has run on AMD hardware.
+ROCM_MAX_STAGES = 3
+
+
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     """Triton compiler parameters; always passed so that the Triton lowering is selected on
-    every JAX version and on ROCm (where the Mosaic GPU backend does not exist)."""
+    every JAX version and on ROCm (where the Mosaic GPU backend does not exist). On ROCm the
+    pipeline depth is capped at ``ROCM_MAX_STAGES``."""
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if gpu_platform() == "rocm":
+        num_stages = min(num_stages, ROCM_MAX_STAGES)
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
