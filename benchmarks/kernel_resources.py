@@ -41,7 +41,7 @@ import jax
 
 from benchmarks.common import add_launch_options, apply_launch_options, source_commit, write_json
 from benchmarks.launches import ARCHS, abstract_step
-from pallas_kernels import backend, lowering
+from pallas_kernels import lowering
 
 # Per-program limits and per-SM / per-CU capacities
 NVIDIA_SMEM_PER_PROGRAM = 227 * 1024
@@ -85,11 +85,7 @@ def triton_kernels(lowered) -> list[TritonKernel]:
 def lower_step(arch: str, **shape) -> list[TritonKernel]:
     """The Triton kernels of one Flash target step (``launches.abstract_step``) lowered for ``arch``."""
     fn, args = abstract_step(**shape)
-    device = jax.sharding.AbstractDevice(arch, 1, ARCHS[arch])
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    with backend.quiet_triton_deprecation(), jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(fn).trace(*lowering.abstract(args)).lower(lowering_platforms=(ARCHS[arch],))
-    return triton_kernels(lowered)
+    return triton_kernels(lowering.lowered(fn, *args, arch=arch, platform=ARCHS[arch]))
 
 
 @contextlib.contextmanager

@@ -27,14 +27,18 @@ def abstract(tree: Any) -> Any:
         tree)
 
 
-def lower(fn: Callable, *args: Any, arch: str = "gfx950", platform: str = "rocm") -> str:
-    """Lower ``jax.jit(fn)(*args)`` for ``platform`` on an abstract ``arch`` device; returns the
-    StableHLO text. ``args`` may be arrays or ShapeDtypeStructs (pytrees allowed)."""
+def lowered(fn: Callable, *args: Any, arch: str = "gfx950", platform: str = "rocm") -> jax.stages.Lowered:
+    """``jax.jit(fn)(*args)`` lowered for ``platform`` on an abstract ``arch`` device. ``args`` may
+    be arrays or ShapeDtypeStructs (pytrees allowed)."""
     device = jax.sharding.AbstractDevice(arch, 1, platform)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with backend.quiet_triton_deprecation(), jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(fn).trace(*abstract(args)).lower(lowering_platforms=(platform,))
-    return lowered.as_text()
+        return jax.jit(fn).trace(*abstract(args)).lower(lowering_platforms=(platform,))
+
+
+def lower(fn: Callable, *args: Any, arch: str = "gfx950", platform: str = "rocm") -> str:
+    """``lowered``'s StableHLO text."""
+    return lowered(fn, *args, arch=arch, platform=platform).as_text()
 
 
 def count_triton_calls(hlo_text: str) -> int:

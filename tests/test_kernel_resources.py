@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import kernel_resources as kr
-from pallas_kernels import backend
+from pallas_kernels import backend, lowering
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.gemv import gemv
 
@@ -17,19 +17,12 @@ SD = jax.ShapeDtypeStruct
 MLIR_BYTECODE = b"ML\xefR"
 
 
-def _lowered(fn, *args, arch):
-    device = jax.sharding.AbstractDevice(arch, 1, kr.ARCHS[arch])
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    with backend.quiet_triton_deprecation(), jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=(kr.ARCHS[arch],))
-
-
 @pytest.mark.parametrize("arch", sorted(kr.ARCHS))
 def test_triton_kernels_are_found_with_their_settings(arch):
     x = SD((1, 1024), jnp.bfloat16)
     w = gm.Weights(SD((1, 4096, 1024), jnp.float8_e4m3fn), SD((1, 32, 8), jnp.uint8), "fp8")
-    lowered = _lowered(lambda x, w: gemv(gm.QuantRows(x), w, jnp.zeros((1,), jnp.int32), interpret=False), x, w,
-                       arch=arch)
+    lowered = lowering.lowered(lambda x, w: gemv(gm.QuantRows(x), w, jnp.zeros((1,), jnp.int32), interpret=False),
+                               x, w, arch=arch, platform=kr.ARCHS[arch])
     (k,) = kr.triton_kernels(lowered)
     assert (k.name, k.num_warps, k.num_stages) == ("gemv_fp8_q_split4", 4, 3)  # 128 tiles: K split in 4
     assert k.ir.startswith(MLIR_BYTECODE) and len(k.ir) > 1000
