@@ -171,7 +171,7 @@ def main(argv=None) -> dict:
     add_launch_options(ap)
     args = ap.parse_args(argv)
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError as err:
         raise SystemExit("kernel_resources.py compiles the kernels with the triton package: pip install triton") from err
     start = time.perf_counter()
@@ -180,10 +180,9 @@ def main(argv=None) -> dict:
     archs = args.archs.split(",")
     if set(archs) - set(ARCHS):
         raise SystemExit(f"--archs takes {sorted(ARCHS)}, got {archs}")
-    import triton as _triton
 
     out = {"args": vars(args), "commit": source_commit(), "date": time.strftime("%Y-%m-%d"),
-           "triton_package": _triton.__version__, "jax": jax.__version__, "launch_options": launch_options,
+           "triton_package": triton.__version__, "jax": jax.__version__, "launch_options": launch_options,
            "method": __doc__.split("\n\n")[1], "kernels": {}}
     with tempfile.TemporaryDirectory() as workdir, warnings.catch_warnings():
         warnings.simplefilter("ignore")
