@@ -37,7 +37,7 @@ from benchmarks.hc_fused import compile_highest, device_times
 from dspark_jax.model.common import matmul_f32
 from pallas_kernels import grouped_matmul as gm
 from dspark_jax.model.quant import fp8_sim
-from pallas_kernels.gemv import GemvConfig, gemv, gemv_swiglu
+from pallas_kernels.gemv import GemvConfig, gemv_many, gemv_swiglu
 from pallas_kernels.grouped_matmul import FP8_BLOCK
 
 LIMIT = 10.0
@@ -47,6 +47,7 @@ LIMIT = 10.0
 class Case:
     shape: Shape  # groups = weight groups; tiles = rows (one per group for linears)
     quantised: bool  # rows quantised as the reference's FP8 GEMM input (wo_a: bf16 rows)
+    also: int = 0  # N of a second FP8 weight of the same K in the same launch (``gemv_many``)
 
 
 def flash_cases() -> list[Case]:
@@ -60,6 +61,8 @@ def flash_cases() -> list[Case]:
         Case(Shape("attn.wq_a", "fp8", q, d, 1, 1), True),
         Case(Shape("attn.wkv", "fp8", hd, d, 1, 1), True),
         Case(Shape("indexer.wq_b", "fp8", 64 * 128, q, 1, 1), True),
+        # a C4 layer's wq_b and its indexer's wq_b in one launch (``attention.WQ_B_TOGETHER``)
+        Case(Shape("C4 wq_b + indexer.wq_b", "fp8", h * hd, q, 1, 1), True, also=64 * 128),
         Case(Shape("drafter main_proj", "fp8", d, 3 * d, 1, 1), True),
         # bf16 weights the reference applies in float32 (dots: XLA's matmul_f32)
         Case(Shape("router (bf16)", "dense", 256, d, 1, 1), False),
@@ -73,6 +76,7 @@ def smoke_cases() -> list[Case]:
     return [Case(Shape("linear", "fp8", 256, 512, 1, 1), True),
             Case(Shape("grouped", "fp8", 128, 256, 4, 4), False),
             Case(Shape("swiglu", "fp8", 128, 512, 1, 1, swiglu=True), True),
+            Case(Shape("two weights", "fp8", 256, 512, 1, 1), True, also=128),
             Case(Shape("bf16", "dense", 128, 512, 1, 1), False)]
 
 
@@ -85,8 +89,8 @@ def dots(case: Case, x, ws):
     if s.swiglu:
         return gm.batched_swiglu(x, ws[0], ws[1], limit=LIMIT, act_quant=case.quantised, impl="pallas",
                                  one_row_gemv=False)
-    return gm.batched_matmul(x[:, None, :], ws[0], act_quant=case.quantised, out_dtype=jnp.float32,
-                             impl="pallas", one_row_gemv=False)[:, 0]
+    return tuple(gm.batched_matmul(x[:, None, :], w, act_quant=case.quantised, out_dtype=jnp.float32,
+                                   impl="pallas", one_row_gemv=False)[:, 0] for w in ws)
 
 
 def multiply_adds(case: Case, x, ws, cfg: GemvConfig | None, rounded: bool = False):
@@ -101,7 +105,12 @@ def multiply_adds(case: Case, x, ws, cfg: GemvConfig | None, rounded: bool = Fal
         xin = gm.QuantRows(x) if case.quantised else x
     if s.swiglu:
         return gemv_swiglu(xin, ws[0], ws[1], group, limit=LIMIT, config=cfg)
-    return gemv(xin, ws[0], group, out_dtype=jnp.float32, config=cfg)
+    return gemv_many(xin, tuple(ws), group, out_dtype=jnp.float32, config=cfg)
+
+
+def as_row(y) -> np.ndarray:
+    """A call's output (one array, or one per weight) as one float32 array, the weights' side by side."""
+    return np.concatenate([np.asarray(a, np.float32) for a in jax.tree_util.tree_leaves(y)], axis=-1)
 
 
 def sweep_configs(smoke: bool) -> list[GemvConfig]:
@@ -151,12 +160,15 @@ def main(argv=None) -> int:
             print("budget exhausted", flush=True)
             break
         s = case.shape
-        call_bytes = s.weight_bytes_per_tile * s.groups  # every group's weights read once
+        second = dataclasses.replace(s, n=case.also) if case.also else None
+        call_bytes = (s.weight_bytes_per_tile + (second.weight_bytes_per_tile if second else 0)) * s.groups
         copies = 2 if args.smoke else min(32, max(2, -(-(256 << 20) // call_bytes)))
         keys = jax.random.split(jax.random.key(ci), copies * 2 + 1)
-        sets = [tuple(random_weights(keys[2 * c + j], s) for j in range(2 if s.swiglu else 1)) for c in range(copies)]
+        sets = [tuple(random_weights(keys[2 * c + j], shape)
+                      for j, shape in enumerate([s, s] if s.swiglu else [s, second] if second else [s]))
+                for c in range(copies)]
         x = jax.random.normal(keys[-1], (s.tiles, s.k), jnp.bfloat16)
-        want = np.asarray(dots(case, x, sets[0]), np.float32)
+        want = as_row(dots(case, x, sets[0]))
         sweep = args.sweep and (not args.sweep_only or any(o in s.name for o in args.sweep_only.split(",")))
         variants = [("dots", None), ("gemv", None)]  # gemv None: the library's default tiles
         if case.quantised:  # the rows quantised before the kernel (by their producer)
@@ -177,14 +189,14 @@ def main(argv=None) -> int:
                 fn = lambda xs, sets: [multiply_adds(case, xi, sets[0], None) for xi in xs]  # noqa: E731
                 args_in = ([x] + [jax.random.normal(jax.random.fold_in(keys[-1], c), x.shape, x.dtype)
                                   for c in range(1, copies)], sets)
-                got = np.asarray(fn(*args_in)[0], np.float32)  # the first call: x on the first copy
+                got = as_row(fn(*args_in)[0])  # the first call: x on the first copy
                 rec["max_rel"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
             else:
                 rounded = kind == "gemv_rounded"
                 fn = functools.partial(lambda cfg, r, x, sets: [multiply_adds(case, x, ws, cfg, r) for ws in sets],
                                        cfg, rounded)
                 try:
-                    got = np.asarray(multiply_adds(case, x, sets[0], cfg, rounded), np.float32)
+                    got = as_row(multiply_adds(case, x, sets[0], cfg, rounded))
                     rec["max_rel"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                 except Exception as e:  # noqa: BLE001 (a config the compiler rejects is a result too)
                     rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
