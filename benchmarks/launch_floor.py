@@ -10,8 +10,8 @@ Measured per kernel:
 
 - ``span_us``: the program's device span (first kernel's start to last kernel's end, in a
   profiler trace) / chain: what one more dependent kernel adds to a step;
-- ``kernel_us``: the kernels' own durations / chain (span - kernel: the gap between dependent
-  kernels);
+- ``kernel_us``: the kernels' own durations / chain (on an H100 ~0.15 us above the span: the
+  recorded times of consecutive kernels overlap, so no gap between them shows);
 - ``wall_us``: wall time of ``--calls`` back-to-back calls / (calls x chain).
 
 A byte-free kernel's span is the floor under each of a step's small kernels on the chain (norms,
