@@ -153,6 +153,9 @@ def add_launch_options(ap) -> None:
                          "launch, or wq_a + wkv in one and the compressors' in another (attention.X_LINEARS_TOGETHER)")
     ap.add_argument("--wq-b-apart", action="store_true",
                     help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
+    ap.add_argument("--xla-pdl", choices=("default", "on", "off"), default="default",
+                    help="XLA's programmatic dependent launch (the compiler option xla_gpu_enable_pdl) on top of "
+                         "the programs' compiler options; default: as they have it")
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
@@ -173,7 +176,17 @@ def apply_launch_options(args) -> dict:
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
             "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
             "x_linears_together": attention.X_LINEARS_TOGETHER,
-            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS}
+            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "xla_pdl": args.xla_pdl}
+
+
+def with_pdl(options: dict | None, pdl: str) -> dict | None:
+    """Compiler options (None: the engine's, ``compile_cache.COMPILER_OPTIONS``) with XLA's
+    programmatic dependent launch set on or off (``--xla-pdl``; "default": as they are)."""
+    if pdl == "default":
+        return options
+    from dspark_jax.compile_cache import COMPILER_OPTIONS
+
+    return {**(COMPILER_OPTIONS if options is None else options), "xla_gpu_enable_pdl": pdl == "on"}
 
 
 def launch_variants(text: str, args) -> list[tuple[str, object]]:

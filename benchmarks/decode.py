@@ -116,7 +116,7 @@ import numpy as np
 import dspark_jax
 from benchmarks.common import (add_launch_options, add_split_option, apply_launch_options,
                                apply_split_option, ceilings, environment, launch_variants, out_dir,
-                               with_moe_one_row, write_json)
+                               with_moe_one_row, with_pdl, write_json)
 from dspark_jax import SamplingParams, config
 from dspark_jax.decoding.engine import Engine
 from dspark_jax.decoding.generate import ROUNDS_PER_CALL
@@ -631,7 +631,7 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
                 for opt in args.options:
                     eng = Engine(model, gamma=gamma if mode == "dspark" else 0, kv_layout=args.kv,
                                  accept_profile=profile if mode == "dspark" else None,
-                                 compiler_options=OPTION_SETS[opt])
+                                 compiler_options=with_pdl(OPTION_SETS[opt], ns.xla_pdl))
                     jobs[(depth, mode, opt, label_)] = (eng, random_state(eng, b, alloc, seed=depth))
                     switches[(depth, mode, opt, label_)] = ns
     try:  # each program traced under its variant's switches (read when a step is traced)

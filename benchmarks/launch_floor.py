@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from benchmarks.common import ceilings, environment, write_json
+from benchmarks.common import ceilings, environment, with_pdl, write_json
 from benchmarks.profile_step import profiler_trace, trace_events
 from dspark_jax.compile_cache import COMPILER_OPTIONS
 from pallas_kernels import backend
@@ -85,16 +85,21 @@ def reference(x, ws):
     return x
 
 
-def measure(programs: int, rows: int, length: int, calls: int, interpret: bool, trace_root: str) -> dict:
+def measure(programs: int, rows: int, length: int, calls: int, interpret: bool, trace_root: str,
+            pdl: str = "default") -> dict:
     key = jax.random.key(programs * 1000 + rows)
     x = jax.random.normal(key, (1, programs * WIDTH), jnp.float32)
     ws = [jax.random.normal(jax.random.fold_in(key, j), (programs, rows, WIDTH), jnp.bfloat16) if rows else None
           for j in range(length)]
-    compiled = jax.jit(lambda x, ws: chain(x, ws, interpret=interpret)).lower(x, ws).compile(
-        compiler_options=None if interpret else COMPILER_OPTIONS)
+    def program(x, ws):
+        return chain(x, ws, interpret=interpret)
+
+    program.__name__ = f"chain_{programs}x{rows}_pdl_{pdl}"  # the module's name (in dumps and traces)
+    options = None if interpret else with_pdl(COMPILER_OPTIONS, pdl)
+    compiled = jax.jit(program).lower(x, ws).compile(compiler_options=options)
     got = np.asarray(compiled(x, ws))
     want = np.asarray(reference(x, ws))
-    rec = {"programs": programs, "rows": rows, "weight_bytes_per_kernel": programs * rows * WIDTH * 2,
+    rec = {"programs": programs, "rows": rows, "xla_pdl": pdl, "weight_bytes_per_kernel": programs * rows * WIDTH * 2,
            "chain": length, "max_abs_err": float(np.abs(got - want).max()),
            "scale": float(np.abs(want).max())}
     if interpret:
@@ -132,6 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="0,8,64,512", help="weight rows per program, comma-separated (0: none)")
     ap.add_argument("--chain", type=int, default=64, help="dependent kernels per program")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--pdl", default="default",
+                    help="XLA's programmatic dependent launch for each run, comma-separated: default (the decoding "
+                         "programs' options as they are), on, off (``benchmarks.common.with_pdl``)")
     ap.add_argument("--smoke", action="store_true", help="small chain in interpret mode (CPU)")
     args = ap.parse_args(argv)
     interpret = args.smoke or jax.default_backend() == "cpu"
@@ -141,16 +149,18 @@ def main(argv=None) -> int:
     print(env, ceil, flush=True)
     out = {"env": env, "ceilings": ceil, "method": __doc__.split("\n\n")[1], "rows": []}
     trace_root = tempfile.mkdtemp(prefix="dspark_launch_floor_")
-    for programs in (int(p) for p in args.programs.split(",")):
-        for rows in (int(r) for r in args.rows.split(",")):
-            rec = measure(programs, rows, length, args.calls, interpret, trace_root)
-            if rec["max_abs_err"] > 1e-4 * max(rec["scale"], 1.0):
-                raise AssertionError(f"chain of {programs} x {rows} rows: max error {rec['max_abs_err']}")
-            out["rows"].append(rec)
-            print(f"programs {programs:4d} weight rows {rows:4d} ({rec['weight_bytes_per_kernel'] / 1e6:7.3f} MB): "
-                  + (f"span {rec['span_us']:6.2f} us, kernel {rec['kernel_us']:6.2f} us, wall {rec['wall_us']:6.2f} us"
-                     f" per kernel, {rec['GBps']:6.0f} GB/s" if "span_us" in rec else "values checked"), flush=True)
-            write_json("launch_floor.json", out)
+    runs = [(pdl, int(p), int(r)) for pdl in args.pdl.split(",") for p in args.programs.split(",")
+            for r in args.rows.split(",")]
+    for pdl, programs, rows in runs:
+        rec = measure(programs, rows, length, args.calls, interpret, trace_root, pdl)
+        if rec["max_abs_err"] > 1e-4 * max(rec["scale"], 1.0):
+            raise AssertionError(f"chain of {programs} x {rows} rows: max error {rec['max_abs_err']}")
+        out["rows"].append(rec)
+        timed = (f"span {rec['span_us']:6.2f} us, kernel {rec['kernel_us']:6.2f} us, wall {rec['wall_us']:6.2f} us "
+                 f"per kernel, {rec['GBps']:6.0f} GB/s" if "span_us" in rec else "values checked")
+        print(f"pdl {pdl:7s} programs {programs:4d} weight rows {rows:4d} "
+              f"({rec['weight_bytes_per_kernel'] / 1e6:7.3f} MB): {timed}", flush=True)
+        write_json("launch_floor.json", out)
     return 0
 
 
