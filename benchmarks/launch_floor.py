@@ -14,6 +14,9 @@ Measured per kernel:
   recorded times of consecutive kernels overlap, so no gap between them shows);
 - ``wall_us``: wall time of ``--calls`` back-to-back calls / (calls x chain).
 
+``--pdl off,on`` measures each chain again with XLA's programmatic dependent launch off / on (the
+compiler option ``xla_gpu_enable_pdl``; the engine's options state it on).
+
 A byte-free kernel's span is the floor under each of a step's small kernels on the chain (norms,
 the router, the selection, mHC's units); the weight sizes show how a kernel's time grows from
 that floor to a bandwidth-bound read.
@@ -91,6 +94,7 @@ def measure(programs: int, rows: int, length: int, calls: int, interpret: bool, 
     x = jax.random.normal(key, (1, programs * WIDTH), jnp.float32)
     ws = [jax.random.normal(jax.random.fold_in(key, j), (programs, rows, WIDTH), jnp.bfloat16) if rows else None
           for j in range(length)]
+
     def program(x, ws):
         return chain(x, ws, interpret=interpret)
 
