@@ -103,6 +103,20 @@ def native_stderr_to(path: str):
             os.close(saved)
 
 
+def triton_ir_text(bytecode: bytes) -> str:
+    """A kernel's Triton IR (jaxlib's MLIR bytecode) as generic-form text, printed by jaxlib's own
+    MLIR: the ``triton`` package's MLIR may be older than jaxlib's and refuse its bytecode
+    ("reading newer builtin dialect version than supported", jax 0.12.1 against triton 3.9), while
+    it reads the text."""
+    from jax._src.lib.mlir import ir as jax_ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    with jax_ir.Context() as ctx:
+        tt_dialect.register_dialect(ctx)
+        module = jax_ir.Module.parse(bytecode)
+        return module.operation.get_asm(print_generic_op_form=True)
+
+
 def compile_kernel(kernel: TritonKernel, arch: str, workdir: str) -> dict:
     """Compile one kernel with the ``triton`` package for ``arch``; its resources. A failure is
     raised as a RuntimeError naming the failing pass (the compiler's last message)."""
@@ -124,7 +138,7 @@ def compile_kernel(kernel: TritonKernel, arch: str, workdir: str) -> dict:
     with open(base + ".mlirbc", "wb") as f:
         f.write(kernel.ir)
     with open(base + ".ttir", "w") as f:  # the compiler takes Triton IR as text
-        f.write(str(ir.parse_mlir_module(base + ".mlirbc", ctx)))
+        f.write(triton_ir_text(kernel.ir))
     try:
         with native_stderr_to(base + ".log"):
             compiled = triton.compile(base + ".ttir", target=target,
