@@ -122,21 +122,10 @@ def compile_kernel(kernel: TritonKernel, arch: str, workdir: str) -> dict:
     raised as a RuntimeError naming the failing pass (the compiler's last message)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the package's default (multiply-adds fused), stated
     import triton
-    from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
 
-    if ARCHS[arch] == "cuda":
-        from triton.backends.nvidia.compiler import CUDABackend as Backend
-        target = GPUTarget("cuda", 90, 32)
-    else:
-        from triton.backends.amd.compiler import HIPBackend as Backend
-        target = GPUTarget("hip", "gfx950", 64)
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    Backend(target).load_dialects(ctx)
+    target = GPUTarget("cuda", 90, 32) if ARCHS[arch] == "cuda" else GPUTarget("hip", "gfx950", 64)
     base = os.path.join(workdir, f"{kernel.name}_{kernel.key}_{target.backend}")
-    with open(base + ".mlirbc", "wb") as f:
-        f.write(kernel.ir)
     with open(base + ".ttir", "w") as f:  # the compiler takes Triton IR as text
         f.write(triton_ir_text(kernel.ir))
     try:

@@ -27,7 +27,7 @@ ENV = "DSPARK_JAX_COMPILE_CACHE"
 # later), XLA's default, stated since the step depends on it: a kernel that waits on its
 # predecessor is launched before the predecessor ends. On an H100 each dependent launch took 0.2 us
 # less with it (0.85 against 1.04 us), the batch-1 step of a 6-layer Flash slice 25 us less
-# (docs/benchmarks.md). CPUs ignore both options, ROCm the second.
+# (docs/benchmarks.md). CPUs ignore both options.
 COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": True}
 
 
