@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -159,12 +160,15 @@ def add_launch_options(ap) -> None:
     ap.add_argument("--queries-max-programs", type=int, default=-1,
                     help="index_scores.QUERIES_MAX_PROGRAMS (0: the indexer's queries in their own launch; "
                          "-1: the library's)")
+    ap.add_argument("--hc-config", default="",
+                    help="mHC kernels' settings (pallas_kernels.hc_fused.CONFIG) as comma-separated name=value "
+                         "pairs on top of the library's HcConfig(), e.g. 'sinkhorn_reciprocal=0,collapse_warps=2'")
 
 
 def apply_launch_options(args) -> dict:
     """Sets the switches of ``add_launch_options``; returns them as set (for the results' config)."""
     from dspark_jax.model import attention
-    from pallas_kernels import compressor_pool, grouped_matmul as gm, index_scores
+    from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
     compressor_pool.WRITE_IN_POOL = args.compressor_launches == 1
@@ -173,10 +177,27 @@ def apply_launch_options(args) -> dict:
     attention.X_LINEARS_TOGETHER = args.x_linears == "together"
     if args.queries_max_programs >= 0:
         index_scores.QUERIES_MAX_PROGRAMS = args.queries_max_programs
+    hc_fused.CONFIG = hc_config(args.hc_config)
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
             "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
             "x_linears_together": attention.X_LINEARS_TOGETHER,
-            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "xla_pdl": args.xla_pdl}
+            "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "xla_pdl": args.xla_pdl,
+            "hc_config": dataclasses.asdict(hc_fused.CONFIG)}
+
+
+def hc_config(text: str):
+    """``--hc-config``: ``hc_fused.HcConfig()`` with the fields named in "name=value,..." replaced
+    (integers; booleans as 0 / 1)."""
+    from pallas_kernels import hc_fused
+
+    fields = {f.name: f.type for f in dataclasses.fields(hc_fused.HcConfig)}
+    values = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = pair.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--hc-config takes name=value pairs of HcConfig's fields {sorted(fields)}, got {pair!r}")
+        values[name] = bool(int(value)) if fields[name] in (bool, "bool") else int(value)
+    return dataclasses.replace(hc_fused.HcConfig(), **values)
 
 
 def with_pdl(options: dict | None, pdl: str) -> dict | None:

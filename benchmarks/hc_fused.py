@@ -10,7 +10,10 @@ piece, compiled on its own:
 
 - ``kernels``: kernel-launching instructions of the compiled program (``profile_step.Attribution``);
 - ``device_us``: device time of its kernels per call, from a profiler trace of ``--calls`` calls,
-  and ``launches`` per call seen in the trace;
+  and ``launches`` per call seen in the trace. The calls cycle through copies of the piece's large
+  parameters (``cold_copies``), so that each reads fn from memory as a decode step does: timed on
+  one copy, fn stays in the L2 from call to call, and the one-token mixes took 32 programs' reads of
+  48 KB each without the cost they have in a step (docs/benchmarks.md, 2026-12-06 (night));
 - ``max_rel_err``: the largest deviation of each output from plain JAX with the Sinkhorn
   iterations as a loop (float32 matmuls at HIGHEST), divided by the output's largest magnitude;
 - ``roofline_us``: the piece's bytes (parameters + streams read once, outputs written once) over the
@@ -129,16 +132,31 @@ def piece_bytes(name: str, tokens: int, d: int) -> int:
             "head_norm": 4 * N * k + 4 * d + N * stream + stream}[name]
 
 
+def cold_copies(args: tuple, budget: int = 128 << 20) -> list[tuple]:
+    """``args`` and copies of it whose parameters of 256 KiB or more (fn: 1.5 MiB per unit at Flash
+    widths) are distinct buffers, together about ``budget`` bytes (more than twice a 50 MB L2).
+    Calls that cycle through them read those parameters from memory, as a decode step does (each
+    layer's once); calls on one set find them in the L2."""
+    big = [i for i, a in enumerate(args) if a.nbytes >= 256 << 10]
+    if not big:
+        return [args]
+    count = min(256, max(2, budget // sum(args[i].nbytes for i in big)))
+    return [args] + [tuple(jnp.array(a, copy=True) if i in big else a for i, a in enumerate(args))
+                     for _ in range(count - 1)]
+
+
 def device_times(compiled: dict, calls: int, trace_root: str) -> dict:
     """Device microseconds and kernel launches per call of each compiled program ({key: (compiled,
-    module name, arguments)}), from one trace."""
+    module name, arguments)}), from one trace; each program's calls cycle through ``cold_copies``
+    of its arguments."""
     out_dir = tempfile.mkdtemp(dir=trace_root)
+    copies = {key: cold_copies(a) for key, (_, _, a) in compiled.items()}
     for c, _, a in compiled.values():
         jax.block_until_ready(c(*a))
     with profiler_trace(out_dir):
-        for c, _, a in compiled.values():
-            for _ in range(calls):
-                jax.block_until_ready(c(*a))
+        for key, (c, _, _) in compiled.items():
+            for i in range(calls):
+                jax.block_until_ready(c(*copies[key][(i + 1) % len(copies[key])]))
     files = sorted(glob.glob(os.path.join(out_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
         return {k: {"error": f"no trace written under {out_dir}"} for k in compiled}
@@ -205,7 +223,8 @@ SWEEP = (_DOTS, dataclasses.replace(_DOTS, split_k=128), dataclasses.replace(_DO
          *(dataclasses.replace(_FMA, fma_block=b) for b in (2048, 8192)),
          *(dataclasses.replace(_FMA, fma_split_k=256, num_warps=w) for w in (2, 8)),
          *(dataclasses.replace(hc_fused.HcConfig(), collapse_warps=w) for w in (1, 2, 4, 8)),
-         hc_fused.HcConfig())
+         hc_fused.HcConfig(), *(hc_fused.HcConfig(one_block_k=k) for k in (16, 64, 128)),
+         hc_fused.HcConfig(fma_split_k=64))
 
 
 def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
@@ -225,6 +244,7 @@ def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
 
 
 def main():
+    global ITERS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,6,32,192,2048", help="tokens per call (comma-separated)")
     p.add_argument("--calls", type=int, default=20, help="calls of each piece under the profiler")
@@ -234,8 +254,10 @@ def main():
                    help="also time a few tilings of the fused pre_norm and post_pre_norm")
     p.add_argument("--sweep-tokens", default=None, help="tokens per call of the sweep (default: --tokens)")
     p.add_argument("--sweep-configs", default=None, help="indices into SWEEP to time (default: all)")
+    p.add_argument("--iters", type=int, default=ITERS, help="Sinkhorn iterations (the model's: 20)")
     p.add_argument("--smoke", action="store_true", help="d = 128, T <= 6 (on a CPU: interpret mode)")
     args = p.parse_args()
+    ITERS = args.iters
     d = 128 if args.smoke else 4096
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.smoke:

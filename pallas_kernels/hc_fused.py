@@ -18,7 +18,11 @@ expansion, the sub-block's norm): about 10 launches per unit on a GPU for almost
      and takes the mixes of the rounded values, as the reference does. Calls of up to
      ``HcConfig.fma_tokens`` tokens (decode, a batch-1 verify) take the products as float32
      multiply-adds held per column and summed once per program, all tokens in one tile: a chain
-     of small dots on a mostly empty 16-row tile was the kernel's latency (``_mixes_fma``);
+     of small dots on a mostly empty 16-row tile was the kernel's latency (``_mixes_fma``); one
+     token's as [MP, columns] products in the weights' own layout, over d / ``one_block_k``
+     programs per stream width (128 at Flash widths). Each loop step loads its fn columns first,
+     before the expansion's loads and stores: in a decode step fn comes from memory (its 1.5 MiB
+     per unit are read once per step), and those loads are the kernel's longest wait;
   2. ``_collapse_kernel``, grid (tokens, 2): the S partials summed,
      rsqrt(mean(x^2) + eps), scale and base, the gates; then the first program of a token the
      collapse y = sum_i pre_i X_i of whole rows, which the RMSNorm (when given its weight) needs:
@@ -89,10 +93,12 @@ class HcConfig:
 
     Calls of at most ``fma_tokens`` tokens (0: none) take the mixes as float32 multiply-adds
     instead of dots (``_mixes_fma``): all T tokens in one tile, each program over at most
-    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns)."""
+    ``fma_split_k`` columns of x_flat, in steps holding ``fma_block`` products (T x MP x columns);
+    one token's in ``one_block_k`` columns of each stream per step."""
 
     # measured on the H200 (docs/benchmarks.md): the best of six tilings at 1, 32 and 192 tokens;
-    # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192
+    # split_k 256 and the multiply-adds up to 8 tokens from a later sweep at 1, 6, 16, 32 and 192;
+    # one_block_k 32 (128 programs at Flash widths, against 32 before) timed in the step on an H100
     block_t: int = 16
     block_k: int = 32
     split_k: int = 256
@@ -103,9 +109,10 @@ class HcConfig:
     fma_tokens: int = 8
     fma_split_k: int = 128
     fma_block: int = 4096
+    one_block_k: int = 32
 
     def __post_init__(self):
-        for name in ("block_t", "block_k", "split_k", "block_d", "fma_split_k", "fma_block"):
+        for name in ("block_t", "block_k", "split_k", "block_d", "fma_split_k", "fma_block", "one_block_k"):
             if not backend.is_power_of_2(getattr(self, name)):
                 raise ValueError(f"HcConfig.{name} must be a power of two, got {getattr(self, name)}")
         if self.block_t < 16 or self.block_k < 16:
@@ -121,6 +128,7 @@ CONFIG = HcConfig()
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
     fma: bool  # the mixes as multiply-adds (``_mixes_fma``), not dots
+    one: bool  # one token's multiply-adds: [mp, bk] products (the weights' layout), bk = ``one_block_k``
     bt: int  # tokens per mixes / expansion program
     bk: int  # columns of each stream per step of the mixes' loop
     steps: int  # loop steps per mixes program
@@ -139,9 +147,9 @@ def _tiles(tokens: int, n: int, d: int, m: int, config: HcConfig) -> _Tiles:
     if d % 16 or bd < 16:
         raise ValueError(f"mHC kernels need the stream width d to be a multiple of 16, got n = {n}, d = {d}")
     fma = tokens <= config.fma_tokens
-    if fma:  # all tokens in one tile; a step's products bt x mp x bk within fma_block
+    if fma:  # all tokens in one tile; a step's products bt x mp x bk within fma_block (one token: one_block_k)
         bt = backend.next_power_of_2(tokens)
-        bk = backend.largest_pow2_divisor(d, max(1, config.fma_block // (bt * mp)))
+        bk = backend.largest_pow2_divisor(d, config.one_block_k if bt == 1 else max(1, config.fma_block // (bt * mp)))
         split = config.fma_split_k
     else:
         bt = min(config.block_t, max(16, backend.next_power_of_2(tokens)))
@@ -149,8 +157,8 @@ def _tiles(tokens: int, n: int, d: int, m: int, config: HcConfig) -> _Tiles:
         split = config.split_k
     chunks = d // bk
     steps = max(s for s in range(1, max(1, split // n // bk) + 1) if chunks % s == 0)
-    return _Tiles(fma=fma, bt=bt, bk=bk, steps=steps, splits=chunks // steps, bd=bd, mp=mp,
-                  dp=backend.next_power_of_2(d))
+    return _Tiles(fma=fma, one=fma and bt == 1, bt=bt, bk=bk, steps=steps,
+                  splits=chunks // steps, bd=bd, mp=mp, dp=backend.next_power_of_2(d))
 
 
 # ------------------------------------------------------------------------------ kernel helpers
@@ -285,6 +293,8 @@ def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool,
     def step(i, carry):
         acc, sq = carry
         cols = (split * t.steps + i) * t.bk + _iota(t.bk)
+        # the weights [mp, bk] of each stream (zero rows past M), issued before the expansion's loads and stores
+        ws = [_load(fn_ref, w_rows, w_rows < m, j * d + cols) for j in range(n)]
         if expand:
             xs = [_load(x_ref, rows, ok, j * d + cols) for j in range(n)]  # [bt, bk] each
             f = _f_columns(f_ref, rows, ok, cols, f_parts, xo_ref.dtype, f_pairs, extra_ref)
@@ -293,20 +303,27 @@ def _mixes_kernel(x_ref, fn_ref, *refs, n: int, m: int, t: _Tiles, expand: bool,
                 _store(xo_ref, rows, ok, j * d + cols, v)
         for j in range(n):
             xj = xs[j] if expand else _load(x_ref, rows, ok, j * d + cols)
-            w = _load(fn_ref, w_rows, w_rows < m, j * d + cols)  # [mp, bk], zero rows past M
-            if t.fma:  # products kept per column, summed after the loop
+            w = ws[j]
+            if t.one:  # one token: [mp, bk] products, in the weights' own layout
+                xr = xj.reshape(t.bk)
+                acc, sq = acc + w * xr[None, :], sq + xr * xr
+            elif t.fma:  # products kept per column, summed after the loop
                 acc, sq = acc + _mixes_fma(xj, w), sq + xj * xj
             else:
                 acc = acc + _mixes_dot(xj, w, exact_bf16=x_dtype == jnp.bfloat16)
                 sq = sq + jnp.sum(xj * xj, axis=1)
         return acc, sq
 
-    if t.fma:
+    if t.one:
+        init = (jnp.zeros((t.mp, t.bk), jnp.float32), jnp.zeros((t.bk,), jnp.float32))
+    elif t.fma:
         init = (jnp.zeros((t.bt, t.mp, t.bk), jnp.float32), jnp.zeros((t.bt, t.bk), jnp.float32))
     else:
         init = (jnp.zeros((t.bt, t.mp), jnp.float32), jnp.zeros((t.bt,), jnp.float32))
     acc, sq = lax.fori_loop(0, t.steps, step, init)
-    if t.fma:
+    if t.one:
+        acc, sq = jnp.sum(acc, axis=1)[None, :], jnp.sum(sq)[None]
+    elif t.fma:
         acc, sq = jnp.sum(acc, axis=2), jnp.sum(sq, axis=1)
     _store(part_ref, rows, ok, split * t.mp + w_rows, jnp.where(w_rows[None, :] == m, sq[:, None], acc))
 
@@ -333,6 +350,10 @@ def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_r
     ok = rows < tokens
     cols = _iota(t.mp)
     splits = _iota(backend.next_power_of_2(t.splits))
+    dcols = _iota(t.dp)
+    dok = dcols < d
+    if out_eps is not None:  # the norm weight, issued first (masked off in the Sinkhorn program)
+        norm_w = pltriton.load(w_ref.at[dcols], mask=dok & collapse, other=0)
     # the S splits' partials in one load [1, S, MP] (all in flight at once), then added up
     sums = jnp.sum(_load(part_ref, rows, ok, splits[:, None] * t.mp + cols[None, :],
                          (splits[:, None] < t.splits) & (cols[None, :] >= 0)), axis=1)
@@ -346,8 +367,6 @@ def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_r
     pre = [jax.nn.sigmoid(v) + hc_eps for v in z[:n]]
 
     def _collapse():
-        dcols = _iota(t.dp)
-        dok = dcols < d
         y = None  # sum_i pre_i X_i, the streams added in order: [1, dp]
         for i in range(n):
             term = pre[i][:, None] * _load(x_ref, rows, ok, d * i + dcols, dok)
@@ -357,8 +376,7 @@ def _collapse_token(part_ref, scale_ref, base_ref, x_ref, w_ref, y_ref, weight_r
         else:
             yr = _rounded(y, y_ref.dtype)
             inv = 1.0 / jnp.sqrt(jnp.sum(yr * yr, axis=1) / d + out_eps)
-            w = pltriton.load(w_ref.at[dcols], mask=dok, other=0).astype(jnp.float32)
-            _store(y_ref, rows, ok, dcols, w[None, :] * (yr * inv[:, None]), dok)
+            _store(y_ref, rows, ok, dcols, norm_w.astype(jnp.float32)[None, :] * (yr * inv[:, None]), dok)
 
     pl.when(collapse)(_collapse)
     if weight_refs:  # post and the Sinkhorn iterations (hc_pre)

@@ -284,6 +284,33 @@ def test_launch_variants_and_step_only_rows(flash_fp8_parts):
         "step_over_byte_roofline", "step_over_read_roofline", "step_over_roofline"}
 
 
+def test_hc_config_switch_sets_the_mhc_tiles_per_variant():
+    """``--hc-config``: the mHC kernels' settings (``hc_fused.CONFIG``) as name=value pairs on top of
+    the library's defaults, set per variant (a variant without it gets the defaults back); an
+    unknown field or a missing value is named."""
+    import argparse
+
+    from benchmarks.common import add_launch_options, apply_launch_options, hc_config, launch_variants
+    from pallas_kernels import hc_fused
+
+    assert hc_config("") == hc_fused.HcConfig()
+    assert hc_config("one_block_k=64, collapse_warps=2") == hc_fused.HcConfig(one_block_k=64, collapse_warps=2)
+    for bad in ("no_such=1", "one_block_k"):
+        with pytest.raises(ValueError, match="name=value pairs"):
+            hc_config(bad)
+    ap = argparse.ArgumentParser()
+    add_launch_options(ap)
+    ap.add_argument("--moe-one-row", default="")
+    (_, base), (_, tiles) = launch_variants("|--hc-config one_block_k=128", ap.parse_args([]))
+    try:
+        assert apply_launch_options(tiles)["hc_config"]["one_block_k"] == 128
+        assert hc_fused.CONFIG == hc_fused.HcConfig(one_block_k=128)
+        apply_launch_options(base)
+        assert hc_fused.CONFIG == hc_fused.HcConfig()
+    finally:
+        hc_fused.CONFIG = hc_fused.HcConfig()
+
+
 def test_paired_differences_of_variants():
     """``--variants``: each set's passes minus the base's of the same pass, per depth and mode, in
     microseconds (median, quartiles, share of passes faster); rows without a base are left out."""
