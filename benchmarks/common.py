@@ -162,7 +162,7 @@ def add_launch_options(ap) -> None:
                          "-1: the library's)")
     ap.add_argument("--hc-config", default="",
                     help="mHC kernels' settings (pallas_kernels.hc_fused.CONFIG) as comma-separated name=value "
-                         "pairs on top of the library's HcConfig(), e.g. 'sinkhorn_reciprocal=0,collapse_warps=2'")
+                         "pairs on top of the library's HcConfig(), e.g. 'one_block_k=64,collapse_warps=2'")
 
 
 def apply_launch_options(args) -> dict:
