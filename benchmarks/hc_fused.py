@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import os
 import tempfile
@@ -137,20 +138,22 @@ def cold_copies(args: tuple, budget: int = 128 << 20) -> list[tuple]:
     widths) are distinct buffers, together about ``budget`` bytes (more than twice a 50 MB L2).
     Calls that cycle through them read those parameters from memory, as a decode step does (each
     layer's once); calls on one set find them in the L2."""
-    big = [i for i, a in enumerate(args) if a.nbytes >= 256 << 10]
+    def is_big(a) -> bool:
+        return getattr(a, "nbytes", 0) >= 256 << 10
+
+    big = sum(a.nbytes for a in jax.tree_util.tree_leaves(args) if is_big(a))
     if not big:
         return [args]
-    count = min(256, max(2, budget // sum(args[i].nbytes for i in big)))
-    return [args] + [tuple(jnp.array(a, copy=True) if i in big else a for i, a in enumerate(args))
-                     for _ in range(count - 1)]
+    copy = functools.partial(jax.tree_util.tree_map, lambda a: jnp.array(a, copy=True) if is_big(a) else a)
+    return [args] + [copy(args) for _ in range(min(256, max(2, budget // big)) - 1)]
 
 
-def device_times(compiled: dict, calls: int, trace_root: str) -> dict:
+def device_times(compiled: dict, calls: int, trace_root: str, cold: bool = False) -> dict:
     """Device microseconds and kernel launches per call of each compiled program ({key: (compiled,
-    module name, arguments)}), from one trace; each program's calls cycle through ``cold_copies``
-    of its arguments."""
+    module name, arguments)}), from one trace; with ``cold`` each program's calls cycle through
+    ``cold_copies`` of its arguments (else every call takes the same ones)."""
     out_dir = tempfile.mkdtemp(dir=trace_root)
-    copies = {key: cold_copies(a) for key, (_, _, a) in compiled.items()}
+    copies = {key: cold_copies(a) if cold else [a] for key, (_, _, a) in compiled.items()}
     for c, _, a in compiled.values():
         jax.block_until_ready(c(*a))
     with profiler_trace(out_dir):
@@ -199,7 +202,7 @@ def run_tokens(tokens: int, d: int, args, ceil: dict, trace_root: str) -> dict:
     for path in ("current", "fused"):
         print(f"[{time.time() - T0:.0f} s] T={tokens} {path}:", {n: row.get(f"{path}/{n}") for n in PIECES},
               flush=True)
-    for key, times in device_times(compiled, args.calls, trace_root).items():
+    for key, times in device_times(compiled, args.calls, trace_root, cold=True).items():
         row[f"{key[0]}/{key[1]}"].update(times)
     print(f"[{time.time() - T0:.0f} s] T={tokens} device us, launches per call:",
           {k: (round(v.get("device_us", float("nan")), 2), v.get("launches")) for k, v in row.items()
@@ -237,7 +240,7 @@ def sweep(tokens: int, d: int, args, trace_root: str) -> list[dict]:
             c, module, _, _ = compile_highest(pieces("fused", cfg)[name], f"sweep{i}_{name}_t{tokens}", *inp[name])
             compiled[(i, name)] = (c, module, inp[name])
     rows = []
-    for (i, name), times in device_times(compiled, args.calls, trace_root).items():
+    for (i, name), times in device_times(compiled, args.calls, trace_root, cold=True).items():
         rows.append({"tokens": tokens, "piece": name, "config": repr(SWEEP[i]), **times})
         print("sweep", rows[-1], flush=True)
     return rows
