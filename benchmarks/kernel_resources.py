@@ -10,8 +10,9 @@ an sm_90 cubin or gfx950 code object, and its resources are read back:
 
 - NVIDIA: registers per thread, spilled bytes (``cuobjdump -res-usage``), shared memory per
   program, programs per SM that those allow (65536 registers, 228 KB of shared memory and 64 warps
-  per SM; 227 KB per program at most), and whether any load was pipelined through shared memory
-  (``async_copy`` / TMA ops in the compiled TritonGPU IR).
+  per SM; 227 KB per program at most), whether any load was pipelined through shared memory
+  (``async_copy`` / TMA ops in the compiled TritonGPU IR), and the SASS's instructions, barriers
+  and shuffles (``sass_counts``).
 - gfx950: VGPRs and AGPRs per lane, spills, LDS per program (160 KB per CU, the most a program
   may take).
 
@@ -117,6 +118,18 @@ def triton_ir_text(bytecode: bytes) -> str:
         return module.operation.get_asm(print_generic_op_form=True)
 
 
+def sass_counts(sass: str) -> dict:
+    """Of a kernel's SASS (``cuobjdump -sass``): its instructions, block-wide barriers and warp
+    shuffles: where a kernel's reductions and layout changes through shared memory wait (a lead for
+    a one-row kernel's latency, not a measure of it)."""
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", line)
+        if m:
+            ops.append(m.group(1))
+    return {"instructions": len(ops), "barriers": ops.count("BAR"), "shuffles": ops.count("SHFL")}
+
+
 def compile_kernel(kernel: TritonKernel, arch: str, workdir: str) -> dict:
     """Compile one kernel with the ``triton`` package for ``arch``; its resources. A failure is
     raised as a RuntimeError naming the failing pass (the compiler's last message)."""
@@ -145,6 +158,8 @@ def compile_kernel(kernel: TritonKernel, arch: str, workdir: str) -> dict:
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", base + ".cubin"], capture_output=True, text=True, check=True).stdout
         regs, local = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "LOCAL"))
+        out.update(sass_counts(subprocess.run([tool, "-sass", base + ".cubin"], capture_output=True, text=True,
+                                              check=True).stdout))
         threads = 32 * kernel.num_warps
         per_sm = min(NVIDIA_REGS_PER_SM // (-(-regs // 8) * 8 * threads),
                      NVIDIA_WARPS_PER_SM // kernel.num_warps,

@@ -38,6 +38,20 @@ def test_rocm_caps_the_pipeline_depth():
     assert max(depth["gfx950"].values()) <= backend.ROCM_MAX_STAGES
 
 
+def test_sass_counts_instructions_barriers_and_shuffles():
+    sass = """
+        Function : gemv_fp8
+        .headerflags    @"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                  /* 0x00000a00ff017b82 */
+        /*0e80*/              @!P0 LDG.E.128 R16, desc[UR6][R56.64] ;      /* 0x0000000638108981 */
+        /*0f00*/                   SHFL.BFLY PT, R3, R2, 0x10, 0x1f ;      /* 0x0e001f0002037f89 */
+        /*0f10*/               @P1 BAR.SYNC.DEFER_BLOCKING 0x0 ;           /* 0x0000000000001b1d */
+        /*0f20*/                   SHFL.BFLY PT, R5, R4, 0x8, 0x1f ;       /* 0x0c001f0004057f89 */
+        /*0f30*/                   EXIT ;                                  /* 0x000000000000794d */
+    """
+    assert kr.sass_counts(sass) == {"instructions": 6, "barriers": 1, "shuffles": 2}
+
+
 @pytest.mark.parametrize("arch", sorted(kr.ARCHS))
 def test_flash_step_kernels_compile_within_limits(arch, tmp_path):
     pytest.importorskip("triton")
@@ -48,5 +62,6 @@ def test_flash_step_kernels_compile_within_limits(arch, tmp_path):
         assert not res["over_limit"], (k.name, res)
         if kr.ARCHS[arch] == "cuda":
             assert res["spilled_bytes"] == 0 and res["programs_per_sm"] >= 1, (k.name, res)
+            assert res["instructions"] > res["barriers"] + res["shuffles"], (k.name, res)
         else:
             assert res["spilled_vgprs"] == 0, (k.name, res)
