@@ -135,7 +135,7 @@ def apply_split_option(args) -> int:
 def add_launch_options(ap) -> None:
     """The switches that change how a decode step's small kernels launch (module-level settings read
     when a step is traced), for an A/B of one against the other in the same process or run."""
-    from dspark_jax.model import attention
+    from dspark_jax.model import attention, moe
     from pallas_kernels import compressor_pool
 
     ap.add_argument("--one-token-swiglu", type=int, default=0,
@@ -152,6 +152,15 @@ def add_launch_options(ap) -> None:
                     default="together" if attention.X_LINEARS_TOGETHER else "apart",
                     help="a compressed layer's linears of x at one token: wq_a, wkv and its compressors' in one "
                          "launch, or wq_a + wkv in one and the compressors' in another (attention.X_LINEARS_TOGETHER)")
+    ap.add_argument("--indexer-linears", choices=("with-compressor", "apart"),
+                    default="apart" if attention.INDEXER_LINEARS_APART else "with-compressor",
+                    help="a C4 layer's indexer linears of x at one token: in the compressor's launch or in one of "
+                         "their own (attention.INDEXER_LINEARS_APART)")
+    ap.add_argument("--compressor-split", type=int, default=attention.COMPRESSOR_SPLIT,
+                    help="the K split of a compressed layer's one-token launch of its compressors' linears "
+                         "(attention.COMPRESSOR_SPLIT; 0: automatic)")
+    ap.add_argument("--shared-split", type=int, default=moe.SHARED_SPLIT,
+                    help="the K split of the shared expert's one-row gemv launches (moe.SHARED_SPLIT; 0: automatic)")
     ap.add_argument("--wq-b-apart", action="store_true",
                     help="a C4 layer's wq_b and its indexer's wq_b in a launch each (attention.WQ_B_TOGETHER off)")
     ap.add_argument("--xla-pdl", choices=("default", "on", "off"), default="default",
@@ -168,9 +177,13 @@ def add_launch_options(ap) -> None:
 def apply_launch_options(args) -> dict:
     """Sets the switches of ``add_launch_options``; returns them as set (for the results' config)."""
     from dspark_jax.model import attention
+    from dspark_jax.model import moe
     from pallas_kernels import compressor_pool, grouped_matmul as gm, hc_fused, index_scores
 
     gm.ONE_TOKEN_SWIGLU_BLOCK_N = args.one_token_swiglu
+    attention.INDEXER_LINEARS_APART = args.indexer_linears == "apart"
+    moe.SHARED_SPLIT = args.shared_split
+    attention.COMPRESSOR_SPLIT = args.compressor_split
     compressor_pool.WRITE_IN_POOL = args.compressor_launches == 1
     attention.NEW_ROWS = args.new_rows
     attention.WQ_B_TOGETHER = not args.wq_b_apart
@@ -181,6 +194,8 @@ def apply_launch_options(args) -> dict:
     return {"one_token_swiglu": gm.ONE_TOKEN_SWIGLU_BLOCK_N, "compressor_write_in_pool": compressor_pool.WRITE_IN_POOL,
             "new_rows": attention.NEW_ROWS, "wq_b_together": attention.WQ_B_TOGETHER,
             "x_linears_together": attention.X_LINEARS_TOGETHER,
+            "indexer_linears_apart": attention.INDEXER_LINEARS_APART, "shared_split": moe.SHARED_SPLIT,
+            "compressor_split": attention.COMPRESSOR_SPLIT,
             "queries_max_programs": index_scores.QUERIES_MAX_PROGRAMS, "xla_pdl": args.xla_pdl,
             "hc_config": dataclasses.asdict(hc_fused.CONFIG)}
 

@@ -12,7 +12,7 @@ from flax import nnx
 import dspark_jax
 from dspark_jax.api import forward_step
 from dspark_jax.cache import Fp8Keys, commit, init_cache, read_kv
-from dspark_jax.model import attention
+from dspark_jax.model import attention, moe
 from dspark_jax.model.quant import kv_sim
 from pallas_kernels import compressor_pool
 from tests.helpers import pallas_calls, perturb
@@ -160,10 +160,11 @@ def test_draft_block_attention_through_the_kernel_matches_the_dense_math():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
 
 
-def _under_switch(monkeypatch, name: str, values, seed: int) -> list:
+def _under_switch(monkeypatch, name: str, values, seed: int, module=attention, cfg=None) -> list:
     """(logits, cache, one-token step's Pallas launches) of a small Pallas-path model's decode
-    steps with ``attention.<name>`` set to each value in turn (switches read at trace time)."""
-    m = dspark_jax.init(SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
+    steps with ``module.<name>`` (default: ``attention``) set to each value in turn (switches read
+    at trace time)."""
+    m = dspark_jax.init(cfg or SMALL.replace(n_routed_experts=16, index_n_heads=16), 3, dtype=jnp.float32,
                         param_dtype=jnp.bfloat16, weight_format="official", quant_sim=True)
     for _, mod in nnx.iter_modules(m.module):
         if hasattr(mod, "num"):
@@ -172,7 +173,7 @@ def _under_switch(monkeypatch, name: str, values, seed: int) -> list:
     ids = np.random.default_rng(seed).integers(2, 500, (1, 48)).astype(np.int32)
     one, runs = jnp.ones((1,), jnp.int32), []
     for value in values:
-        monkeypatch.setattr(attention, name, value)
+        monkeypatch.setattr(module, name, value)
         jax.clear_caches()
         logits, cache = _decode(m, ids, "bf16", steps=(1, 1, 1, 1))
         jaxpr = jax.make_jaxpr(lambda s, x: forward_step(m.graphdef, s, x, one, cache))(m.state, ids[:, :1])
@@ -226,6 +227,37 @@ def test_x_linears_launched_apart_agree(monkeypatch):
     assert not [n for n in names if n.startswith("gemv_fp8_bf16")], names
     assert [n for n in names if n.startswith("gemv_bf16_x")] == ["gemv_bf16_x5", "gemv_bf16_x2"], names
     assert names.count("gemv_fp8_q_x2") == together[2].count("gemv_fp8_q_x2") + 2, names
+
+
+def test_indexer_linears_launched_apart_agree(monkeypatch):
+    """``attention.INDEXER_LINEARS_APART``: a C4 layer's indexer linears of x (weights_proj and its
+    compressor's wkv and wgate) in a launch of their own instead of with the attention compressor's:
+    the same exact bf16 products, their K split's float32 sums perhaps split otherwise (at Flash
+    sizes), so logits within float32 rounding; one launch more in the C4 layer only."""
+    with_compressor, apart = _under_switch(monkeypatch, "INDEXER_LINEARS_APART", (False, True), seed=9)
+    scale = np.abs(np.asarray(with_compressor[0])).max()
+    assert scale > 0 and np.isfinite(np.asarray(apart[0])).all()
+    np.testing.assert_allclose(np.asarray(apart[0]), np.asarray(with_compressor[0]), rtol=0, atol=1e-5 * scale)
+    names = apart[2]
+    assert SMALL.compress_ratios == (0, 4, 128) and len(names) == len(with_compressor[2]) + 1, names
+    assert [n for n in with_compressor[2] if n.startswith("gemv_bf16_x")] == ["gemv_bf16_x5", "gemv_bf16_x2"]
+    assert [n for n in names if n.startswith("gemv_bf16_x")] == ["gemv_bf16_x2", "gemv_bf16_x3", "gemv_bf16_x2"], names
+
+
+def test_shared_expert_split_agrees(monkeypatch):
+    """``moe.SHARED_SPLIT``: the shared expert's one-row launches (w1 + w3, then w2 adding their
+    SwiGLU) with the K split given instead of the automatic one: the same exact products, their
+    float32 sums split otherwise, so logits within float32 rounding; the same launches, named by
+    their split (hidden 512, intermediate 256: 2 loop steps of w1 + w3, automatically split in 2)."""
+    cfg = SMALL.replace(n_routed_experts=16, index_n_heads=16, hidden_size=512, moe_intermediate_size=256)
+    auto, unsplit = _under_switch(monkeypatch, "SHARED_SPLIT", (0, 1), seed=10, module=moe, cfg=cfg)
+    scale = np.abs(np.asarray(auto[0])).max()
+    assert scale > 0 and np.isfinite(np.asarray(unsplit[0])).all()
+    np.testing.assert_allclose(np.asarray(unsplit[0]), np.asarray(auto[0]), rtol=0, atol=1e-5 * scale)
+    # every layer's w1 + w3 launch unsplit, nothing else changed (w2's 256 inputs take one step either way)
+    assert len(unsplit[2]) == len(auto[2]), (auto[2], unsplit[2])
+    changed = [(a, b) for a, b in zip(auto[2], unsplit[2]) if a != b]
+    assert changed == [("gemv_fp8_q_x2_split2", "gemv_fp8_q_x2")] * len(cfg.compress_ratios), (auto[2], unsplit[2])
 
 
 @pytest.mark.parametrize("quant_sim", [False, True])

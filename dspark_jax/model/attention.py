@@ -28,7 +28,7 @@ from dspark_jax.model.indexer import Indexer, visible_entries
 from dspark_jax.model.norms_rope import RMSNorm, apply_rope, layer_inv_freq
 from dspark_jax.model.quant import kv_sim
 from dspark_jax.sharding import activation_spec, batch_axes
-from pallas_kernels import attention_metadata, backend, horizontal, kv_rows
+from pallas_kernels import attention_metadata, backend, gemv, horizontal, kv_rows
 from pallas_kernels.gemv import Partials, total
 from pallas_kernels.ragged_attention import ragged_attention, sink_attention  # noqa: F401 (re-exported)
 from pallas_kernels.rms_norms import rms_norms
@@ -57,6 +57,17 @@ WQ_B_TOGETHER = True
 # less on an H200 (the median of 21-31 paired passes; faster in 76-84 % of them; docs/benchmarks.md).
 # A switch for benchmarks (``benchmarks/decode.py --x-linears together``).
 X_LINEARS_TOGETHER = False
+# With ``X_LINEARS_TOGETHER`` off, whether a C4 layer's one-token step multiplies x by its indexer's
+# linears (weights_proj and its compressor's wkv and wgate, bf16, 4.7 MB at Flash widths) in a launch
+# of their own instead of with the attention compressor's (16.8 MB): the indexer's pooling and new key
+# row, which its scores wait for, then need the smaller launch only. A switch for benchmarks
+# (``benchmarks/decode.py --indexer-linears apart``).
+INDEXER_LINEARS_APART = False
+# The K split of a compressed layer's one-token launch of its compressors' linears (with
+# ``X_LINEARS_TOGETHER`` off; 0: ``gemv``'s automatic tiles). That launch runs beside wq_a + wkv,
+# which the queries' chain waits for. A switch for benchmarks (``benchmarks/decode.py
+# --compressor-split``).
+COMPRESSOR_SPLIT = 0
 
 def window_mask(key_pos: Array, key_ok: Array, q_pos: Array, window: int) -> Bool[Array, "b t k"]:
     """Causal sliding window of ``window`` tokens including the query itself."""
@@ -146,7 +157,10 @@ class Attention(nnx.Module):
                                                  partials=(True,) * (2 + len(cmp) + len(idx)))
         else:
             a_q, a_kv = shared_input((self.wq_a, self.wkv), x, self.mesh, partials=(True, True))
-            projected = list(shared_input((*cmp, *idx), x, self.mesh, partials=(True,) * (len(cmp) + len(idx))))
+            groups = ((*cmp,), (*idx,)) if INDEXER_LINEARS_APART and idx else ((*cmp, *idx),)
+            split = gemv.GemvConfig(split_k=COMPRESSOR_SPLIT) if COMPRESSOR_SPLIT else None
+            projected = [y for g in groups
+                         for y in shared_input(g, x, self.mesh, partials=(True,) * len(g), config=split)]
         b, t = x.shape[:2]
         ring = cache.window.shape[1]
         impl = self.num.kernel_impl()

@@ -324,8 +324,8 @@ class Linear(nnx.Module):
             ok = not self.fp8_act and self.weight.dtype == jnp.bfloat16
         return ok and gemv.takes(1, self.grouped_weights(), self.num.kernel_impl(), self.fp8_act)
 
-    def __call__(self, x: Float[Array, "... i"], out_dtype=None, *, rounded: bool = False, partials: bool = False
-                 ) -> Float[Array, "... o"] | gemv.Partials:
+    def __call__(self, x: Float[Array, "... i"], out_dtype=None, *, rounded: bool = False, partials: bool = False,
+                 gemv_config: gemv.GemvConfig | None = None) -> Float[Array, "... o"] | gemv.Partials:
         """x @ W.T. On a mesh (an FP8 weight, ``sharding.attach_mesh``) every device runs the GEMM
         in a ``shard_map`` on its own shard: its requests (x's leading dim, over ``data``) and the
         weight's block of rows (column-parallel: its share of the outputs) or of columns (row-
@@ -338,7 +338,8 @@ class Linear(nnx.Module):
         from ``pallas_kernels.rms_norms``), so an ``fp8_act`` linear does not quantise it again
         (quantising them again would give the same values). ``partials``: where x is one row that
         ``takes_gemv``, the result as the float32 partial sums of the kernel's K split
-        (``gemv.Partials``, for a consumer that adds them as it loads them); else as usual."""
+        (``gemv.Partials``, for a consumer that adds them as it loads them); else as usual.
+        ``gemv_config``: that launch's tiles (None: ``gemv``'s automatic ones)."""
         sums = (gemv.Partials, gemv.SwiGLUPartials)
         if isinstance(x, sums):  # a producer's partial sums (or their SwiGLU): added by gemv's programs (at one row)
             dtype = jnp.dtype(self.num.dtype)
@@ -350,7 +351,7 @@ class Linear(nnx.Module):
             (y,) = gemv.gemv_many(rows, (self.grouped_weights(),), gemv.ONE_GROUP,
                                   quantise=(self.fp8_act and not rounded,), partials=(partials,),
                                   out_dtype=out_dtype or (self.num.dtype if parts else x.dtype),
-                                  rows_dtype=self.num.dtype if parts else None)
+                                  rows_dtype=self.num.dtype if parts else None, config=gemv_config)
             return y.reshape(*x.shape[:-1], -1)
         if self.mesh is None:
             return self._apply(x, out_dtype, rounded)
@@ -417,7 +418,7 @@ class Linear(nnx.Module):
 
 
 def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=None,
-                 partials: tuple[bool, ...] = (), rounded: bool = False
+                 partials: tuple[bool, ...] = (), rounded: bool = False, config: gemv.GemvConfig | None = None
                  ) -> tuple[Float[Array, "... o"] | gemv.Partials, ...]:
     """``lin(x)`` for each of several linears of one input (e.g. an attention layer's wq_a and wkv
     and its compressors' wkv and wgate). At one row without a ``mesh`` (the caller's), those that
@@ -426,7 +427,8 @@ def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=Non
     that quantise it); the others, and every linear otherwise, one call each. ``partials[i]``:
     linear i's result comes back as ``gemv.Partials`` (float32) when it ran in the shared launch,
     for a consumer that adds the K split's partial sums itself (``gemv.total`` gives the array).
-    ``rounded``: x holds the quantised values already (``Linear(rounded=True)``)."""
+    ``rounded``: x holds the quantised values already (``Linear(rounded=True)``). ``config``: the
+    shared launch's tiles (None: ``gemv``'s automatic ones)."""
     takers = [i for i, lin in enumerate(linears) if lin.takes_gemv(x)] if mesh is None else []
     if len(takers) < 2:
         return tuple(lin(x, rounded=rounded) for lin in linears)
@@ -437,7 +439,7 @@ def shared_input(linears: tuple[Linear, ...], x: Float[Array, "... i"], mesh=Non
     out_dtypes = tuple(jnp.dtype(jnp.float32 if k else (lin.compute_dtype or x.dtype)) for k, lin in zip(keep, picked))
     ys = gemv.gemv_many(x.reshape(1, -1), tuple(lin.grouped_weights() for lin in picked), gemv.ONE_GROUP,
                         quantise=tuple(lin.fp8_act and not rounded for lin in picked), out_dtype=out_dtypes,
-                        partials=keep)
+                        partials=keep, config=config)
     lead = x.shape[:-1]
     shared = {i: y.reshape(*lead, -1) for i, y in zip(takers, ys)}
     return tuple(shared[i] if i in shared else lin(x, rounded=rounded) for i, lin in enumerate(linears))

@@ -25,6 +25,19 @@ from pallas_kernels.routing import gate_weights, route_scores
 # Pallas path the layer then runs as the router kernels + the pair kernels (``MoE.decode_path``)
 PAIR_TILES_MAX = 16
 ONE_ROW = ("xla", "select", "shared", "apart", "experts", "tile")  # MoE.one_row
+# The K split of the shared expert's one-row launches under ``MoE.one_row`` "apart" (w1 + w3, then
+# w2; 0: ``gemv``'s automatic tiles, 512 programs each at Flash widths). They run beside the
+# router, its selection and the routed experts, off the layer's chain: with 512 programs they held
+# the SMs, and the selection waited for them (5.7 us after the router on an H100). In 2 (128
+# programs of 64 columns at Flash widths) the 6-layer Flash slice's batch-1 step took 27 us less
+# on an H100 (docs/benchmarks.md, 2026-12-06 (last)). A switch for benchmarks
+# (``benchmarks/decode.py --shared-split``).
+SHARED_SPLIT = 2
+
+
+def shared_config() -> gemv.GemvConfig | None:
+    """The shared expert's one-row ``gemv`` tiles (``SHARED_SPLIT``; None: automatic)."""
+    return gemv.GemvConfig(split_k=SHARED_SPLIT) if SHARED_SPLIT else None
 
 
 class Gate(nnx.Module):
@@ -117,7 +130,7 @@ class SharedExpert(nnx.Module):
         fused kernel's, rounded likewise: in w2's programs as they load their inputs where it runs as
         ``gemv`` (``gemv.SwiGLUPartials``: no launch of its own), w2's own partial sums out
         (``Linear(partials=True)``)."""
-        return self.w2(gemv.SwiGLUPartials(g, u, float(self.limit)), partials=True)
+        return self.w2(gemv.SwiGLUPartials(g, u, float(self.limit)), partials=True, gemv_config=shared_config())
 
     def weights(self) -> tuple[gm.Weights, gm.Weights, gm.Weights]:
         """w1, w2, w3 as one-group weights of the grouped matmul's formats."""
@@ -433,6 +446,7 @@ class MoE(nnx.Module):
         gu = None
         if self.one_row == "apart" and shared_gemv:  # the shared expert's w1 / w3 in a launch of their own
             gu = gemv.gemv_many(xf, (se.w1.grouped_weights(), se.w3.grouped_weights()), gemv.ONE_GROUP,
-                                quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True))
+                                quantise=(se.w1.fp8_act, se.w3.fp8_act), out_dtype=jnp.float32, partials=(True, True),
+                                config=shared_config())
         w, idx = gate.select(logits, ids)
         return w, idx, None if gu is None else se.down(*gu)
