@@ -311,11 +311,22 @@ def at_context(bs, context: int):
                                n_generated=jnp.zeros_like(bs.n_generated), active=jnp.ones_like(bs.active))
 
 
-def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_call: int = 1) -> dict:
+def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_call: int = 1,
+                lead: bool = True) -> dict:
     """Seconds per round and tokens per round per request of every program (key -> (compiled,
     params, state)), whose calls each run ``per_call`` rounds: after ``warmup`` calls of each,
     ``repeats`` passes over all of them in turn, each timing ``calls_for(rounds, per_call)`` calls
     dispatched back to back; the median per program over the passes.
+    ``lead``: each pass first dispatches one untimed call, then the first timed one, and starts its
+    clock when the untimed call is done, so that the device is busy from the clock's start and every
+    timed call's dispatch runs while an earlier call computes, as in a long generation. Without it
+    (the method before 2026-12-06) the clock also held the first timed call's dispatch, during which
+    the device had nothing to run: at batch 1 that call took 0.4 ms at 2 layers and 1.0 ms at 6 on
+    an H100 host (more parameters to pass), so ``rounds`` = 16 added ~10 us per layer to the
+    per-layer difference that the 43-layer extrapolation multiplies (rounds = 8, ~20 us;
+    docs/benchmarks.md, 2026-12-06 (last)). The clock then holds one dispatch fewer than the pass
+    makes, so a pass's time per round is the larger of the clock's and the dispatch's per round (a
+    host-bound program's rate is its dispatch).
     Interleaved, so that a drift of the machine (clocks settling after compilation, another
     process) reaches every program alike: measured one after the other, the first program's time
     moved by up to 25 % between runs, and the 43-layer extrapolation multiplies the depths'
@@ -330,7 +341,7 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_
     for key, (compiled, params, _) in programs.items():
         for _ in range(warmup):
             states[key], res = compiled(params, states[key])
-        jax.block_until_ready(res.n_new)
+            jax.block_until_ready(res.n_new)
     per_round = {k: [] for k in programs}
     host = {k: [] for k in programs}
     new = {k: [] for k in programs}
@@ -338,16 +349,24 @@ def time_rounds(programs: dict, rounds: int, repeats: int, warmup: int = 2, per_
     for p in range(repeats):
         for key in keys[p % len(keys):] + keys[:p % len(keys)]:
             compiled, params, _ = programs[key]
+            ahead = None
+            if lead:  # (untimed: the device computes it while the first timed call is dispatched)
+                states[key], ahead = compiled(params, states[key])
             calls = 0.0
             t0 = time.perf_counter()
-            for _ in range(calls_per_pass):
+            for i in range(calls_per_pass):
                 c0 = time.perf_counter()
                 states[key], res = compiled(params, states[key])
                 calls += time.perf_counter() - c0
                 new[key].append(res.n_new)
+                if i == 0 and ahead is not None:
+                    jax.block_until_ready(ahead.n_new)
+                    t0 = time.perf_counter()
             jax.block_until_ready(res.n_new)
-            per_round[key].append((time.perf_counter() - t0) / (calls_per_pass * per_call))
-            host[key].append(calls / (calls_per_pass * per_call))
+            dispatch = calls / (calls_per_pass * per_call)
+            wall = (time.perf_counter() - t0) / (calls_per_pass * per_call)
+            per_round[key].append(max(wall, dispatch) if lead else wall)
+            host[key].append(dispatch)
     return {k: (float(np.median(per_round[k])), float(np.mean(np.stack([np.asarray(x) for x in new[k]]))),
                 states[k], per_round[k], float(np.median(host[k]))) for k in programs}
 
@@ -651,7 +670,7 @@ def measure_group(models: dict, w: str, b: int, alloc: int, ctxs: list[int], dep
           f"{[c['custom_calls'] for c in meta['compiles'][-len(compiled):]]}", flush=True)
     for c in ctxs:  # every depth, mode and variant of one context timed in turn (``time_rounds``)
         timed = time_rounds({key: (compiled[key][0], eng.params, at_context(bs, c)) for key, (eng, bs) in jobs.items()},
-                            args.rounds, args.repeats, per_call=args.rounds_per_call)
+                            args.rounds, args.repeats, per_call=args.rounds_per_call, lead=args.lead_call == "on")
         traced = (trace_spans({key: (compiled[key][0], jobs[key][0].params, timed[key][2]) for key in timed},
                               args.rounds, args.rounds_per_call) if args.spans else {})
         for key, (sec, tau, bs, each, host) in timed.items():
@@ -691,6 +710,10 @@ def main(argv=None):
                          "each: one per context (the indexer then scores only that context's entries)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds per timed repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lead-call", default="on", choices=("on", "off"),
+                    help="on: each timed pass starts when an untimed call dispatched ahead of it is done (the device "
+                         "busy from the start, as in a long generation); off: the clock also holds the first timed "
+                         "call's dispatch (the method before 2026-12-06)")
     ap.add_argument("--rounds-per-call", type=int, default=ROUNDS_PER_CALL,
                     help="rounds each call runs (Engine.rounds; 1: Engine.round; default generate's)")
     ap.add_argument("--compile-threads", type=int, default=4, help="programs compiled at the same time")

@@ -162,18 +162,22 @@ def test_rounds_of_every_program_are_timed_in_turn():
 
     progs = {"a": (program("a", 1), None, 0), "b": (program("b", 3), None, 10), "c": (program("c", 2), None, 20)}
     out = decode.time_rounds(progs, rounds=2, repeats=3, warmup=1)
-    assert calls == ["a", "b", "c"] + ["a", "a", "b", "b", "c", "c"] + ["b", "b", "c", "c", "a", "a"] \
-        + ["c", "c", "a", "a", "b", "b"]
+    # (each pass: an untimed call ahead of the two timed ones)
+    assert calls == ["a", "b", "c"] + ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["b"] * 3 + ["c"] * 3 + ["a"] * 3 \
+        + ["c"] * 3 + ["a"] * 3 + ["b"] * 3
     assert out["a"][1] == 1.0 and out["b"][1] == 3.0 and out["c"][1] == 2.0
-    assert out["a"][2] == 0 + 1 + 6 and out["b"][2] == 10 + 1 + 6 and out["c"][2] == 20 + 1 + 6
+    assert out["a"][2] == 0 + 1 + 9 and out["b"][2] == 10 + 1 + 9 and out["c"][2] == 20 + 1 + 9
+    unled = decode.time_rounds(progs, rounds=2, repeats=1, warmup=0, lead=False)  # (the method before)
+    assert calls[-6:] == ["a", "a", "b", "b", "c", "c"] and unled["a"][2] == 0 + 2
     assert all(sec > 0 and len(each) == 3 and sec == sorted(each)[1] for sec, _, _, each, _ in out.values())
     # the calls themselves (here: the whole round, nothing runs behind them) are within the round's time
     assert all(0 < host <= max(each) for _, _, _, each, host in out.values())
 
 
 def test_calls_of_several_rounds_are_timed_per_round():
-    """``--rounds-per-call k``: a pass makes ceil(rounds / k) calls, and a round's time and host
-    time are a pass's / (calls x k): a host that sleeps 10 ms per call gives ~10 / k ms per round."""
+    """``--rounds-per-call k``: a pass makes ceil(rounds / k) timed calls (after an untimed one), and
+    a round's time and host time are a pass's / (calls x k): a host that sleeps 10 ms per call
+    gives ~10 / k ms per round (host-bound: the dispatch's rate, the clock holding one call fewer)."""
     import time
 
     calls = []
@@ -189,7 +193,7 @@ def test_calls_of_several_rounds_are_timed_per_round():
     (sec, tau, after, each, host), = decode.time_rounds({"a": (run, None, 0)}, rounds=3, repeats=2, warmup=1,
                                                         per_call=2).values()
     assert decode.calls_for(3, 2) == 2 and decode.calls_for(4, 2) == 2 and decode.calls_for(1, 4) == 1
-    assert calls == [0, 1, 2, 3, 4] and after == 5
+    assert calls == [0, 1, 2, 3, 4, 5, 6] and after == 7
     assert tau == 3.0
     assert 0.005 <= host <= sec < 0.0075 and all(sec <= x for x in sorted(each)[1:])
 
