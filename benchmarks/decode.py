@@ -9,7 +9,8 @@ Each call runs ``--rounds-per-call`` rounds (``Engine.rounds``; default ``genera
 ``ROUNDS_PER_CALL`` = 4, what ``generate`` hands the device per call; 1 times ``Engine.round``, one
 round per call). Calls are dispatched back to back as the engine's host loop does and timed per
 round (``--rounds`` rounds per repeat, median of ``--repeats``; the repeats pass over every depth
-and mode of a context in turn, ``time_rounds``).
+and mode of a context in turn, ``time_rounds``), each repeat's clock starting once an untimed call
+dispatched ahead of it is done (``--lead-call``), so that the device is busy throughout.
 
 Acceptance-profile mode (the default, ``--accept-profile 0.896,0.776,0.656,0.552,0.450``): random
 weights accept almost nothing, so the DSpark engine runs with ``Engine(accept_profile=...)``
