@@ -28,8 +28,8 @@ ONE_ROW = ("xla", "select", "shared", "apart", "experts", "tile")  # MoE.one_row
 # The K split of the shared expert's one-row launches under ``MoE.one_row`` "apart" (w1 + w3, then
 # w2; 0: ``gemv``'s automatic tiles, 512 programs each at Flash widths). They run beside the
 # router, its selection and the routed experts, off the layer's chain: with 512 programs they held
-# the SMs, and the selection waited for them (5.7 us after the router on an H100). In 2 (128
-# programs of 64 columns at Flash widths) the 6-layer Flash slice's batch-1 step took 27 us less
+# the SMs, and the selection waited for them (5-6 us after the router on an H100). In 2 (128
+# programs of 64 columns at Flash widths) the 6-layer Flash slice's batch-1 step took 26 us less
 # on an H100 (docs/benchmarks.md, 2026-12-06 (last)). A switch for benchmarks
 # (``benchmarks/decode.py --shared-split``).
 SHARED_SPLIT = 2
