@@ -605,6 +605,10 @@ def profile_mode(model, name: str, gamma: int, args, ceil: dict, trace_root: str
     compiled = eng._round.lower(eng.params, bs, sampled=False, top_k=False, top_p=False).compile()
     out = {"mode": name, "gamma": gamma, "compile_s": time.time() - t0}
     text = compiled.as_text()
+    if args.hlo:  # the compiled program as XLA scheduled it (its fusions, command buffers, streams)
+        from benchmarks.common import out_dir
+        with open(os.path.join(out_dir(), f"{args.name}.{name}.hlo.txt"), "w") as f:
+            f.write(text)
     module = module_name(text)
     attr = Attribution(text)
     static, per_layer = collections.Counter(), collections.Counter()
@@ -755,6 +759,7 @@ def main():
                     help="comma list of MoE.one_row values (xla, select, shared, apart, experts, tile) to profile one "
                          "after the other in this process (default: the model's); results named mode[value]")
     add_launch_options(ap)
+    ap.add_argument("--hlo", action="store_true", help="also write each mode's compiled HLO (<name>.<mode>.hlo.txt)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
     args = ap.parse_args()
