@@ -731,7 +731,7 @@ def plot(results: list[dict], path: str, title: str):
     fig.savefig(path, dpi=110)
 
 
-def main():
+def main(argv: list[str] | None = None):
     from benchmarks.common import (add_launch_options, add_split_option, apply_launch_options,
                                    apply_split_option, ceilings, environment, out_dir,
                                    with_moe_one_row, write_json)
@@ -762,7 +762,7 @@ def main():
     ap.add_argument("--hlo", action="store_true", help="also write each mode's compiled HLO (<name>.<mode>.hlo.txt)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, CPU-sized: checks the script runs")
     add_split_option(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.split_programs = apply_split_option(args)
     launch_options = apply_launch_options(args)
     if args.smoke:

@@ -189,3 +189,21 @@ def test_roofline_bytes_at_flash_dims():
     lm_head = cfg.vocab_size * cfg.hidden_size * 2
     assert lm_head < spec["draft/head"]["MB"] * 1e6 < lm_head * 1.01
     assert spec["draft/head"]["GFLOP"] * 1e9 >= 2 * g * lm_head / 2
+
+
+def test_script_writes_the_compiled_program_it_attributed(tmp_path, monkeypatch):
+    """``--hlo``: each mode's compiled HLO lands beside the JSON, and it is the program whose
+    kernel-launching instructions the JSON counted (the attribution read from the written text
+    finds the same counts)."""
+    import collections
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    profile_step.main(["--smoke", "--hlo", "--modes", "target", "--name", "p", "--rounds", "2", "--warmup", "1"])
+    result = json.loads((tmp_path / "p.json").read_text())["results"][0]
+    text = (tmp_path / "p.target.hlo.txt").read_text()
+    assert "ENTRY" in text
+    counted = collections.Counter()
+    for s, n in Attribution(text).static_kernels().items():
+        counted[f"{s.phase}/{s.component}"] += n
+    assert dict(counted) == result["static_kernels"] and sum(counted.values()) > 0
