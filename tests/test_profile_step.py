@@ -1,7 +1,9 @@
 """The device profile's attribution (benchmarks/profile_step.py): every named component of the
 round reaches the compiled program's metadata, and trace events are summed by component."""
 
+import collections
 import glob
+import json
 
 import jax
 import jax.numpy as jnp
@@ -195,9 +197,6 @@ def test_script_writes_the_compiled_program_it_attributed(tmp_path, monkeypatch)
     """``--hlo``: each mode's compiled HLO lands beside the JSON, and it is the program whose
     kernel-launching instructions the JSON counted (the attribution read from the written text
     finds the same counts)."""
-    import collections
-    import json
-
     monkeypatch.setenv("OUT", str(tmp_path))
     profile_step.main(["--smoke", "--hlo", "--modes", "target", "--name", "p", "--rounds", "2", "--warmup", "1"])
     result = json.loads((tmp_path / "p.json").read_text())["results"][0]
